@@ -1,0 +1,3 @@
+"""pspec_tags."""
+
+__version__ = "0.1.0"
