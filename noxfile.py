@@ -1,9 +1,9 @@
 """Test tiers for tagtrain. Every session runs in the locked uv environment.
 
-    uv run nox -s lint cpu aot     # what CI runs
-    uv run nox -s slow             # longer CPU tests
-    uv run nox -s tpu_integration  # real chips; skips below 4 devices
-    uv run nox -s bench            # writes benchmarks/results/
+uv run nox -s lint cpu aot     # what CI runs
+uv run nox -s slow             # longer CPU tests
+uv run nox -s tpu_integration  # real chips; skips below 4 devices
+uv run nox -s bench            # writes benchmarks/results/
 """
 
 import os
@@ -48,7 +48,9 @@ def cpu(session: nox.Session) -> None:
 def slow(session: nox.Session) -> None:
     """CPU tests marked slow (multi-process runs, longer trainings)."""
     _sync(session)
-    session.run("pytest", "-m", "slow and not aot and not integration", *session.posargs, env=CPU_ENV)
+    session.run(
+        "pytest", "-m", "slow and not aot and not integration", *session.posargs, env=CPU_ENV
+    )
 
 
 @nox.session
@@ -70,7 +72,9 @@ def bench(session: nox.Session) -> None:
     """Benchmark scripts; results land under benchmarks/results/."""
     _sync(session)
     os.makedirs("benchmarks/results", exist_ok=True)
-    scripts = sorted(f for f in os.listdir("benchmarks") if f.startswith("bench_") and f.endswith(".py"))
+    scripts = sorted(
+        f for f in os.listdir("benchmarks") if f.startswith("bench_") and f.endswith(".py")
+    )
     if session.posargs:
         scripts = [s for s in scripts if any(a in s for a in session.posargs)]
     for script in scripts:

@@ -1,3 +1,48 @@
-"""pspec_tags."""
+"""pspec_tags: PartitionSpec algebra and sharding helpers that keep reduced/unreduced tags."""
+
+from pspec_tags.carry import carry_reduced_axes
+from pspec_tags.guards import TagLostError, check_unreduced, find_untagged
+from pspec_tags.logical import batch_mesh_axes, logical_to_spec
+from pspec_tags.ops import MODES, broadcast_param, embed_lookup, shard
+from pspec_tags.specs import (
+    check_spec,
+    fit_to_shape,
+    mesh_axes_used,
+    partitions,
+    reduced_axes,
+    remove_size_one_mesh_axes,
+    truncate,
+    unreduced_axes,
+    untagged,
+    with_reduced,
+    with_unreduced,
+)
+from pspec_tags.values import is_explicit, spec_of
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "MODES",
+    "TagLostError",
+    "batch_mesh_axes",
+    "broadcast_param",
+    "carry_reduced_axes",
+    "check_spec",
+    "check_unreduced",
+    "embed_lookup",
+    "find_untagged",
+    "fit_to_shape",
+    "is_explicit",
+    "logical_to_spec",
+    "mesh_axes_used",
+    "partitions",
+    "reduced_axes",
+    "remove_size_one_mesh_axes",
+    "shard",
+    "spec_of",
+    "truncate",
+    "unreduced_axes",
+    "untagged",
+    "with_reduced",
+    "with_unreduced",
+]
