@@ -1,3 +1,50 @@
-"""hlo_tools."""
+"""hlo_tools: collective accounting for compiled XLA HLO text.
+
+Standard library only; the helpers taking a jitted function import JAX when called.
+"""
+
+from hlo_tools.assertions import (
+    assert_reduced_once_per_step,
+    gradient_reductions_outside,
+    in_loop_reductions,
+)
+from hlo_tools.callgraph import Context, Loop
+from hlo_tools.collectives import KINDS, REDUCTION_KINDS, Collective, collectives
+from hlo_tools.errors import HloParseError
+from hlo_tools.jitted import assert_jitted_reduced_once_per_step, compiled_text, report_jitted
+from hlo_tools.lines import cross_replica_all_reduce_sizes, split_by_entry_loop
+from hlo_tools.module import Computation, HloModule, Instruction
+from hlo_tools.parser import parse, parse_instruction
+from hlo_tools.report import format_table, to_json
+from hlo_tools.shapes import ArrayType, TupleType
+from hlo_tools.traffic import traffic
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "KINDS",
+    "REDUCTION_KINDS",
+    "ArrayType",
+    "Collective",
+    "Computation",
+    "Context",
+    "HloModule",
+    "HloParseError",
+    "Instruction",
+    "Loop",
+    "TupleType",
+    "assert_jitted_reduced_once_per_step",
+    "assert_reduced_once_per_step",
+    "collectives",
+    "compiled_text",
+    "cross_replica_all_reduce_sizes",
+    "format_table",
+    "gradient_reductions_outside",
+    "in_loop_reductions",
+    "parse",
+    "parse_instruction",
+    "report_jitted",
+    "split_by_entry_loop",
+    "to_json",
+    "traffic",
+]

@@ -1,0 +1,34 @@
+"""Helpers that compile a jitted function and report on it. JAX is imported lazily."""
+
+from __future__ import annotations
+
+from hlo_tools.assertions import assert_reduced_once_per_step
+from hlo_tools.collectives import Collective
+from hlo_tools.parser import parse
+from hlo_tools.report import format_table
+
+
+def compiled_text(fn, *args, **kwargs) -> str:
+    """Compiled HLO text of ``fn(*args, **kwargs)``.
+
+    ``fn`` may be jitted already or a plain function (it is wrapped in
+    ``jax.jit``); args may be arrays or ``jax.ShapeDtypeStruct`` (AOT).
+    """
+    import jax  # deferred: hlo_tools imports only the standard library
+
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+    return jitted.lower(*args, **kwargs).compile().as_text()
+
+
+def report_jitted(fn, *args, **kwargs) -> str:
+    """Compile ``fn`` on ``args`` and return the ``hlo-report`` table for it."""
+    return format_table(parse(compiled_text(fn, *args, **kwargs)))
+
+
+def assert_jitted_reduced_once_per_step(
+    fn, *args, max_in_loop_elements: int = 8, **kwargs
+) -> list[Collective]:
+    """Compile ``fn`` on ``args`` and :func:`assert_reduced_once_per_step` on the result."""
+    return assert_reduced_once_per_step(
+        compiled_text(fn, *args, **kwargs), max_in_loop_elements=max_in_loop_elements
+    )
