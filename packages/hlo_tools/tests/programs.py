@@ -18,8 +18,12 @@ LAYERS, WIDTH, MICROBATCHES, BATCH = 3, 4, 2, 16
 TPU_WIDTH, TPU_BATCH = 128, 64
 
 
-def make_step(tagged: bool):
-    """The training step ``(weights[L,D,D], batches[M,B,D]) -> summed gradient``."""
+def make_step(tagged: bool, scatter: bool = False):
+    """The training step ``(weights[L,D,D], batches[M,B,D]) -> summed gradient``.
+
+    ``scatter`` (tagged only) reshards the gradient to ``P(None, 'data', None)``
+    instead of replicated, as ZeRO-1 does: a reduce-scatter instead of an all-reduce.
+    """
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
@@ -45,7 +49,8 @@ def make_step(tagged: bool):
 
         grads, _ = jax.lax.scan(microbatch, acc, xs)
         # The reshard away from unreduced is the one all-reduce of the step.
-        return jax.reshard(grads, P(None, None, None)) if tagged else grads
+        out = P(None, "data", None) if scatter else P(None, None, None)
+        return jax.reshard(grads, out) if tagged else grads
 
     return jax.jit(step)
 
@@ -81,7 +86,7 @@ def compile_cpu(tagged: bool) -> str:
         return make_step(tagged).lower(*cpu_args(mesh)).compile().as_text()
 
 
-def compile_tpu(tagged: bool, topology: str = "v5e:2x4") -> str:
+def compile_tpu(tagged: bool, topology: str = "v5e:2x4", scatter: bool = False) -> str:
     """Compiled HLO text for a TPU topology, ahead of time on this host (needs libtpu)."""
     import jax
     import jax.numpy as jnp
@@ -101,4 +106,4 @@ def compile_tpu(tagged: bool, topology: str = "v5e:2x4") -> str:
         sharding=NamedSharding(mesh, P(None, "data", None)),
     )
     with jax.set_mesh(mesh):
-        return make_step(tagged).lower(ws, xs).compile().as_text()
+        return make_step(tagged, scatter).lower(ws, xs).compile().as_text()
