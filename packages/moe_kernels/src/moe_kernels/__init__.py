@@ -1,3 +1,20 @@
-"""moe_kernels."""
+"""moe_kernels: DeepSeek routing and grouped expert matmuls that keep their sharding tags."""
+
+from moe_kernels.config import DEFAULT_PARAM_AXES, DEFAULT_RULES, MoEConfig
+from moe_kernels.layer import dense_moe, init_params, param_shapes, param_specs, sparse_moe
+from moe_kernels.routing import route, update_routing_bias
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_PARAM_AXES",
+    "DEFAULT_RULES",
+    "MoEConfig",
+    "dense_moe",
+    "init_params",
+    "param_shapes",
+    "param_specs",
+    "route",
+    "sparse_moe",
+    "update_routing_bias",
+]
