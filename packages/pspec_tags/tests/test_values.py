@@ -138,3 +138,29 @@ def test_shard_auto_strips_tags():
     with jax.set_mesh(auto):
         y = jax.jit(lambda x: pt.shard(x, P("data", None, reduced={"fsdp"}), "auto"))(x)
     assert y.sharding.is_equivalent_to(NamedSharding(auto, P("data", None)), 2)
+
+
+def test_microbatch_scan_with_bias_and_lookup_reduces_once(mesh, inputs):
+    """Compiled: no gradient all-reduce inside the microbatch loop, one after it."""
+    import hlo_tools
+
+    params, x, ids = inputs
+    n = 4  # microbatches, each a full (B, L) batch sharded over 'data'
+    x_NxBxLxD = _put(jnp.stack([x * (i + 1) for i in range(n)]), P(None, "data"), mesh)
+    ids_NxBxL = _put(jnp.stack([ids] * n), P(None, "data"), mesh)
+
+    def step(params, x_NxBxLxD, ids_NxBxL):
+        red = _reduced(params)
+
+        def body(acc, mb):
+            g = jax.grad(_loss)(red, *mb)
+            return jax.tree.map(jnp.add, acc, g), None
+
+        g0 = jax.grad(_loss)(red, x_NxBxLxD[0], ids_NxBxL[0])
+        acc, _ = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, g0), (x_NxBxLxD, ids_NxBxL))
+        return jax.tree.map(lambda a: jax.reshard(a, pt.untagged(pt.spec_of(a))), acc)
+
+    text = jax.jit(step).lower(params, x_NxBxLxD, ids_NxBxL).compile().as_text()
+    outside = hlo_tools.assert_reduced_once_per_step(text)
+    # XLA may combine the two gradient reductions into one; together they cover both.
+    assert sum(c.elements for c in outside) == V * D + D
