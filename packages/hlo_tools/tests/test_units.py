@@ -23,6 +23,23 @@ def test_replica_groups(text, groups):
     assert parse_replica_groups(text) == groups
 
 
+def test_mesh_replica_groups_with_device_order():
+    # As XLA prints it for a (data=4, fsdp=2) mesh: `mesh[...], device_ids=(...) {...}`.
+    line = (
+        "  %ag = f32[64,40]{1,0} all-gather(%p), channel_id=8, "
+        "replica_groups=mesh['axis_0'=2,'axis_1'=1,'axis_2'=4], "
+        "device_ids=([4,2]T(1,0)) {'axis_0'}, dimensions={0}, use_global_device_ids=true"
+    )
+    # Device at mesh position k: iota(8).reshape(4,2).T.flatten() = 0,2,4,6,1,3,5,7;
+    # groups vary axis_0 (stride 4 over positions): (pos 0, 4), (1, 5), ...
+    instruction = ht.parse_instruction(line, 7)
+    assert instruction.replica_groups == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert parse_replica_groups("mesh['a'=2,'b'=2]", 1, "(3,2,1,0) {'b'}") == ((3, 2), (1, 0))
+    for bad in ("([4,2]T(0,0)) {'a'}", "(x) {'a'}", "[4,2] {'a'}", "(0,1) {'a'}"):
+        with pytest.raises(ht.HloParseError):
+            parse_replica_groups("mesh['a'=2,'b'=2]", 1, bad)
+
+
 @pytest.mark.parametrize(
     "bad", ["{{0,1},{x}}", "[2,4]<=[7]", "[2,4]<=[4,2]T(0,0)", "mesh[] {'q'}", "?"]
 )

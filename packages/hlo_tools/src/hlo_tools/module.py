@@ -65,7 +65,9 @@ class Instruction:
     def replica_groups(self) -> Groups | None:
         """Parsed ``replica_groups``; None for ``{}`` (every device) or when absent."""
         value = self.attributes.get("replica_groups")
-        return None if value is None else parse_replica_groups(value, self.line_number)
+        if value is None:
+            return None
+        return parse_replica_groups(value, self.line_number, self.attributes.get("device_ids"))
 
     @property
     def channel_id(self) -> int | None:

@@ -5,7 +5,10 @@
   shape, optionally transposed, reshaped to [num_groups, group_size]
 - mesh:  ``mesh['axis_0'=8,'axis_1'=1] {'axis_0'}``: devices laid out in
   row-major order over the named mesh; one group per combination of the
-  axes not listed, each group varying the listed axes
+  axes not listed, each group varying the listed axes. With a device order,
+  XLA prints ``mesh[...], device_ids=([4,2]T(1,0)) {'axis_0'}``: the
+  attribute splitter hands that to us as a separate ``device_ids`` value,
+  whose iota (or explicit list) gives the device at each mesh position.
 """
 
 from __future__ import annotations
@@ -22,9 +25,27 @@ _MESH = re.compile(r"mesh\[([^\]]*)\]\s*\{([^}]*)\}$")
 _MESH_AXIS = re.compile(r"'([^']*)'=(\d+)$")
 
 
-def parse_replica_groups(value: str, line_number: int = 0) -> Groups | None:
-    """Parse a ``replica_groups=`` value. Returns None for ``{}`` (all devices)."""
+_DEVICE_IDS = re.compile(r"\((.*)\)\s*(\{[^}]*\})$")
+
+
+def parse_replica_groups(
+    value: str, line_number: int = 0, device_ids: str | None = None
+) -> Groups | None:
+    """Parse a ``replica_groups=`` value. Returns None for ``{}`` (all devices).
+
+    ``device_ids`` is the sibling attribute of a mesh form printed with a
+    device order (``([4,2]T(1,0)) {'axis_0'}``).
+    """
     v = value.strip()
+    if v.startswith("mesh[") and device_ids is not None:
+        m = _DEVICE_IDS.match(device_ids.strip())
+        if not m:
+            raise HloParseError(f"bad device_ids {device_ids!r}", line_number)
+        groups = _parse_mesh(f"{v} {m.group(2)}", line_number)
+        order = _device_order(m.group(1).strip(), line_number)
+        if any(i >= len(order) for g in groups for i in g):
+            raise HloParseError(f"device_ids {device_ids!r} shorter than the mesh", line_number)
+        return tuple(tuple(order[i] for i in g) for g in groups)
     if v.startswith("{"):
         return _parse_list(v, line_number)
     if v.startswith("["):
@@ -79,6 +100,21 @@ def _transposed_iota(dims: list[int], perm: list[int]) -> list[int]:
             value += idx * strides[perm[axis]]
         out.append(value)
     return out
+
+
+def _device_order(spec: str, line_number: int) -> list[int]:
+    """Device at each mesh position: an iota ``[4,2]T(1,0)`` or a list ``0,2,4,...``."""
+    compact = spec.replace(" ", "")
+    m = re.match(r"\[([\d,]+)\](?:T\(([\d,]+)\))?$", compact)
+    if m:
+        dims = [int(x) for x in m.group(1).split(",")]
+        perm = [int(x) for x in m.group(2).split(",")] if m.group(2) else list(range(len(dims)))
+        if sorted(perm) != list(range(len(dims))):
+            raise HloParseError(f"bad device_ids iota {spec!r}", line_number)
+        return _transposed_iota(dims, perm)
+    if re.fullmatch(r"\d+(,\d+)*", compact):
+        return [int(x) for x in compact.split(",")]
+    raise HloParseError(f"bad device_ids {spec!r}", line_number)
 
 
 def _parse_mesh(v: str, line_number: int) -> Groups:
