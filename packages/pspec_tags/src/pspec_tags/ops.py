@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import jax
 from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pspec_tags.specs import partitions, untagged
@@ -51,20 +50,36 @@ def broadcast_param(param: jax.Array, like: jax.Array) -> jax.Array:
 def embed_lookup(table: jax.Array, ids: jax.Array, out_spec: P | None = None) -> jax.Array:
     """Rows `table[ids]`, tag-safe: gradients of a reduced table stay unreduced.
 
-    `table[ids]` trips JAX's "dangerous pspec" check on a tagged table;
-    `.at[].get(out_sharding=...)` does not. By default the output follows the
-    sharding of `ids` and keeps the table's embedding-dim partition when no
-    mesh axis clashes.
+    `table[ids]` trips JAX's "dangerous pspec" check on a tagged table, and
+    `.at[ids].get(out_sharding=...)` first reshards the table to an untagged
+    spec (dropping the tag) and gathers `ids` onto every device. Explicit mode
+    therefore looks up inside `jax.shard_map`: each device gathers its own ids
+    from its block of the table, whose in_spec carries the table's tags, so the
+    cotangent is a local scatter-add that stays unreduced (no psum in the body).
+
+    The table's first (vocab) dim must be unsharded. The output is sharded like
+    `ids`, plus the table's embedding-dim partition; `out_spec` reshards it after.
     """
     ids_spec, table_spec = spec_of(ids), spec_of(table)
     if ids_spec is None or table_spec is None:
         return table.at[ids].get()
-    if out_spec is None:
-        lead = partitions(ids_spec) + (None,) * (ids.ndim - len(partitions(ids_spec)))
-        table_parts = partitions(table_spec)
-        last = table_parts[-1] if len(table_parts) == table.ndim else None
-        used = {a for e in lead for a in ((e,) if isinstance(e, str) else (e or ()))}
-        last_axes = (last,) if isinstance(last, str) else tuple(last or ())
-        out_spec = P(*lead, None if used & set(last_axes) else last)
+    table_parts = partitions(table_spec) + (None,) * (table.ndim - len(partitions(table_spec)))
+    if table_parts[0] is not None:
+        raise ValueError(
+            f"embed_lookup needs the table's vocab dim unsharded; table spec is {table_spec} "
+            "(reshard it with carry_reduced_axes(P(None, ...), table) first)"
+        )
+    lead = partitions(ids_spec) + (None,) * (ids.ndim - len(partitions(ids_spec)))
+    rows_spec = P(*lead, *table_parts[1:])
     mesh = jax.typeof(table).sharding.mesh
-    return table.at[ids].get(out_sharding=NamedSharding(mesh, untagged(out_spec)))
+    rows = jax.shard_map(
+        lambda table_block, ids_block: table_block[ids_block],
+        mesh=mesh,
+        # The table's own spec, tags included: an untagged in_spec here would make
+        # shard_map psum the table's cotangent inside the body.
+        in_specs=(table_spec, P(*lead)),
+        out_specs=rows_spec,
+    )(table, ids)
+    if out_spec is not None and untagged(out_spec) != rows_spec:
+        rows = jax.reshard(rows, untagged(out_spec))
+    return rows
