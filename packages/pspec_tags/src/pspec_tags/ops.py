@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 from jax import lax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pspec_tags.specs import partitions, untagged
