@@ -2,6 +2,7 @@
 
 from moe_kernels.config import DEFAULT_PARAM_AXES, DEFAULT_RULES, MoEConfig
 from moe_kernels.layer import dense_moe, init_params, param_shapes, param_specs, sparse_moe
+from moe_kernels.module import MoE, RoutingBias
 from moe_kernels.routing import route, update_routing_bias
 
 __version__ = "0.1.0"
@@ -9,7 +10,9 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_PARAM_AXES",
     "DEFAULT_RULES",
+    "MoE",
     "MoEConfig",
+    "RoutingBias",
     "dense_moe",
     "init_params",
     "param_shapes",

@@ -44,6 +44,7 @@ from pspec_tags import (
     mesh_axes_used,
     partitions,
     shard,
+    spec_of,
     untagged,
 )
 
@@ -270,8 +271,25 @@ def _inverse(perm: jax.Array) -> jax.Array:
     return jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype))
 
 
-def _routed_local(x_TxD, ids_A, k, kernels, e_start, e_local, precision):
+def _to_varying(x: jax.Array, axis: str) -> jax.Array:
+    """Mark a shard_map-invariant value as varying over `axis` (a no-op on values).
+
+    JAX 0.10.2 transposes a gather wrongly when the operand is invariant over a
+    mesh axis and the indices vary over it (the cotangent comes back garbled,
+    not just unsummed); making the operand varying first gives the right
+    transpose: a scatter-add followed by a psum over `axis`.
+    """
+    cast = getattr(lax, "pcast", None)
+    if cast is not None:
+        return cast(x, axis, to="varying")
+    return lax.pvary(x, axis)  # older JAX
+
+
+def _routed_local(x_TxD, ids_A, k, kernels, e_start, e_local, precision, vary_axis=None):
     """Run the assignments whose expert lives on this shard; others give zero rows."""
+    if vary_axis is not None:
+        # The row gather below has indices that differ per expert shard.
+        x_TxD = _to_varying(x_TxD, vary_axis)
     local_A = ids_A - e_start
     mine_A = (local_A >= 0) & (local_A < e_local)
     # Foreign assignments sort last under key e_local and fall past sum(sizes).
@@ -365,8 +383,11 @@ def _layer_body(x_BxSxD, params, *, config: MoEConfig, plan: _Plan | None, spars
                 x_TxD, ids_A, k, kernels, plan, e_local, cap, precision
             )
         else:
+            vary = None if ep == 1 else plan.expert_axis
             start = 0 if ep == 1 else lax.axis_index(plan.expert_axis) * e_local
-            out_AxD, dropped = _routed_local(x_TxD, ids_A, k, kernels, start, e_local, precision)
+            out_AxD, dropped = _routed_local(
+                x_TxD, ids_A, k, kernels, start, e_local, precision, vary
+            )
         routed_TxD = jnp.einsum(
             "tkd,tk->td", out_AxD.reshape(b * s, k, d).astype(jnp.float32), weights_TxK
         )
@@ -416,6 +437,7 @@ def _moe(x_BxSxD, params, *, config, mesh, rules, mode, keep_tags, sparse):
     param_in_specs = (
         plan.specs if mode == "explicit" else {n: untagged(s) for n, s in plan.specs.items()}
     )
+    x_spec = spec_of(x_BxSxD)
     if mode == "explicit":
         # Explicit shard_map wants its inputs already on the in_specs. reshard
         # keeps a tag that is there (the carried one) and, with keep_tags=False,
@@ -439,6 +461,9 @@ def _moe(x_BxSxD, params, *, config, mesh, rules, mode, keep_tags, sparse):
         in_specs=(plan.token_spec, param_in_specs),
         out_specs=(plan.token_spec, stats_specs),
     )(x_BxSxD, params)
+    if mode == "explicit" and x_spec is not None:
+        # Hand the output back in the caller's sharding (a no-op when equal).
+        y = shard(y, x_spec, mode)
     return y, _finish_stats(shard_stats)
 
 

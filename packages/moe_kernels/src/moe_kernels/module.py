@@ -1,0 +1,79 @@
+"""`MoE`: the Flax NNX module around `sparse_moe`/`dense_moe`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from moe_kernels.config import DEFAULT_RULES, MoEConfig
+from moe_kernels.layer import dense_moe, init_params, param_specs, sparse_moe
+from moe_kernels.routing import update_routing_bias
+
+
+class RoutingBias(nnx.Variable):
+    """DeepSeek-V3 aux-loss-free balancing bias: moved by load statistics
+    (`MoE.update_bias`), never by the optimizer (filter `nnx.Param` for that)."""
+
+
+class MoE(nnx.Module):
+    """DeepSeek-style MoE layer: router, routed SwiGLU experts, shared experts.
+
+    Every parameter carries its logical axis names (`config.param_axes`, e.g.
+    ('exp', 'embed', 'mlp') for `wi_0`) as NNX sharding metadata, without eager
+    sharding: the trainer places them with its own rules (`nnx.get_partition_spec`
+    gives the names), or pass `mesh` (+ `rules`) here to place them with
+    `param_specs`. `sparse` switches between `sparse_moe` and `dense_moe`.
+    Calling it returns `(y_BxSxD, stats)`.
+    """
+
+    def __init__(
+        self,
+        config: MoEConfig,
+        embed_dim: int,
+        *,
+        rngs: nnx.Rngs,
+        sparse: bool = True,
+        mesh: Any = None,
+        rules: Any = None,
+        mode: str | None = None,
+        param_dtype: Any = jnp.float32,
+    ):
+        self.config = config
+        self.sparse = sparse
+        self.mesh = mesh
+        self.rules = DEFAULT_RULES if rules is None else rules
+        self.mode = mode
+        values = init_params(rngs.params(), config, embed_dim, param_dtype)
+        if mesh is not None:
+            specs = param_specs(config, self.rules, mesh, {n: v.shape for n, v in values.items()})
+            # Fresh parameters carry no tags; placement only decides partitions.
+            values = {
+                n: jax.device_put(v, NamedSharding(mesh, specs[n])) for n, v in values.items()
+            }
+        axes = config.logical_axes
+        for name, value in values.items():
+            kind = RoutingBias if name == "bias" else nnx.Param
+            setattr(self, name, kind(value, out_sharding=axes[name], eager_sharding=False))
+
+    def params(self) -> dict[str, jax.Array]:
+        """The current parameter values by name (what `sparse_moe` takes)."""
+        return {n: getattr(self, n)[...] for n in self.config.logical_axes if hasattr(self, n)}
+
+    def __call__(self, x_BxSxD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        fn = sparse_moe if self.sparse else dense_moe
+        return fn(
+            x_BxSxD,
+            self.params(),
+            config=self.config,
+            mesh=self.mesh,
+            rules=self.rules,
+            mode=self.mode,
+        )
+
+    def update_bias(self, tokens_per_expert_E: jax.Array, *, rate: float) -> None:
+        """Aux-loss-free balancing step from one optimizer step's total load."""
+        self.bias[...] = update_routing_bias(self.bias[...], tokens_per_expert_E, rate=rate)
