@@ -1,3 +1,44 @@
-"""accum."""
+"""accum: gradient accumulation with one deferred gradient reduction per step, and ZeRO-1."""
+
+from accum.accumulate import ON_TAG_LOST, accumulate_gradients
+from accum.dispatch import Accumulator, add, finish, start
+from accum.gating import (
+    batch_axes_of,
+    data_is_only_batch_axis,
+    deferred_axes,
+    param_mesh_axes,
+    resolve_mode,
+)
+from accum.guard import find_dropped_tags
+from accum.microbatch import split_microbatches
+from accum.step import apply_updates, train_step
+from accum.zero1 import (
+    check_zero1_compatible,
+    zero1_shardings,
+    zero1_state_shardings,
+    zero1_step,
+)
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "ON_TAG_LOST",
+    "Accumulator",
+    "accumulate_gradients",
+    "add",
+    "apply_updates",
+    "batch_axes_of",
+    "check_zero1_compatible",
+    "data_is_only_batch_axis",
+    "deferred_axes",
+    "find_dropped_tags",
+    "finish",
+    "param_mesh_axes",
+    "resolve_mode",
+    "split_microbatches",
+    "start",
+    "train_step",
+    "zero1_shardings",
+    "zero1_state_shardings",
+    "zero1_step",
+]

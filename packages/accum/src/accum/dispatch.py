@@ -1,0 +1,125 @@
+"""Accumulation across separate `jax.jit` calls: start / add / finish.
+
+For training loops that dispatch each microbatch on its own (RL and
+post-training engines, variable microbatch counts, host-side data per
+microbatch). The accumulator lives on device between calls as `unreduced`
+arrays, so the compiled `add` holds no gradient-sized all-reduce; the one
+reduction happens in `finish`. Jit each function yourself, e.g.
+`jax.jit(accum.add, static_argnums=1, donate_argnums=0)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from accum.accumulate import _check_option, add_grads, microbatch_grads, normalize
+from accum.gating import batch_axes_of, deferred_axes, resolve_mode
+from accum.tags import reduce_to, tag_reduced, unreduced_zeros
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Accumulator:
+    """Running sums between dispatches.
+
+    `grads` are unreduced over `axes` in explicit mode (per-device partial sums:
+    reshard them, or call `finish`, before reading); `loss_sum` and `aux` are
+    plain sums; `count` is the number of microbatches added (it also folds the
+    RNG, matching `accumulate_gradients`).
+    """
+
+    grads: Any
+    loss_sum: jax.Array
+    aux: Any
+    count: jax.Array
+    axes: tuple[str, ...] = dataclasses.field(metadata={"static": True})
+    mode: str = dataclasses.field(metadata={"static": True})
+
+
+def _zeros_like_struct(s: jax.ShapeDtypeStruct) -> jax.Array:
+    return jnp.zeros(s.shape, s.dtype)
+
+
+def start(
+    loss_fn: Callable,
+    params: Any,
+    microbatch: Any,
+    *,
+    rng: jax.Array | None = None,
+    mode: str | None = None,
+    defer_reduction: bool = True,
+    batch_axes: tuple[str, ...] | None = None,
+    accum_dtype: Any = jnp.float32,
+) -> Accumulator:
+    """An empty accumulator for `loss_fn` on microbatches shaped like `microbatch`.
+
+    Nothing is computed: `loss_fn` is only traced for the structure of its aux.
+    The deferred axes are chosen as in `accumulate_gradients` (batch axes read
+    from `microbatch`'s shardings unless `batch_axes` is given). Call under
+    `jax.jit` (static `loss_fn`): the unreduced zeros need a traced context.
+    """
+    mode = resolve_mode(mode, params)
+    axes: tuple[str, ...] = ()
+    if mode == "explicit" and defer_reduction:
+        axes = deferred_axes(
+            params, batch_axes if batch_axes is not None else batch_axes_of(microbatch)
+        )
+    args = (microbatch,) if rng is None else (microbatch, rng)
+    _, aux_shape = jax.eval_shape(loss_fn, params, *args)
+    if "weight" not in aux_shape:
+        raise KeyError("loss_fn's aux must hold 'weight' (the number of counted targets)")
+    return Accumulator(
+        # Same type as each microbatch's gradients, so `add` is a local sum.
+        grads=unreduced_zeros(params, axes, accum_dtype),
+        loss_sum=jnp.zeros((), jnp.float32),
+        aux=jax.tree.map(_zeros_like_struct, aux_shape),
+        count=jnp.zeros((), jnp.uint32),
+        axes=axes,
+        mode=mode,
+    )
+
+
+def add(
+    acc: Accumulator,
+    loss_fn: Callable,
+    params: Any,
+    microbatch: Any,
+    *,
+    rng: jax.Array | None = None,
+    on_tag_lost: str = "raise",
+) -> Accumulator:
+    """`acc` plus one microbatch's loss, aux and (unreduced) gradients.
+
+    With `rng`, the microbatch gets `fold_in(rng, acc.count)`, as the scan path
+    does. The same trace-time guards as `accumulate_gradients` run here.
+    """
+    _check_option(on_tag_lost)
+    mb_rng = None if rng is None else jax.random.fold_in(rng, acc.count)
+    # Free cast; parameters that stay replicated between calls are not moved.
+    compute_params = tag_reduced(params, acc.axes)
+    loss_sum, aux, grads = microbatch_grads(
+        loss_fn, compute_params, microbatch, mb_rng, acc.axes, on_tag_lost
+    )
+    return Accumulator(
+        grads=add_grads(acc.grads, grads),  # unreduced + unreduced: no collective
+        loss_sum=acc.loss_sum + loss_sum.astype(acc.loss_sum.dtype),
+        aux=jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc.aux, aux),
+        count=acc.count + 1,
+        axes=acc.axes,
+        mode=acc.mode,
+    )
+
+
+def finish(acc: Accumulator, *, grad_shardings: Any = None) -> tuple[jax.Array, dict, Any]:
+    """(loss, aux, grads) from `acc`: the one gradient reduction, then normalization.
+
+    `grad_shardings` as in `accumulate_gradients` (default: the gradients' own
+    partitions; the optimizer's shardings for ZeRO-1).
+    """
+    grads = reduce_to(acc.grads, grad_shardings, acc.mode)
+    return normalize(acc.loss_sum, acc.aux, grads)

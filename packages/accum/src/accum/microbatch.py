@@ -1,0 +1,72 @@
+"""Splitting a batch into microbatches without moving data between devices."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pspec_tags import partitions, spec_of
+
+
+def _lead_size(leaves: list[Any]) -> int:
+    sizes = {leaf.shape[0] for leaf in leaves}
+    if len(sizes) != 1:
+        raise ValueError(f"batch leaves disagree on the leading (batch) dimension: {sorted(sizes)}")
+    return sizes.pop()
+
+
+def _axis_product(entry: Any, mesh_shape: dict[str, int]) -> int:
+    if entry is None:
+        return 1
+    axes = (entry,) if isinstance(entry, str) else tuple(entry)
+    return math.prod(mesh_shape[a] for a in axes)
+
+
+def _split_leaf(x: jax.Array, n: int) -> jax.Array:
+    """(B, ...) -> (n, B/n, ...), microbatch i holding rows i, i+n, i+2n, ...
+
+    The strided split keeps every row on the device that holds it: with the
+    batch dimension sharded, device d owns a contiguous block of rows, and
+    reshaping to (B/n, n, ...) leaves that block in the first dimension's shard.
+    A contiguous split (rows [i*B/n, (i+1)*B/n)) would need an all-to-all.
+    """
+    b = x.shape[0]
+    spec = spec_of(x)
+    if spec is None:  # auto mode: the partitioner follows the reshape on its own
+        return jnp.swapaxes(x.reshape(b // n, n, *x.shape[1:]), 0, 1)
+    entries = partitions(spec) + (None,) * (x.ndim - len(partitions(spec)))
+    mesh = jax.typeof(x).sharding.mesh
+    per_device = _axis_product(entries[0], dict(mesh.shape))
+    if (b // n) % per_device:
+        raise ValueError(
+            f"microbatch size {b // n} (batch {b} / num_microbatches {n}) is not divisible "
+            f"by the {per_device} devices sharding the batch dimension ({entries[0]!r})"
+        )
+    # Explicit out_sharding: left alone, reshape may put the batch axes on the
+    # microbatch-index dimension instead, which would be a real reshuffle.
+    split = NamedSharding(mesh, P(entries[0], None, *entries[1:]))
+    y = jnp.reshape(x, (b // n, n, *x.shape[1:]), out_sharding=split)
+    return jnp.swapaxes(y, 0, 1)  # a local transpose: the batch axes follow their dimension
+
+
+def split_microbatches(batch: Any, num_microbatches: int) -> Any:
+    """Stack `batch` into `num_microbatches` microbatches along a new leading dimension.
+
+    Every leaf's leading dimension is the batch; `ValueError` names both numbers
+    when it does not divide. Under explicit sharding the split moves no data.
+    """
+    n = int(num_microbatches)
+    if n < 1:
+        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    leaves = jax.tree.leaves(batch)
+    if not leaves:
+        raise ValueError("batch has no array leaves")
+    b = _lead_size(leaves)
+    if b % n:
+        raise ValueError(f"batch size {b} is not divisible by num_microbatches {n}")
+    return jax.tree.map(lambda x: _split_leaf(x, n), batch)

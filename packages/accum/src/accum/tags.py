@@ -1,0 +1,123 @@
+"""The three tag moves of deferred reduction: tag, accumulate unreduced, reduce once.
+
+Every function takes the `axes` chosen by `gating.deferred_axes`; with `axes`
+empty (auto mode, or no deferrable axis) they degrade to plain operations.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pspec_tags import partitions, spec_of, untagged, with_reduced, with_unreduced
+
+
+def _floating(x: Any) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _named(value: Any, spec: P) -> NamedSharding:
+    return NamedSharding(jax.typeof(value).sharding.mesh, spec)
+
+
+def tag_reduced(params: Any, axes: tuple[str, ...]) -> Any:
+    """Reshard each floating parameter to `reduced` over `axes` (a free cast).
+
+    A reduced array is physically replicated, so the forward pass is unchanged;
+    the point is the cotangent type: autodiff maps reduced primals to unreduced
+    cotangents, so each microbatch's gradients stay per-device partial sums.
+    """
+    if not axes:
+        return params
+
+    def tag(p):
+        spec = spec_of(p)
+        if spec is None or not _floating(p):
+            return p
+        # with_reduced keeps the partitions and any existing tags (never spec[...]).
+        return jax.reshard(p, _named(p, with_reduced(spec, axes)))
+
+    return jax.tree.map(tag, params)
+
+
+def unreduced_zeros(params: Any, axes: tuple[str, ...], dtype: Any | None) -> Any:
+    """Zero accumulators shaped like `params`, `unreduced` over `axes`, in `dtype`.
+
+    The carry must have the same type as the gradients it adds up: an untagged
+    (replicated) zero plus an unreduced gradient would force the gradient's
+    all-reduce at the addition, inside the loop.
+    """
+
+    def zeros(p):
+        dt = dtype if dtype is not None and _floating(p) else jnp.result_type(p)
+        spec = spec_of(p)
+        if spec is None or not axes:
+            return jnp.zeros_like(p, dtype=dt)
+        # Partitions from the parameter, its reduced tag swapped for unreduced
+        # (a spec cannot hold the same axis as both).
+        target = with_unreduced(P(*partitions(spec)), axes)
+        return lax.broadcast_in_dim(jnp.zeros((), dt), p.shape, (), out_sharding=_named(p, target))
+
+    return jax.tree.map(zeros, params)
+
+
+def as_spec(sharding: Any) -> P | None:
+    """A PartitionSpec from a NamedSharding, a PartitionSpec, or None."""
+    if sharding is None or isinstance(sharding, P):
+        return sharding
+    if isinstance(sharding, NamedSharding):
+        return sharding.spec
+    raise TypeError(f"expected a PartitionSpec or NamedSharding, got {type(sharding).__name__}")
+
+
+def place(x: jax.Array, target: Any, mode: str) -> jax.Array:
+    """Put `x` on `target` (PartitionSpec, NamedSharding or None: leave it), tags stripped.
+
+    Explicit mode: `jax.reshard`. From an unreduced value this is a reduction
+    (all-reduce; reduce-scatter onto a spec sharded over the unreduced axis);
+    from a sharded one a gather. Auto mode: a sharding constraint.
+    """
+    spec = as_spec(target)
+    if mode == "explicit":
+        own = spec_of(x)
+        if own is None:
+            return x
+        # Untagged destination: dropping `unreduced` here is the point (the
+        # reduction), and a reduced tag could not coexist with the unreduced source.
+        return jax.reshard(x, _named(x, untagged(spec if spec is not None else own)))
+    if spec is None:
+        return x
+    if isinstance(target, NamedSharding):
+        return lax.with_sharding_constraint(x, NamedSharding(target.mesh, untagged(spec)))
+    return lax.with_sharding_constraint(x, untagged(spec))
+
+
+def _is_target_leaf(t: Any) -> bool:
+    return t is None or isinstance(t, P | NamedSharding)
+
+
+def reduce_to(grads: Any, targets: Any, mode: str) -> Any:
+    """Place accumulated gradients on `targets`: in explicit mode this is THE reduction.
+
+    `targets` is None or a pytree matching `grads` whose leaves are
+    PartitionSpecs, NamedShardings or None (None: the gradient's own partitions).
+    """
+    if targets is None:
+        return jax.tree.map(lambda g: place(g, None, mode), grads)
+    return jax.tree.map(lambda t, g: place(g, t, mode), targets, grads, is_leaf=_is_target_leaf)
+
+
+def place_tree(tree: Any, targets: Any, mode: str) -> Any:
+    """`place` over a pytree (targets: matching pytree of specs/shardings, or None)."""
+    return reduce_to(tree, targets, mode)
+
+
+def safe_inverse(weight: jax.Array) -> jax.Array:
+    """1/weight, and 0 where weight is 0: an all-padding step yields zeros, never NaN."""
+    positive = weight > 0
+    return jnp.where(positive, 1.0 / jnp.where(positive, weight, 1.0), 0.0)

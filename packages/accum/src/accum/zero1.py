@@ -1,0 +1,165 @@
+"""ZeRO-1: optimizer state and master parameters sharded over the data axis.
+
+Per step: the data-sharded f32 masters are cast (optionally to bf16) and
+gathered once, before the microbatch loop; gradients accumulate unreduced; the
+one reduction after the loop lands straight in the sharded layout (a
+reduce-scatter where the backend forms one); the optimizer updates shards only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from accum.accumulate import accumulate_gradients
+from accum.gating import resolve_mode
+from accum.step import apply_updates
+from accum.tags import place, place_tree
+from pspec_tags import mesh_axes_used, partitions, spec_of, untagged
+
+
+def check_zero1_compatible(
+    mesh: Any, *, data_axis: str = "data", fsdp_axes: Iterable[str] = ("fsdp",)
+) -> None:
+    """Reject ZeRO-1 on a mesh that also does FSDP, naming both settings (ValueError)."""
+    sizes = dict(mesh.shape)
+    if data_axis not in sizes:
+        raise ValueError(f"ZeRO-1 shards over mesh axis {data_axis!r}, absent from {tuple(sizes)}")
+    for axis in fsdp_axes:
+        if sizes.get(axis, 1) > 1:
+            raise ValueError(
+                f"ZeRO-1 (zero1_shardings / shard_optimizer_over_data) cannot be combined with "
+                f"FSDP (mesh axis {axis!r} of size {sizes[axis]}, fsdp parallelism > 1): FSDP "
+                f"already shards parameters and optimizer state. Use one of the two."
+            )
+
+
+def _spec_and_mesh(leaf: Any) -> tuple[P, Any]:
+    spec = spec_of(leaf)
+    sharding = getattr(leaf, "sharding", None)
+    if spec is None and isinstance(sharding, NamedSharding):
+        spec = sharding.spec
+    return (spec if spec is not None else P()), getattr(sharding, "mesh", None)
+
+
+def _with_data(spec: P, shape: tuple[int, ...], sizes: dict[str, int], data_axis: str) -> P:
+    """`spec` with `data_axis` added to the first dimension it divides (unsharded first)."""
+    parts = list(partitions(spec)) + [None] * (len(shape) - len(partitions(spec)))
+    if data_axis in mesh_axes_used(spec):
+        return untagged(spec)
+    for want_free in (True, False):
+        for d, entry in enumerate(parts):
+            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            if want_free == bool(axes):
+                continue
+            if shape[d] % (math.prod(sizes[a] for a in axes) * sizes[data_axis]) == 0:
+                new = (*axes, data_axis)
+                parts[d] = new[0] if len(new) == 1 else new
+                return P(*parts)
+    return P(*parts)  # too small to split: stays replicated over data
+
+
+def zero1_shardings(
+    params: Any,
+    mesh: Any = None,
+    *,
+    data_axis: str = "data",
+    fsdp_axes: Iterable[str] = ("fsdp",),
+) -> Any:
+    """NamedShardings for ZeRO-1 master parameters (and their optimizer state).
+
+    Each leaf keeps its own partitions (tensor/expert) and gains `data_axis` on
+    the first dimension it divides; leaves too small stay replicated. `params`
+    may hold arrays or ShapeDtypeStructs with shardings; `mesh` defaults to
+    theirs. Raises ValueError when the mesh also does FSDP.
+    """
+    leaves = jax.tree.leaves(params)
+    if mesh is None:
+        mesh = next((m for m in (_spec_and_mesh(x)[1] for x in leaves) if m is not None), None)
+    if mesh is None:
+        raise ValueError("zero1_shardings needs a mesh: pass mesh= or params with shardings")
+    check_zero1_compatible(mesh, data_axis=data_axis, fsdp_axes=fsdp_axes)
+    sizes = dict(mesh.shape)
+
+    def one(leaf):
+        spec, _ = _spec_and_mesh(leaf)
+        return NamedSharding(mesh, _with_data(spec, tuple(leaf.shape), sizes, data_axis))
+
+    return jax.tree.map(one, params)
+
+
+def zero1_state_shardings(opt_state: Any, params: Any, master_shardings: Any, mesh: Any) -> Any:
+    """Shardings for an optimizer state: every subtree shaped like `params` (Adam's
+    mu and nu, say) gets `master_shardings`; other leaves (step counts) are replicated.
+
+    `opt_state` may be abstract (`jax.eval_shape(optimizer.init, params)`).
+    Use as `jax.jit(optimizer.init, out_shardings=...)` so auto mode shards it too.
+    """
+    target = jax.tree.structure(params)
+    replicated = NamedSharding(mesh, P())
+
+    def one(node):
+        if jax.tree.structure(node) == target:
+            return master_shardings
+        return replicated
+
+    return jax.tree.map(one, opt_state, is_leaf=lambda n: jax.tree.structure(n) == target)
+
+
+def zero1_step(
+    loss_fn: Callable,
+    optimizer: Any,
+    master_params: Any,
+    opt_state: Any,
+    batch: Any,
+    *,
+    num_microbatches: int,
+    compute_shardings: Any,
+    master_shardings: Any = None,
+    compute_dtype: Any = None,
+    mode: str | None = None,
+    **accum_kwargs: Any,
+) -> tuple[Any, Any, jax.Array, dict]:
+    """One ZeRO-1 optimizer step; returns `(master_params, opt_state, loss, aux)`.
+
+    `master_params` are data-sharded (`zero1_shardings`); `compute_shardings`
+    are the layouts the model computes with (the non-ZeRO parameter shardings).
+    `master_shardings` defaults to the masters' own shardings in explicit mode
+    (required in auto mode). Call inside `jax.jit`.
+    """
+    mode = resolve_mode(mode, master_params)
+    if master_shardings is None:
+        if mode != "explicit":
+            raise ValueError("zero1_step in auto mode needs master_shardings=")
+        master_shardings = jax.tree.map(lambda p: untagged(spec_of(p)), master_params)
+
+    def gather(p, target):
+        # Cast before the gather: the all-gather then moves compute_dtype bytes.
+        q = p.astype(compute_dtype) if compute_dtype is not None else p
+        return place(q, target, mode)
+
+    params = jax.tree.map(
+        lambda t, p: gather(p, t),
+        compute_shardings,
+        master_params,
+        is_leaf=lambda t: t is None or isinstance(t, P | NamedSharding),
+    )
+    # grad_shardings = the masters' layout: the single post-loop reduction
+    # lands there directly (reduce-scatter), never as a full all-reduce + slice.
+    loss, aux, grads = accumulate_gradients(
+        loss_fn,
+        params,
+        batch,
+        num_microbatches=num_microbatches,
+        mode=mode,
+        grad_shardings=master_shardings,
+        **accum_kwargs,
+    )
+    updates, opt_state = optimizer.update(grads, opt_state, master_params)
+    new_master = place_tree(apply_updates(master_params, updates), master_shardings, mode)
+    return new_master, opt_state, loss, aux
