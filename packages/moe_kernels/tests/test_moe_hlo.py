@@ -120,3 +120,49 @@ def test_tagged_and_untagged_gradients_agree(compiled):
     for name in tagged:
         scale = float(np.max(np.abs(untagged[name]))) or 1.0
         np.testing.assert_allclose(tagged[name], untagged[name], rtol=1e-5, atol=1e-5 * scale)
+
+
+LAYERS = 3
+
+
+@pytest.fixture(scope="module")
+def scanned_over_layers(mesh_factory):
+    """The trainer's shape: layer params stacked on a leading dim, lax.scan over layers."""
+    mesh = mesh_factory(4)
+    keys = jax.random.split(jax.random.key(0), LAYERS)
+    params = jax.vmap(lambda k: init_params(k, CFG, 32))(keys)
+    specs = param_specs(CFG, DEFAULT_RULES, mesh, {n: w.shape[1:] for n, w in params.items()})
+    stacked = {n: P(None, *s.partitions) for n, s in specs.items()}
+    texts = {}
+    with jax.set_mesh(mesh):
+        params = {n: jax.device_put(w, NamedSharding(mesh, stacked[n])) for n, w in params.items()}
+        x = jax.device_put(jax.random.normal(jax.random.key(1), (8, 4, 32)), P(("data", "expert")))
+        for keep_tags in (True, False):
+
+            def loss(p, x, keep_tags=keep_tags):
+                red = {
+                    n: jax.reshard(
+                        w, with_reduced(stacked[n], BATCH_AXES - set(mesh_axes_used(stacked[n])))
+                    )
+                    for n, w in p.items()
+                }
+
+                def layer(h, layer_params):
+                    # Each slice keeps the stacked value's reduced tag.
+                    y, _ = sparse_moe(h, layer_params, config=CFG, mesh=mesh, keep_tags=keep_tags)
+                    return h + y, None
+
+                h, _ = jax.lax.scan(layer, x, red)
+                return jnp.mean(h * h)
+
+            texts[keep_tags] = jax.jit(jax.grad(loss)).lower(params, x).compile().as_text()
+    return texts
+
+
+def test_scan_over_layers_tagged_has_no_per_layer_reduction(scanned_over_layers):
+    assert_reduced_once_per_step(scanned_over_layers[True])
+
+
+def test_scan_over_layers_untagged_reduces_per_layer(scanned_over_layers):
+    with pytest.raises(AssertionError, match=rf"x{LAYERS}/step"):
+        assert_reduced_once_per_step(scanned_over_layers[False])
