@@ -12,6 +12,7 @@ from accum.gating import (
 from accum.guard import find_dropped_tags
 from accum.microbatch import split_microbatches
 from accum.step import apply_updates, train_step
+from accum.tags import tag_reduced, unreduced_zeros
 from accum.zero1 import (
     check_zero1_compatible,
     zero1_shardings,
@@ -37,7 +38,9 @@ __all__ = [
     "resolve_mode",
     "split_microbatches",
     "start",
+    "tag_reduced",
     "train_step",
+    "unreduced_zeros",
     "zero1_shardings",
     "zero1_state_shardings",
     "zero1_step",

@@ -1,0 +1,72 @@
+"""A tag dropped inside the model is reported at trace time, naming the parameter."""
+
+import warnings
+
+import jax
+import pytest
+
+import accum
+import hlo_tools as ht
+from pspec_tags import TagLostError
+
+
+def _trace(setup, loss_fn, **kw):
+    def fn(params, batch):
+        return accum.accumulate_gradients(loss_fn, params, batch, num_microbatches=2, **kw)
+
+    with jax.set_mesh(setup.mesh):
+        return jax.jit(fn).trace(setup.params, setup.batch)
+
+
+def _dropping(toy, setup, name):
+    return toy.Model(setup.mesh, setup.rules, "explicit", drop=name).loss_fn
+
+
+@pytest.mark.parametrize(("mesh", "name"), [("data8", "w1"), ("data4_fsdp2", "head")])
+def test_dropped_tag_raises_naming_the_parameter(toy, get_setup, mesh, name):
+    setup = get_setup(mesh)
+    with pytest.raises(TagLostError) as info:
+        _trace(setup, _dropping(toy, setup, name))
+    message = str(info.value)
+    path = "['layers']['w1']" if name == "w1" else "['head']"
+    assert path in message
+    assert "1 parameter(s)" in message  # and no other parameter is blamed
+
+
+def test_warn_option_warns_and_compiles(toy, get_setup):
+    setup = get_setup("data8")
+    with pytest.warns(RuntimeWarning, match=r"\['layers'\]\['w1'\]"):
+        traced = _trace(setup, _dropping(toy, setup, "w1"), on_tag_lost="warn")
+    # The silent cost the guard exists for: w1's all-reduce is back in the loop.
+    with pytest.raises(AssertionError, match="inside a loop"):
+        ht.assert_reduced_once_per_step(traced.lower().compile().as_text())
+
+
+def test_intact_model_passes_the_guard(get_setup):
+    setup = get_setup("data8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _trace(setup, setup.model.loss_fn, on_tag_lost="warn")
+
+
+def test_find_dropped_tags_direct(toy, get_setup):
+    setup = get_setup("data8")
+    with jax.set_mesh(setup.mesh):
+
+        @jax.jit
+        def probe(params, batch):
+            params = accum.tag_reduced(params, ("data",))
+            found = accum.find_dropped_tags(
+                _dropping(toy, setup, "router"), params, batch, axes=("data",)
+            )
+            assert list(found) == ["['layers']['router']"], found
+            assert "reshard" in found["['layers']['router']"][0]
+            return 0
+
+        probe.trace(setup.params, setup.batch)  # traced only: nothing runs
+
+
+def test_unknown_option_is_rejected(get_setup):
+    setup = get_setup("data8")
+    with pytest.raises(ValueError, match="on_tag_lost"):
+        _trace(setup, setup.model.loss_fn, on_tag_lost="loud")
