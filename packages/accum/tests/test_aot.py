@@ -1,6 +1,7 @@
 """TPU AOT (v5e:2x4, compiled on this CPU host): the HLO assertions on a real backend."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
@@ -59,7 +60,8 @@ def test_tpu_per_microbatch_reduction_is_caught(tpu):
         ht.assert_reduced_once_per_step(_compile(tpu, False), max_in_loop_elements=8)
 
 
-def test_tpu_zero1_reduces_outside_the_loop_into_shards(tpu):
+@pytest.mark.parametrize("compute_dtype", [None, jnp.bfloat16])
+def test_tpu_zero1_reduces_outside_the_loop_into_shards(tpu, compute_dtype):
     optax = pytest.importorskip("optax")
     mesh, model, params, batch = tpu
     optimizer = optax.adam(1e-2)
@@ -78,6 +80,7 @@ def test_tpu_zero1_reduces_outside_the_loop_into_shards(tpu):
             batch,
             num_microbatches=N,
             compute_shardings=specs,
+            compute_dtype=compute_dtype,
         )
 
     with jax.set_mesh(mesh):
@@ -90,3 +93,7 @@ def test_tpu_zero1_reduces_outside_the_loop_into_shards(tpu):
     new_master = compiled.output_shardings[0]
     for out, want in zip(jax.tree.leaves(new_master), jax.tree.leaves(shardings), strict=True):
         assert out.spec == want.spec
+    gathers = [c for c in ht.collectives(compiled.as_text()) if c.kind == "all-gather"]
+    assert gathers and not any(c.in_loop for c in gathers)
+    if compute_dtype is not None:  # cast before the gather: it moves bf16
+        assert {c.dtype for c in gathers} == {"bf16"}
