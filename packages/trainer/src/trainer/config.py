@@ -1,0 +1,283 @@
+"""One typed config for model, parallelism and training, with presets and validation.
+
+Key names follow MaxText where the concept is the same, so a MaxText user can
+carry their overrides over (`per_device_batch_size`, `ici_fsdp_parallelism`, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from typing import Any, Literal
+
+SHARD_MODES = ("explicit", "auto")
+MESH_AXES = ("data", "fsdp", "tensor", "tensor_transpose", "context", "expert")
+REMAT_POLICIES = ("none", "full", "minimal")
+DTYPES = ("float32", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """A bad configuration: the message names the offending key and value."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Everything a run needs. Build with `make_config(overrides)`, never by hand."""
+
+    model_name: str = "deepseek3-tiny"
+    # Model shape.
+    vocab_size: int = 256
+    base_emb_dim: int = 64
+    base_num_decoder_layers: int = 3
+    first_num_dense_layers: int = 1
+    base_mlp_dim: int = 128
+    base_moe_mlp_dim: int = 32
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    shared_experts: int = 1
+    n_routing_groups: int = 2
+    topk_routing_group: int = 1
+    routed_scaling_factor: float = 1.0
+    routed_score_func: Literal["sigmoid", "softmax"] = "sigmoid"
+    routed_bias_update_rate: float = 0.001
+    load_balance_loss_weight: float = 0.0
+    sparse_matmul: bool = True
+    base_num_query_heads: int = 4
+    q_lora_rank: int = 32
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 16
+    rope_max_timescale: int = 10_000
+    max_target_length: int = 32
+    normalization_layer_epsilon: float = 1e-6
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    weight_dtype: Literal["float32", "bfloat16"] = "float32"
+    remat_policy: Literal["none", "full", "minimal"] = "none"
+    scan_layers: bool = True
+    # Parallelism: -1 fills the devices left over.
+    ici_data_parallelism: int = -1
+    ici_fsdp_parallelism: int = 1
+    ici_tensor_parallelism: int = 1
+    ici_tensor_transpose_parallelism: int = 1
+    ici_context_parallelism: int = 1
+    ici_expert_parallelism: int = 1
+    expert_shard_attention_option: Literal["fsdp", "context"] = "fsdp"
+    shard_mode: Literal["explicit", "auto"] = "explicit"
+    shard_optimizer_over_data: bool = False
+    # Training.
+    per_device_batch_size: float = 1.0
+    gradient_accumulation_steps: int = 1
+    defer_gradient_reduction: bool = True
+    steps: int = 10
+    learning_rate: float = 3e-3
+    warmup_steps_fraction: float = 0.1
+    cosine_final_lr_fraction: float = 0.1
+    adam_b1: float = 0.9
+    adam_b2: float = 0.95
+    adam_eps: float = 1e-8
+    adam_weight_decay: float = 0.1
+    gradient_clipping_threshold: float = 1.0
+    seed: int = 0
+    dataset_type: Literal["synthetic"] = "synthetic"
+    # Output and reporting.
+    run_name: str = ""
+    base_output_directory: str = ""
+    log_period: int = 1
+    device_peak_tflops: float = 0.0
+
+    @property
+    def emb_dim(self) -> int:
+        return self.base_emb_dim
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.base_num_decoder_layers - self.first_num_dense_layers
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def parallelism(self) -> dict[str, int]:
+        """Requested size per mesh axis (before -1 is filled)."""
+        return {axis: getattr(self, f"ici_{axis}_parallelism") for axis in MESH_AXES}
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Seconds per step on 8 CPU devices: every shape tiny, every feature on.
+    "deepseek3-tiny": {},
+    # A few times the tiny shape: AOT compiles and CPU benchmarks.
+    "deepseek3-test": dict(
+        vocab_size=1024,
+        base_emb_dim=256,
+        base_num_decoder_layers=4,
+        base_mlp_dim=512,
+        base_moe_mlp_dim=128,
+        num_experts=16,
+        num_experts_per_tok=4,
+        n_routing_groups=4,
+        topk_routing_group=2,
+        base_num_query_heads=8,
+        q_lora_rank=96,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        max_target_length=128,
+    ),
+    # About 1.3B total parameters: fits one accelerator with 24+ GiB.
+    "deepseek3-small": dict(
+        vocab_size=32_768,
+        base_emb_dim=1024,
+        base_num_decoder_layers=24,
+        first_num_dense_layers=1,
+        base_mlp_dim=4096,
+        base_moe_mlp_dim=512,
+        num_experts=16,
+        num_experts_per_tok=2,
+        n_routing_groups=4,
+        topk_routing_group=2,
+        base_num_query_heads=16,
+        q_lora_rank=384,
+        kv_lora_rank=256,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        max_target_length=1024,
+        routed_scaling_factor=2.5,
+    ),
+    # The DeepSeek-V3 shape (671B total, 37B active): for AOT compiles only.
+    "deepseek3-671b": dict(
+        vocab_size=129_280,
+        base_emb_dim=7168,
+        base_num_decoder_layers=61,
+        first_num_dense_layers=3,
+        base_mlp_dim=18_432,
+        base_moe_mlp_dim=2048,
+        num_experts=256,
+        num_experts_per_tok=8,
+        shared_experts=1,
+        n_routing_groups=8,
+        topk_routing_group=4,
+        routed_scaling_factor=2.5,
+        base_num_query_heads=128,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        max_target_length=4096,
+        remat_policy="full",
+    ),
+}
+
+FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+
+
+def _field_type(name: str) -> Any:
+    return typing.get_type_hints(Config)[name]
+
+
+def _parse_value(key: str, raw: Any) -> Any:
+    """Convert `raw` (a string from the command line, or a value) to the key's type."""
+    hint = _field_type(key)
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if raw not in choices:
+            raise ConfigError(f"{key}={raw!r} is not one of {choices}")
+        return raw
+    if isinstance(hint, types.UnionType):
+        hint = str
+    if hint is bool:
+        if isinstance(raw, bool):
+            return raw
+        lowered = str(raw).lower()
+        if lowered in ("true", "1", "yes"):
+            return True
+        if lowered in ("false", "0", "no"):
+            return False
+        raise ConfigError(f"{key}={raw!r} is not a boolean (true/false)")
+    if hint is int:
+        if isinstance(raw, bool):
+            raise ConfigError(f"{key}={raw!r} is not an integer")
+        try:
+            value = float(raw) if isinstance(raw, str) else raw
+        except ValueError:
+            raise ConfigError(f"{key}={raw!r} is not an integer") from None
+        if not isinstance(value, int | float) or value != int(value):
+            raise ConfigError(f"{key}={raw!r} is not an integer")
+        return int(value)
+    if hint is float:
+        try:
+            return float(raw)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}={raw!r} is not a number") from None
+    return str(raw)
+
+
+def parse_overrides(args: list[str]) -> dict[str, str]:
+    """`['key=value', ...]` -> dict, rejecting anything not of that form."""
+    out: dict[str, str] = {}
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {arg!r} is not of the form key=value")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _check_known(keys: list[str]) -> None:
+    for key in keys:
+        if key not in FIELDS:
+            close = difflib.get_close_matches(key, FIELDS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"unknown config key {key!r}{hint}")
+
+
+def make_config(overrides: dict[str, Any] | None = None) -> Config:
+    """Preset for `model_name` (default deepseek3-tiny) + `overrides`, type-checked.
+
+    Only structural checks happen here; `validate(config, num_devices)` checks
+    what depends on the machine (mesh, batch sizes).
+    """
+    overrides = dict(overrides or {})
+    _check_known(list(overrides))
+    model_name = overrides.get("model_name", Config.model_name)
+    if model_name not in PRESETS:
+        raise ConfigError(f"model_name={model_name!r} is not one of {sorted(PRESETS)}")
+    values = dict(PRESETS[model_name])
+    values.update(overrides)
+    return Config(**{key: _parse_value(key, raw) for key, raw in values.items()})
+
+
+def mesh_shape(config: Config, num_devices: int) -> dict[str, int]:
+    """Mesh axis sizes, with the (single) -1 axis filling the remaining devices."""
+    sizes = config.parallelism()
+    fill = [axis for axis, size in sizes.items() if size == -1]
+    if len(fill) > 1:
+        raise ConfigError(
+            "only one ici_*_parallelism may be -1; got -1 for "
+            + ", ".join(f"ici_{a}_parallelism" for a in fill)
+        )
+    for axis, size in sizes.items():
+        if size == 0 or size < -1:
+            raise ConfigError(f"ici_{axis}_parallelism={size} must be a positive size or -1")
+    fixed = math.prod(size for size in sizes.values() if size != -1)
+    if fill:
+        if num_devices % fixed:
+            raise ConfigError(
+                f"ici_{fill[0]}_parallelism=-1 cannot fill {num_devices} devices: the other "
+                f"axes multiply to {fixed}, which does not divide {num_devices}"
+            )
+        sizes[fill[0]] = num_devices // fixed
+    product = math.prod(sizes.values())
+    if product != num_devices:
+        listing = ", ".join(f"{a}={s}" for a, s in sizes.items() if s != 1)
+        raise ConfigError(
+            f"mesh product {product} ({listing or 'all 1'}) != device count {num_devices}"
+        )
+    return sizes

@@ -1,0 +1,77 @@
+"""Parameter counts and the training-FLOPs formula behind the MFU estimate.
+
+FLOPs per token (training) = 6 x active matmul parameters
+                           + 6 x layers x S x H x (qk_head_dim + v_head_dim)
+The first term is forward (2 FLOPs per multiply-add) plus backward (twice the
+forward) over every weight a token touches: attention projections, the dense
+MLPs, the router, the shared experts, its top-k routed experts, the logits.
+The second is attention's score and value products at sequence length S,
+counted without a causal discount (the PaLM convention). Embedding lookups
+and norms are not matmuls and are left out.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+
+from trainer.config import Config
+
+# Peak dense bf16 TFLOP/s per chip, by `device_kind` prefix.
+PEAK_TFLOPS = {
+    "TPU v5 lite": 197.0,
+    "TPU v5e": 197.0,
+    "TPU v5p": 459.0,
+    "TPU v5": 459.0,
+    "TPU v6": 918.0,
+    "TPU v4": 275.0,
+    "NVIDIA H100": 989.0,
+    "NVIDIA H200": 989.0,
+    "NVIDIA A100": 312.0,
+}
+
+
+def count_params(params) -> int:
+    """Total number of parameter elements."""
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+
+
+def _attention_params(c: Config) -> int:
+    h = c.base_num_query_heads
+    return (
+        c.emb_dim * c.q_lora_rank
+        + c.q_lora_rank * h * c.qk_head_dim
+        + c.emb_dim * (c.kv_lora_rank + c.qk_rope_head_dim)
+        + c.kv_lora_rank * h * (c.qk_nope_head_dim + c.v_head_dim)
+        + h * c.v_head_dim * c.emb_dim
+    )
+
+
+def active_matmul_params(c: Config) -> int:
+    """Weights one token multiplies through (routed experts: only its top-k)."""
+    d = c.emb_dim
+    dense_ffn = 3 * d * c.base_mlp_dim
+    moe_ffn = d * c.num_experts + 3 * d * c.base_moe_mlp_dim * (
+        c.num_experts_per_tok + c.shared_experts
+    )
+    layers = c.base_num_decoder_layers * _attention_params(c)
+    layers += c.first_num_dense_layers * dense_ffn + c.num_moe_layers * moe_ffn
+    return layers + d * c.vocab_size
+
+
+def training_flops_per_token(c: Config) -> float:
+    """The formula in the module docstring."""
+    attention = c.base_num_decoder_layers * c.max_target_length * c.base_num_query_heads
+    attention *= c.qk_head_dim + c.v_head_dim
+    return 6.0 * active_matmul_params(c) + 6.0 * attention
+
+
+def peak_tflops(config: Config, device_kind: str) -> float | None:
+    """Per-chip peak: the config's `device_peak_tflops` if set, else the table."""
+    if config.device_peak_tflops > 0:
+        return config.device_peak_tflops
+    for prefix, value in PEAK_TFLOPS.items():
+        if device_kind.startswith(prefix):
+            return value
+    return None

@@ -1,0 +1,29 @@
+"""Token-weighted cross-entropy that works on vocab-sharded logits in both modes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import pspec_tags as pt
+
+
+def cross_entropy_sum(
+    logits_BxSxV: jax.Array, targets_BxS: jax.Array, weights_BxS: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """(Σ weight * -log p(target), Σ weight): sums, so microbatches add up exactly."""
+    lse_BxS = jax.nn.logsumexp(logits_BxSxV, axis=-1)
+    # A vocab index per logit, laid out exactly like the logits: comparing it with
+    # the targets is then a plain elementwise op even when the vocab is sharded.
+    spec = pt.spec_of(logits_BxSxV)
+    vocab_BxSxV = lax.broadcasted_iota(
+        jnp.int32,
+        logits_BxSxV.shape,
+        2,
+        out_sharding=jax.typeof(logits_BxSxV).sharding if spec is not None else None,
+    )
+    hit_BxSxV = vocab_BxSxV == targets_BxS[..., None]
+    target_BxS = jnp.sum(jnp.where(hit_BxSxV, logits_BxSxV, 0.0), axis=-1)
+    weights_BxS = weights_BxS.astype(jnp.float32)
+    return jnp.sum((lse_BxS - target_BxS) * weights_BxS), jnp.sum(weights_BxS)

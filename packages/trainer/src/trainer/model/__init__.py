@@ -1,0 +1,114 @@
+"""Model construction and the functional view the train step works with.
+
+Outside the model, parameters are plain nested dicts of arrays (what accum,
+optax and orbax want); `apply` merges them back into the NNX module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from flax import nnx
+
+from trainer.config import Config
+from trainer.model.decoder import Decoder
+from trainer.model.moe_block import RouterBias
+from trainer.model.params import host_value, logical_axes_of
+from trainer.sharding import ShardCtx
+
+STACKS = ("dense_layers", "moe_layers")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDef:
+    """The static half of the model: graph and state templates, plus shardings."""
+
+    graphdef: Any
+    param_template: Any
+    router_template: Any
+    param_logical: dict
+    router_logical: dict
+
+
+def _logical_tree(state: nnx.State) -> dict:
+    """Logical axes of every variable; stacked layers get a leading 'layers' axis."""
+    out: dict = {}
+    for path, variable in nnx.to_flat_state(state):
+        stacked = path[0] in STACKS
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = logical_axes_of(variable, stacked)
+    return out
+
+
+def define(config: Config, ctx: ShardCtx) -> ModelDef:
+    """Trace the model's structure without allocating parameters."""
+    abstract = nnx.eval_shape(lambda: Decoder(config, ctx, rngs=nnx.Rngs(config.seed)))
+    graphdef, params, router = nnx.split(abstract, nnx.Param, RouterBias)
+    return ModelDef(graphdef, params, router, _logical_tree(params), _logical_tree(router))
+
+
+def _is_axes(x) -> bool:
+    return isinstance(x, tuple)
+
+
+def shardings(tree_logical: dict, shapes: Any, ctx: ShardCtx) -> Any:
+    """NamedShardings for a tree of logical axes, fitted to the leaves' shapes."""
+    return jax.tree.map(
+        lambda axes, leaf: ctx.sharding(axes, leaf.shape), tree_logical, shapes, is_leaf=_is_axes
+    )
+
+
+def abstract_state(model: ModelDef, ctx: ShardCtx) -> tuple[dict, dict]:
+    """ShapeDtypeStructs (with shardings) of the params and the router biases."""
+
+    def structs(template, logical):
+        shapes = nnx.to_pure_dict(template)
+        specs = shardings(logical, shapes, ctx)
+        return jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, specs
+        )
+
+    return structs(model.param_template, model.param_logical), structs(
+        model.router_template, model.router_logical
+    )
+
+
+def _host_init(template: nnx.State, abstract: dict, seed: int) -> dict:
+    out: dict = {}
+    for path, variable in nnx.to_flat_state(template):
+        node_abs, node = abstract, out
+        for key in path[:-1]:
+            node_abs, node = node_abs[key], node.setdefault(key, {})
+        target = node_abs[path[-1]]
+        value = host_value(variable, path, seed)
+        node[path[-1]] = jax.make_array_from_callback(
+            value.shape, target.sharding, lambda index, value=value: value[index]
+        )
+    return out
+
+
+def init(config: Config, ctx: ShardCtx, model: ModelDef) -> tuple[dict, dict]:
+    """Parameters and router biases, drawn on the host and placed in their shardings."""
+    params_abs, router_abs = abstract_state(model, ctx)
+    return (
+        _host_init(model.param_template, params_abs, config.seed),
+        _host_init(model.router_template, router_abs, config.seed),
+    )
+
+
+def _fill(template: nnx.State, pure: dict) -> nnx.State:
+    state = jax.tree.map(lambda x: x, template)  # a fresh copy: replace_by_pure_dict mutates
+    nnx.replace_by_pure_dict(state, pure)
+    return state
+
+
+def apply(model: ModelDef, params: dict, router: dict, tokens_BxS, positions_BxS, segments_BxS):
+    """Run the decoder on plain-dict parameters: (logits_BxSxV f32, MoE stats)."""
+    module = nnx.merge(
+        model.graphdef, _fill(model.param_template, params), _fill(model.router_template, router)
+    )
+    return module(tokens_BxS, positions_BxS, segments_BxS)

@@ -1,0 +1,113 @@
+"""Multi-head latent attention (DeepSeek-V2/V3): low-rank q and kv with decoupled RoPE."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from trainer.config import Config
+from trainer.model.layers import BSE, RMSNorm, rope
+from trainer.model.params import param
+from trainer.sharding import ShardCtx
+
+
+@dataclasses.dataclass(frozen=True)
+class MLANames:
+    """Every logical axis name this layer uses, in one place."""
+
+    q: tuple = ("activation_batch", "activation_length", "activation_heads", "activation_head_dim")
+    kv: tuple = (
+        "activation_batch",
+        "activation_kv_length",
+        "activation_heads",
+        "activation_head_dim",
+    )
+    lora: tuple = ("activation_batch", "activation_length", "activation_lora")
+    scores: tuple = (
+        "activation_batch",
+        "activation_heads",
+        "activation_length",
+        "activation_kv_length",
+    )
+    out: tuple = BSE
+
+
+NAMES = MLANames()
+
+
+class MLA(nnx.Module):
+    """Queries through a q_lora bottleneck; keys/values from one shared kv_lora latent.
+
+    Shapes: D embed, H heads, Q q_lora_rank, C kv_lora_rank, N nope dim,
+    R rope dim, V value dim.
+    """
+
+    def __init__(self, config: Config, ctx: ShardCtx, *, rngs: nnx.Rngs):
+        c = config
+        d, h = c.emb_dim, c.base_num_query_heads
+        self.wq_a_DxQ = param(rngs, (d, c.q_lora_rank), ("embed", "q_lora"))
+        self.q_norm = RMSNorm(c.q_lora_rank, c.normalization_layer_epsilon, rngs=rngs)
+        self.wq_b_QxHxK = param(
+            rngs, (c.q_lora_rank, h, c.qk_head_dim), ("q_lora", "heads", "head_dim")
+        )
+        self.wkv_a_DxCR = param(
+            rngs, (d, c.kv_lora_rank + c.qk_rope_head_dim), ("embed", "kv_lora")
+        )
+        self.kv_norm = RMSNorm(c.kv_lora_rank, c.normalization_layer_epsilon, rngs=rngs)
+        self.wkv_b_CxHxNV = param(
+            rngs,
+            (c.kv_lora_rank, h, c.qk_nope_head_dim + c.v_head_dim),
+            ("kv_lora", "heads", "head_dim"),
+        )
+        self.wo_HxVxD = param(
+            rngs, (h, c.v_head_dim, d), ("heads", "head_dim", "embed"), fan_in=h * c.v_head_dim
+        )
+        self.config, self.ctx = config, ctx
+        self.dtype = jnp.dtype(config.dtype)
+
+    def __call__(
+        self, x_BxSxD: jax.Array, positions_BxS: jax.Array, segments_BxS: jax.Array
+    ) -> jax.Array:
+        c, ctx, dt = self.config, self.ctx, self.dtype
+        nope, rope_dim = c.qk_nope_head_dim, c.qk_rope_head_dim
+
+        q_BxSxQ = ctx.einsum("bsd,dq->bsq", x_BxSxD, self.wq_a_DxQ[...].astype(dt), out=NAMES.lora)
+        q_BxSxHxK = ctx.einsum(
+            "bsq,qhk->bshk", self.q_norm(q_BxSxQ), self.wq_b_QxHxK[...].astype(dt), out=NAMES.q
+        )
+        q_nope, q_pe = q_BxSxHxK[..., :nope], q_BxSxHxK[..., nope:]
+        q_BxSxHxK = jnp.concatenate([q_nope, rope(q_pe, positions_BxS, c.rope_max_timescale)], -1)
+
+        kv_BxSxCR = ctx.einsum(
+            "bsd,dc->bsc", x_BxSxD, self.wkv_a_DxCR[...].astype(dt), out=NAMES.lora
+        )
+        kv_c, k_pe_BxSxR = kv_BxSxCR[..., : c.kv_lora_rank], kv_BxSxCR[..., c.kv_lora_rank :]
+        kv_BxSxHxNV = ctx.einsum(
+            "bsc,chk->bshk", self.kv_norm(kv_c), self.wkv_b_CxHxNV[...].astype(dt), out=NAMES.q
+        )
+        k_nope, v_BxSxHxV = kv_BxSxHxNV[..., :nope], kv_BxSxHxNV[..., nope:]
+        # One rope key shared by every head (DeepSeek's decoupled RoPE).
+        k_pe_BxSx1xR = rope(k_pe_BxSxR[:, :, None, :], positions_BxS, c.rope_max_timescale)
+        k_pe_BxSxHxR = jnp.broadcast_to(k_pe_BxSx1xR, (*k_nope.shape[:3], rope_dim))
+        k_BxSxHxK = jnp.concatenate([k_nope, k_pe_BxSxHxR], -1)
+
+        # Context parallelism: queries keep their sequence shard, keys and values
+        # are gathered over it (activation_kv_length maps to no mesh axis).
+        k_BxTxHxK = ctx.act(k_BxSxHxK, NAMES.kv)
+        v_BxTxHxV = ctx.act(v_BxSxHxV, NAMES.kv)
+        kv_positions_BxT = ctx.act(positions_BxS, NAMES.kv[:2])
+        kv_segments_BxT = ctx.act(segments_BxS, NAMES.kv[:2])
+
+        scale = c.qk_head_dim**-0.5
+        logits_BxHxSxT = ctx.einsum(
+            "bshk,bthk->bhst", q_BxSxHxK * scale, k_BxTxHxK, out=NAMES.scores
+        ).astype(jnp.float32)
+        causal = positions_BxS[:, None, :, None] >= kv_positions_BxT[:, None, None, :]
+        same_doc = segments_BxS[:, None, :, None] == kv_segments_BxT[:, None, None, :]
+        logits_BxHxSxT = jnp.where(causal & same_doc, logits_BxHxSxT, -1e30)
+        probs_BxHxSxT = jax.nn.softmax(logits_BxHxSxT, axis=-1).astype(dt)
+        out_BxSxHxV = ctx.einsum("bhst,bthv->bshv", probs_BxHxSxT, v_BxTxHxV, out=NAMES.q)
+        return ctx.einsum("bshv,hvd->bsd", out_BxSxHxV, self.wo_HxVxD[...].astype(dt), out=BSE)

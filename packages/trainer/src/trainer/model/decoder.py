@@ -1,0 +1,110 @@
+"""The DeepSeek-style decoder: embeddings, dense then MoE blocks (scanned), logits."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import pspec_tags as pt
+from trainer.config import Config
+from trainer.model.attention import MLA
+from trainer.model.layers import BSE, MLP, RMSNorm
+from trainer.model.moe_block import MoE
+from trainer.model.params import param
+from trainer.sharding import ShardCtx
+
+TOKENS = ("activation_batch", "activation_length")
+LOGITS = ("activation_batch", "activation_length", "activation_vocab")
+
+
+class Block(nnx.Module):
+    """Pre-norm attention then pre-norm feed-forward (dense MLP or MoE)."""
+
+    def __init__(self, config: Config, ctx: ShardCtx, moe: bool, *, rngs: nnx.Rngs):
+        eps = config.normalization_layer_epsilon
+        self.attn_norm = RMSNorm(config.emb_dim, eps, rngs=rngs)
+        self.attn = MLA(config, ctx, rngs=rngs)
+        self.ffn_norm = RMSNorm(config.emb_dim, eps, rngs=rngs)
+        dt = jnp.dtype(config.dtype)
+        self.ffn = (
+            MoE(config, ctx, rngs=rngs)
+            if moe
+            else MLP(config.emb_dim, config.base_mlp_dim, ctx, dt, rngs=rngs)
+        )
+        self.is_moe, self.ctx = moe, ctx
+
+    def __call__(self, x_BxSxD, positions_BxS, segments_BxS):
+        x_BxSxD = x_BxSxD + self.attn(self.attn_norm(x_BxSxD), positions_BxS, segments_BxS)
+        if self.is_moe:
+            y_BxSxD, stats = self.ffn(self.ffn_norm(x_BxSxD))
+        else:
+            y_BxSxD, stats = self.ffn(self.ffn_norm(x_BxSxD)), {}
+        return self.ctx.act(x_BxSxD + y_BxSxD, BSE), stats
+
+
+def _stack(config: Config, ctx: ShardCtx, moe: bool, count: int, rngs: nnx.Rngs):
+    """`count` blocks with parameters stacked on a leading layer axis (for lax.scan)."""
+
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+        return Block(config, ctx, moe, rngs=rngs)
+
+    return create(rngs)
+
+
+REMAT = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _run_stack(stack: nnx.Module, x_BxSxD, positions_BxS, segments_BxS, remat: str):
+    """lax.scan over the stacked blocks; returns the output and per-layer stats."""
+    graphdef, state = nnx.split(stack)
+
+    def body(x, layer_state):
+        return nnx.merge(graphdef, layer_state)(x, positions_BxS, segments_BxS)
+
+    if REMAT[remat] is not None:
+        body = jax.checkpoint(body, policy=REMAT[remat])
+    return jax.lax.scan(body, x_BxSxD, state)
+
+
+class Decoder(nnx.Module):
+    """Token ids -> logits. Parameters are f32; compute runs in `config.dtype`."""
+
+    def __init__(self, config: Config, ctx: ShardCtx, *, rngs: nnx.Rngs):
+        d = config.emb_dim
+        self.embedding_VxD = param(rngs, (config.vocab_size, d), ("vocab", "embed"), fan_in=1)
+        if config.first_num_dense_layers:
+            self.dense_layers = _stack(config, ctx, False, config.first_num_dense_layers, rngs)
+        if config.num_moe_layers:
+            self.moe_layers = _stack(config, ctx, True, config.num_moe_layers, rngs)
+        self.final_norm = RMSNorm(d, config.normalization_layer_epsilon, rngs=rngs)
+        self.logits_DxV = param(rngs, (d, config.vocab_size), ("embed", "vocab"))
+        self.config, self.ctx = config, ctx
+
+    def __call__(self, tokens_BxS, positions_BxS, segments_BxS):
+        """Returns (logits_BxSxV in f32, MoE stats stacked over MoE layers)."""
+        c, ctx = self.config, self.ctx
+        dt = jnp.dtype(c.dtype)
+        # The lookup table is gathered whole (its rows are picked by token id);
+        # `ctx.param` carries the reduced tag so its gradient stays unreduced.
+        table_VxD = ctx.param(self.embedding_VxD[...], ("vocab", None))
+        x_BxSxD = pt.embed_lookup(table_VxD, tokens_BxS, ctx.spec(BSE)).astype(dt)
+        x_BxSxD = ctx.act(x_BxSxD, BSE)
+        stats = {}
+        if c.first_num_dense_layers:
+            x_BxSxD, _ = _run_stack(
+                self.dense_layers, x_BxSxD, positions_BxS, segments_BxS, c.remat_policy
+            )
+        if c.num_moe_layers:
+            x_BxSxD, stats = _run_stack(
+                self.moe_layers, x_BxSxD, positions_BxS, segments_BxS, c.remat_policy
+            )
+        x_BxSxD = self.final_norm(x_BxSxD)
+        logits = ctx.einsum("bsd,dv->bsv", x_BxSxD, self.logits_DxV[...].astype(dt), out=LOGITS)
+        return logits.astype(jnp.float32), stats

@@ -1,0 +1,59 @@
+"""Small building blocks: RMSNorm, SwiGLU MLP, rotary embeddings."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import pspec_tags as pt
+from trainer.model.params import param
+from trainer.sharding import ShardCtx
+
+BSE = ("activation_batch", "activation_length", "activation_embed")
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm with a learned scale (computed in f32)."""
+
+    def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs, logical=("norm",)):
+        self.scale = param(rngs, (dim,), logical, init="ones")
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        # `normed * scale` would raise ShardingTypeError when the scale is reduced
+        # over 'data' and `normed` is sharded over it; broadcast_param gives the
+        # scale the activation's sharding and keeps its gradient unreduced.
+        return (normed * pt.broadcast_param(self.scale[...], normed)).astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: (silu(x W0) * x W1) Wo."""
+
+    def __init__(self, dim: int, hidden: int, ctx: ShardCtx, dtype, *, rngs: nnx.Rngs):
+        self.wi_0 = param(rngs, (dim, hidden), ("embed", "mlp"))
+        self.wi_1 = param(rngs, (dim, hidden), ("embed", "mlp"))
+        self.wo = param(rngs, (hidden, dim), ("mlp", "embed"))
+        self.ctx, self.dtype = ctx, dtype
+
+    def __call__(self, x_BxSxD: jax.Array) -> jax.Array:
+        ctx, dt = self.ctx, self.dtype
+        hidden = ("activation_batch", "activation_length", "activation_mlp")
+        # Casting a (possibly reduced) weight is fine: it meets no activation.
+        h0 = ctx.einsum("bsd,df->bsf", x_BxSxD, self.wi_0[...].astype(dt), out=hidden)
+        h1 = ctx.einsum("bsd,df->bsf", x_BxSxD, self.wi_1[...].astype(dt), out=hidden)
+        return ctx.einsum("bsf,fd->bsd", jax.nn.silu(h0) * h1, self.wo[...].astype(dt), out=BSE)
+
+
+def rope(x_BxSxHxR: jax.Array, positions_BxS: jax.Array, max_timescale: int) -> jax.Array:
+    """Rotary embedding on the last dim (pairs (i, i + R/2)), in f32."""
+    half = x_BxSxHxR.shape[-1] // 2
+    freq_R2 = max_timescale ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle_BxSx1xR2 = (positions_BxS.astype(jnp.float32)[..., None] * freq_R2)[:, :, None, :]
+    sin, cos = jnp.sin(angle_BxSx1xR2), jnp.cos(angle_BxSx1xR2)
+    x32 = x_BxSxHxR.astype(jnp.float32)
+    first, second = x32[..., :half], x32[..., half:]
+    rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    return rotated.astype(x_BxSxHxR.dtype)

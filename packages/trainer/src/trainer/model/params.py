@@ -1,0 +1,71 @@
+"""Parameter creation with logical axis names attached as NNX metadata."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+# Metadata key holding a parameter's logical axes. Flax's own `sharding_names`
+# would make NNX shard eagerly on creation; we shard once, after init, with
+# pspec_tags so one rule set serves explicit and auto mode.
+LOGICAL = "logical_axes"
+# How `host_values` draws the parameter: ("normal", stddev) | ("ones",) | ("zeros",).
+INIT = "init"
+
+
+def param(
+    rngs: nnx.Rngs,
+    shape: Sequence[int],
+    logical: Sequence[str | None],
+    *,
+    fan_in: int | None = None,
+    init: str = "normal",
+    dtype: str = "float32",
+) -> nnx.Param:
+    """A parameter of `shape` named by `logical`; 'normal' is scaled by 1/sqrt(fan_in)."""
+    if len(shape) != len(logical):
+        raise ValueError(f"shape {tuple(shape)} and logical axes {tuple(logical)} differ in rank")
+    if init == "ones":
+        value, recipe = jnp.ones(shape, dtype), ("ones",)
+    elif init == "zeros":
+        value, recipe = jnp.zeros(shape, dtype), ("zeros",)
+    else:
+        scale = (fan_in or shape[0]) ** -0.5
+        value, recipe = (
+            (jax.random.normal(rngs.params(), shape) * scale).astype(dtype),
+            (
+                "normal",
+                scale,
+            ),
+        )
+    return nnx.Param(value, **{LOGICAL: tuple(logical), INIT: recipe})
+
+
+def host_value(variable: nnx.Variable, path: tuple, seed: int) -> np.ndarray:
+    """The variable's initial value drawn on the host, deterministic in (seed, path).
+
+    Host drawing keeps start-up cheap (compiling a jitted init of every random
+    parameter took longer than compiling the train step) and makes the values
+    independent of the mesh, so sharded and single-device runs start equal.
+    """
+    abstract = variable.get_value()
+    shape, dtype = abstract.shape, np.dtype(abstract.dtype)
+    recipe = variable.get_metadata().get(INIT, ("zeros",))
+    if recipe[0] == "ones":
+        return np.ones(shape, dtype)
+    if recipe[0] == "zeros":
+        return np.zeros(shape, dtype)
+    name = "/".join(str(k) for k in path).encode()
+    rng = np.random.default_rng([seed, zlib.crc32(name)])
+    return (rng.standard_normal(shape, dtype=np.float32) * recipe[1]).astype(dtype)
+
+
+def logical_axes_of(variable: nnx.Variable, stacked: bool = False) -> tuple[str | None, ...]:
+    """The logical axes of a variable; `stacked` prepends the scanned 'layers' axis."""
+    axes = tuple(variable.get_metadata().get(LOGICAL, ()))
+    return (("layers",) + axes) if stacked else axes

@@ -1,0 +1,59 @@
+"""What the train binary prints before training: mesh, sizes, collectives of the step."""
+
+from __future__ import annotations
+
+import hlo_tools
+from trainer.config import Config
+
+MIB = 1024 * 1024
+
+
+def mesh_line(sizes: dict[str, int], mode: str) -> str:
+    used = ", ".join(f"{axis}={size}" for axis, size in sizes.items() if size > 1) or "1 device"
+    return f"mesh: {used} ({mode})"
+
+
+def params_line(total: int, active: int) -> str:
+    return f"params: {total / 1e6:.3f}M total, {active / 1e6:.3f}M active per token (matmuls)"
+
+
+def deferral_line(config: Config, axes: tuple[str, ...]) -> str:
+    """Whether gradient reductions are deferred to once per step, and over which axes."""
+    if config.shard_mode != "explicit":
+        return "gradient reduction: placed by XLA (auto mode carries no reduced/unreduced tags)"
+    if not config.defer_gradient_reduction:
+        return "gradient reduction: per microbatch (defer_gradient_reduction=false)"
+    if not axes:
+        return (
+            "gradient reduction: not deferred (a mesh axis that shards the batch also shards "
+            "parameters, e.g. fsdp; deferral needs batch-only axes)"
+        )
+    return f"gradient reduction: deferred to once per step over {axes} (grads stay unreduced)"
+
+
+def collective_summary(text: str, config: Config) -> list[str]:
+    """Gradient reductions inside vs outside the loops, and bytes per step by kind."""
+    module = hlo_tools.parse(text)
+    inside = hlo_tools.in_loop_reductions(module)
+    outside = hlo_tools.gradient_reductions_outside(module)
+    flows = hlo_tools.traffic(module)
+    lines = []
+    for where in ("in_loop", "outside"):
+        for kind, row in sorted(flows[where].items()):
+            lines.append(
+                f"  {where:8s} {kind:18s} {row['count']:4d} ops  "
+                f"{row['bytes_per_step'] / MIB:10.3f} MiB/step"
+            )
+    inside_mib = sum(c.bytes_per_step or c.bytes for c in inside) / MIB
+    outside_mib = sum(c.bytes for c in outside) / MIB
+    verdict = (
+        "OK: every gradient reduced once per step"
+        if not inside
+        else f"{len(inside)} gradient-sized reductions run inside loops ({inside_mib:.3f} MiB/step)"
+    )
+    head = (
+        f"collectives per step (GA={config.gradient_accumulation_steps}, "
+        f"defer_gradient_reduction={str(config.defer_gradient_reduction).lower()}): "
+        f"{len(outside)} gradient reductions after the loops ({outside_mib:.3f} MiB); {verdict}"
+    )
+    return [head, *lines]

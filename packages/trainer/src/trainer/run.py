@@ -1,0 +1,135 @@
+"""A whole run: validate, build mesh and model, compile once, train, report."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trainer import data, flops, report
+from trainer import model as model_lib
+from trainer.config import Config
+from trainer.optimizer import make_optimizer
+from trainer.sharding import ShardCtx, deferral_axes, logical_rules, make_mesh
+from trainer.train_step import make_step
+from trainer.validate import global_batch_size, validate
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything built for a run, before any step executes."""
+
+    config: Config
+    ctx: ShardCtx
+    model: model_lib.ModelDef
+    state: dict
+    step_fn: Any  # jitted
+    batch_size: int
+    deferral_axes: tuple[str, ...] = ()
+    compiled: Any = None
+
+
+def setup(config: Config, devices: list | None = None) -> Run:
+    """Validate (before compiling anything), build mesh and state, jit the step."""
+    devices = devices if devices is not None else jax.devices()
+    sizes = validate(config, len(devices))
+    mesh = make_mesh(sizes, config.shard_mode, devices)
+    ctx = ShardCtx(mesh, logical_rules(config), config.shard_mode)
+    model = model_lib.define(config, ctx)
+    params, router = model_lib.init(config, ctx, model)
+    tx = make_optimizer(config)
+    fns = make_step(config, ctx, model, tx)
+    with jax.set_mesh(mesh):
+        opt_state = jax.jit(fns.init_opt_state)(params)
+    state = {
+        "params": params,
+        "opt_state": opt_state,
+        "router": router,
+        "step": jnp.zeros((), jnp.int32),
+    }
+    step_fn = jax.jit(fns.step, donate_argnums=(0,))
+    batch = global_batch_size(config, len(devices))
+    return Run(config, ctx, model, state, step_fn, batch, deferral_axes(ctx, model.param_logical))
+
+
+def batch_for(run: Run, step: int) -> dict:
+    host = data.synthetic_batch(run.config, run.batch_size, step)
+    return data.put_batch(host, run.ctx)
+
+
+def compile_step(run: Run) -> Any:
+    """Lower and compile the step once (the same executable the loop runs)."""
+    with jax.set_mesh(run.ctx.mesh):
+        run.compiled = run.step_fn.lower(run.state, batch_for(run, 0)).compile()
+    return run.compiled
+
+
+def to_host(metrics: dict) -> dict:
+    out = {}
+    for key, value in metrics.items():
+        array = np.asarray(value)
+        out[key] = array.tolist() if array.ndim else float(array)
+    return out
+
+
+def train(run: Run, on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
+    """Run `config.steps` steps; returns one host-side metrics dict per step."""
+    config = run.config
+    compiled = run.compiled or compile_step(run)
+    tokens_per_step = run.batch_size * config.max_target_length
+    flops_per_step = flops.training_flops_per_token(config) * tokens_per_step
+    peak = flops.peak_tflops(config, jax.devices()[0].device_kind)
+    history = []
+    with jax.set_mesh(run.ctx.mesh):
+        for step in range(config.steps):
+            batch = batch_for(run, step)
+            start = time.perf_counter()
+            run.state, metrics = compiled(run.state, batch)
+            metrics = to_host(jax.block_until_ready(metrics))
+            seconds = time.perf_counter() - start
+            metrics.update(
+                step=step + 1, step_time_s=seconds, tokens_per_s=tokens_per_step / seconds
+            )
+            if peak:
+                devices = run.ctx.mesh.size
+                metrics["mfu"] = flops_per_step / seconds / (peak * 1e12 * devices)
+            if not np.isfinite(metrics["loss"]):
+                raise FloatingPointError(f"loss is {metrics['loss']} at step {step + 1}; stopping")
+            history.append(metrics)
+            if on_step:
+                on_step(step + 1, metrics)
+    return history
+
+
+def step_line(step: int, m: dict) -> str:
+    mfu = f"  mfu {m['mfu'] * 100:5.1f}%" if "mfu" in m else ""
+    return (
+        f"step {step:5d}  loss {m['loss']:.4f}  grad_norm {m['grad_norm']:.3f}  "
+        f"lr {m['learning_rate']:.2e}  {m['tokens_per_s']:,.0f} tokens/s  "
+        f"{m['step_time_s'] * 1000:.0f} ms{mfu}"
+    )
+
+
+def startup_lines(run: Run) -> list[str]:
+    """Mesh, parameter counts and the compiled step's collective summary."""
+    config = run.config
+    sizes = dict(run.ctx.mesh.shape)
+    total = flops.count_params(run.state["params"])
+    lines = [
+        report.mesh_line(sizes, config.shard_mode),
+        report.params_line(total, flops.active_matmul_params(config)),
+        f"batch: {run.batch_size} sequences x {config.max_target_length} tokens, "
+        f"{config.gradient_accumulation_steps} microbatches",
+    ]
+    lines.append(report.deferral_line(config, run.deferral_axes))
+    return lines + report.collective_summary(run.compiled.as_text(), config)
+
+
+def metrics_json(m: dict) -> str:
+    return json.dumps({k: v for k, v in m.items()}, sort_keys=True)

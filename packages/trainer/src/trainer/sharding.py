@@ -1,0 +1,140 @@
+"""Mesh, logical axis rules, and the one object model code shards through.
+
+The model never builds a PartitionSpec itself: it names logical axes and asks a
+`ShardCtx`, so explicit and auto mode run the same code. Specs built here are
+untagged by construction (logical rules know nothing of `reduced`); wherever a
+*parameter* is resharded, the caller carries its tag back with
+`pspec_tags.carry_reduced_axes`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pspec_tags as pt
+from trainer.config import MESH_AXES, Config
+
+
+def make_mesh(sizes: dict[str, int], mode: str, devices: Sequence[Any] | None = None) -> Mesh:
+    """All six mesh axes (size one when unused), Explicit or Auto per `mode`."""
+    axis_type = AxisType.Explicit if mode == "explicit" else AxisType.Auto
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    if devices is None:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=(axis_type,) * len(MESH_AXES))
+    array = np.asarray(devices).reshape(shape)
+    return Mesh(array, MESH_AXES, axis_types=(axis_type,) * len(MESH_AXES))
+
+
+def logical_rules(config: Config) -> tuple[tuple[str, Any], ...]:
+    """Logical axis -> mesh axes. The first usable rule for a name wins (pspec_tags)."""
+    expert_in_batch = config.expert_shard_attention_option == "fsdp"
+    batch = ("data", "fsdp", "expert") if expert_in_batch else ("data", "fsdp")
+    length = ("context",) if expert_in_batch else ("context", "expert")
+    return (
+        # Activations.
+        ("activation_batch", batch),
+        ("activation_length", length),
+        ("activation_kv_length", None),  # keys/values gathered over the sequence shards
+        ("activation_embed", "tensor_transpose"),
+        ("activation_heads", "tensor"),
+        ("activation_mlp", "tensor"),
+        ("activation_vocab", "tensor"),
+        ("activation_exp", "expert"),
+        ("activation_lora", None),
+        ("activation_head_dim", None),
+        # Weights.
+        ("vocab", "tensor"),
+        ("embed", ("fsdp", "tensor_transpose")),
+        ("mlp", "tensor"),
+        ("heads", "tensor"),
+        ("exp", "expert"),
+        ("q_lora", None),
+        ("kv_lora", None),
+        ("head_dim", None),
+        ("norm", None),
+        ("layers", None),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardCtx:
+    """Mesh + rules + mode: turns logical axis names into shardings."""
+
+    mesh: Mesh
+    rules: tuple[tuple[str, Any], ...]
+    mode: str
+
+    @property
+    def explicit(self) -> bool:
+        return self.mode == "explicit"
+
+    def spec(self, logical: Sequence[str | None], shape: Sequence[int] | None = None) -> P:
+        """Untagged spec for `logical`; with `shape`, axes that don't divide are dropped."""
+        spec = pt.logical_to_spec(logical, self.rules, self.mesh)
+        return spec if shape is None else pt.fit_to_shape(spec, shape, self.mesh)
+
+    def sharding(self, logical: Sequence[str | None], shape: Sequence[int]) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(logical, shape))
+
+    def act(self, x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+        """Constrain an activation (never a parameter: that would drop its tag)."""
+        return pt.shard(x, self.spec(logical, x.shape), self.mode)
+
+    def param(self, w: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+        """Reshard a parameter to `logical`, keeping its reduced tag.
+
+        The rebuilt spec is untagged; without `carry_reduced_axes` a reduced
+        parameter would land on it as a plain replicated value and its gradient
+        would be all-reduced right here, once per microbatch.
+        """
+        spec = pt.carry_reduced_axes(self.spec(logical, w.shape), w)
+        return pt.shard(w, spec, self.mode)
+
+    def einsum(self, equation: str, *operands: jax.Array, out: Sequence[str | None]) -> jax.Array:
+        """`jnp.einsum` whose output lands on the logical sharding `out`.
+
+        Explicit mode passes `out_sharding` (the type system needs to know where a
+        contraction over a sharded dim lands); auto mode cannot name Auto axes
+        there, so it constrains the result instead.
+        """
+        if self.explicit:
+            out_shape = _einsum_out_shape(equation, operands)
+            return jnp.einsum(equation, *operands, out_sharding=self.spec(out, out_shape))
+        return self.act(jnp.einsum(equation, *operands), out)
+
+
+def _einsum_out_shape(equation: str, operands: Sequence[jax.Array]) -> tuple[int, ...]:
+    """Output shape of an explicit-output einsum like 'bsd,dh->bsh' (no ellipsis)."""
+    inputs, _, output = equation.replace(" ", "").partition("->")
+    dims: dict[str, int] = {}
+    for letters, operand in zip(inputs.split(","), operands, strict=True):
+        dims.update(zip(letters, operand.shape, strict=True))
+    return tuple(dims[letter] for letter in output)
+
+
+def deferral_axes(ctx: ShardCtx, param_logical: dict) -> tuple[str, ...]:
+    """Batch mesh axes the gradient reduction can be deferred over; () turns deferral off.
+
+    Deferral needs every mesh axis that shards the batch to shard no parameter
+    (the seed's `data_is_only_batch_axis`): JAX types the gradient of a matmul
+    that contracts over batch axes as unreduced over *all* of them, so a weight
+    tagged reduced over 'data' but gathered over 'fsdp' does not type-check.
+    With FSDP (or expert-as-batch) the model's own reductions stay in the loop.
+    """
+    if not ctx.explicit:
+        return ()
+    batch = pt.batch_mesh_axes(ctx.mesh, ctx.rules)
+    param_axes = {
+        axis
+        for axes in jax.tree.leaves(param_logical, is_leaf=lambda x: isinstance(x, tuple))
+        for axis in pt.mesh_axes_used(ctx.spec(axes))
+    }
+    return () if param_axes & set(batch) else batch

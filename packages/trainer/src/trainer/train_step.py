@@ -1,0 +1,107 @@
+"""One optimizer step: accumulated gradients (deferred reduction), AdamW, router biases."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import accum
+import moe_kernels
+from trainer import model as model_lib
+from trainer.config import Config
+from trainer.loss import cross_entropy_sum
+from trainer.optimizer import learning_rate_schedule
+from trainer.sharding import ShardCtx, deferral_axes
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFns:
+    """The pieces a run needs: state init and the step, both un-jitted."""
+
+    init_opt_state: Callable[[Any], Any]
+    step: Callable[[dict, dict], tuple[dict, dict]]
+
+
+def _loss_fn(config: Config, model: model_lib.ModelDef, router: dict) -> Callable:
+    """`loss_fn(params, microbatch) -> (loss_sum, aux)` in accum's contract."""
+
+    def loss_fn(params, mb):
+        logits, stats = model_lib.apply(
+            model, params, router, mb["inputs"], mb["positions"], mb["segments"]
+        )
+        ce_sum, weight = cross_entropy_sum(logits, mb["targets"], mb["weights"])
+        aux = {"weight": weight, "ce_sum": ce_sum}
+        loss_sum = ce_sum
+        if stats:
+            # (MoE layers, E) token counts: summed over microbatches by accum.
+            aux["tokens_per_expert"] = stats["tokens_per_expert"]
+            balance = jnp.mean(stats["balance_loss"])
+            aux["balance_loss_sum"] = balance * weight
+            if config.load_balance_loss_weight:
+                loss_sum = loss_sum + config.load_balance_loss_weight * balance * weight
+        return loss_sum, aux
+
+    return loss_fn
+
+
+def _update_router(config: Config, router: dict, tokens_per_expert_LxE) -> dict:
+    if not router or config.routed_bias_update_rate == 0:
+        return router
+    update = jax.vmap(
+        lambda b, t: moe_kernels.update_routing_bias(b, t, rate=config.routed_bias_update_rate)
+    )
+    ffn = router["moe_layers"]["ffn"]
+    new_bias = update(ffn["bias"], tokens_per_expert_LxE)
+    return {"moe_layers": {"ffn": {**ffn, "bias": new_bias}}}
+
+
+def make_step(
+    config: Config,
+    ctx: ShardCtx,
+    model: model_lib.ModelDef,
+    tx: optax.GradientTransformation,
+    grad_shardings: Any = None,
+) -> StepFns:
+    """Build the step. `grad_shardings` (ZeRO-1) is where the single reduction lands."""
+    schedule = learning_rate_schedule(config)
+    batch_axes = deferral_axes(ctx, model.param_logical)
+
+    def step(state: dict, batch: dict) -> tuple[dict, dict]:
+        loss, aux, grads = accum.accumulate_gradients(
+            _loss_fn(config, model, state["router"]),
+            state["params"],
+            batch,
+            num_microbatches=config.gradient_accumulation_steps,
+            mode=config.shard_mode,
+            defer_reduction=config.defer_gradient_reduction,
+            batch_axes=batch_axes,
+            grad_shardings=grad_shardings,
+        )
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        params = jax.tree.map(lambda p, old: p.astype(old.dtype), params, state["params"])
+        tokens = aux.get("tokens_per_expert")
+        router = (
+            state["router"] if tokens is None else _update_router(config, state["router"], tokens)
+        )
+        weight = jnp.maximum(aux["weight"], 1.0)
+        metrics = {
+            "loss": loss,
+            "ce_loss": aux["ce_sum"] / weight,
+            "grad_norm": optax.tree.norm(grads),
+            "learning_rate": schedule(state["step"]),
+            "tokens": aux["weight"],
+        }
+        if tokens is not None:
+            metrics["tokens_per_expert"] = tokens
+            metrics["balance_loss"] = aux["balance_loss_sum"] / weight
+        new_state = {"params": params, "opt_state": opt_state, "router": router}
+        new_state["step"] = state["step"] + 1
+        return new_state, metrics
+
+    return StepFns(init_opt_state=tx.init, step=step)

@@ -1,0 +1,146 @@
+"""Checks that need the machine (device count) — all run before anything compiles."""
+
+from __future__ import annotations
+
+from trainer.config import Config, ConfigError, mesh_shape
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def batch_shard_count(config: Config, sizes: dict[str, int]) -> int:
+    """How many ways the batch dimension is split (data x fsdp x expert-as-fsdp)."""
+    count = sizes["data"] * sizes["fsdp"]
+    if config.expert_shard_attention_option == "fsdp":
+        count *= sizes["expert"]
+    return count
+
+
+def global_batch_size(config: Config, num_devices: int) -> int:
+    """per_device_batch_size x devices, which must come out a whole number."""
+    total = config.per_device_batch_size * num_devices
+    _require(
+        total >= 1 and total == int(total),
+        f"per_device_batch_size={config.per_device_batch_size} x {num_devices} devices = "
+        f"{total} is not a whole, positive global batch",
+    )
+    return int(total)
+
+
+def validate(config: Config, num_devices: int) -> dict[str, int]:
+    """Raise ConfigError naming the key for anything that would fail later; return mesh sizes."""
+    sizes = mesh_shape(config, num_devices)
+    _check_training(config)
+    _check_model(config)
+    _check_parallelism(config, sizes)
+    batch = global_batch_size(config, num_devices)
+    ga = config.gradient_accumulation_steps
+    _require(
+        batch % ga == 0,
+        f"global batch {batch} (per_device_batch_size={config.per_device_batch_size} x "
+        f"{num_devices} devices) is not divisible by gradient_accumulation_steps={ga}",
+    )
+    shards = batch_shard_count(config, sizes)
+    _require(
+        (batch // ga) % shards == 0,
+        f"microbatch of {batch // ga} sequences (global batch {batch} / "
+        f"gradient_accumulation_steps={ga}) does not split over {shards} batch shards "
+        f"(data x fsdp{' x expert' if config.expert_shard_attention_option == 'fsdp' else ''})",
+    )
+    return sizes
+
+
+def _check_training(config: Config) -> None:
+    _require(config.steps >= 1, f"steps={config.steps} must be >= 1")
+    _require(
+        config.gradient_accumulation_steps >= 1,
+        f"gradient_accumulation_steps={config.gradient_accumulation_steps} must be >= 1",
+    )
+    _require(config.learning_rate > 0, f"learning_rate={config.learning_rate} must be > 0")
+    _require(
+        0 <= config.warmup_steps_fraction <= 1,
+        f"warmup_steps_fraction={config.warmup_steps_fraction} must be in [0, 1]",
+    )
+    _require(config.log_period >= 1, f"log_period={config.log_period} must be >= 1")
+    _require(
+        config.gradient_clipping_threshold >= 0,
+        f"gradient_clipping_threshold={config.gradient_clipping_threshold} must be >= 0",
+    )
+
+
+def _check_model(config: Config) -> None:
+    _require(
+        0 <= config.first_num_dense_layers <= config.base_num_decoder_layers,
+        f"first_num_dense_layers={config.first_num_dense_layers} must be between 0 and "
+        f"base_num_decoder_layers={config.base_num_decoder_layers}",
+    )
+    for key in ("vocab_size", "base_emb_dim", "base_num_decoder_layers", "max_target_length"):
+        _require(getattr(config, key) >= 1, f"{key}={getattr(config, key)} must be >= 1")
+    _require(
+        config.qk_rope_head_dim % 2 == 0,
+        f"qk_rope_head_dim={config.qk_rope_head_dim} must be even (RoPE rotates pairs)",
+    )
+    if config.num_moe_layers:
+        _check_routing(config)
+
+
+def _check_routing(config: Config) -> None:
+    experts, k = config.num_experts, config.num_experts_per_tok
+    _require(experts >= 1, f"num_experts={experts} must be >= 1")
+    _require(
+        1 <= k <= experts, f"num_experts_per_tok={k} must be between 1 and num_experts={experts}"
+    )
+    groups, top_groups = config.n_routing_groups, config.topk_routing_group
+    _require(
+        groups >= 1 and experts % groups == 0,
+        f"n_routing_groups={groups} must divide num_experts={experts}",
+    )
+    _require(
+        1 <= top_groups <= groups,
+        f"topk_routing_group={top_groups} must be between 1 and n_routing_groups={groups}",
+    )
+    _require(
+        k <= top_groups * (experts // groups),
+        f"num_experts_per_tok={k} exceeds the {top_groups * (experts // groups)} experts in "
+        f"topk_routing_group={top_groups} groups of {experts // groups}",
+    )
+
+
+def _check_parallelism(config: Config, sizes: dict[str, int]) -> None:
+    if config.shard_optimizer_over_data:
+        _require(
+            sizes["fsdp"] == 1,
+            f"shard_optimizer_over_data=true (ZeRO-1) cannot be combined with "
+            f"ici_fsdp_parallelism={sizes['fsdp']} (FSDP already shards the optimizer state)",
+        )
+    _require(
+        config.num_experts % sizes["expert"] == 0,
+        f"num_experts={config.num_experts} is not divisible by "
+        f"ici_expert_parallelism={sizes['expert']}",
+    )
+    _require(
+        config.base_num_query_heads % sizes["tensor"] == 0,
+        f"base_num_query_heads={config.base_num_query_heads} is not divisible by "
+        f"ici_tensor_parallelism={sizes['tensor']}",
+    )
+    seq_shards = sizes["context"] * (
+        sizes["expert"] if config.expert_shard_attention_option == "context" else 1
+    )
+    _require(
+        config.max_target_length % seq_shards == 0,
+        f"max_target_length={config.max_target_length} is not divisible by the {seq_shards} "
+        "sequence shards (ici_context_parallelism"
+        + (" x ici_expert_parallelism" if config.expert_shard_attention_option == "context" else "")
+        + ")",
+    )
+    for key, dim, axis in (
+        ("base_emb_dim", config.base_emb_dim, "tensor_transpose"),
+        ("base_mlp_dim", config.base_mlp_dim, "tensor"),
+        ("base_moe_mlp_dim", config.base_moe_mlp_dim, "tensor"),
+    ):
+        _require(
+            dim % sizes[axis] == 0,
+            f"{key}={dim} is not divisible by ici_{axis}_parallelism={sizes[axis]}",
+        )

@@ -1,0 +1,72 @@
+"""The `train` console script end to end, in a subprocess, output parsed."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TRAIN = Path(sys.executable).parent / "train"
+STEP = re.compile(r"^step\s+(\d+)\s+loss ([\d.]+)\s+grad_norm ([\d.]+)\s+lr ([\d.e+-]+)")
+
+
+def _train(*args, tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run(
+        [str(TRAIN), *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600
+    )
+
+
+@pytest.fixture(scope="module")
+def output(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("train")
+    hlo = tmp / "step.hlo"
+    metrics = tmp / "metrics.jsonl"
+    done = _train(
+        "model_name=deepseek3-tiny",
+        "steps=3",
+        "per_device_batch_size=2",
+        "gradient_accumulation_steps=2",
+        f"--dump_hlo={hlo}",
+        f"--metrics_file={metrics}",
+        tmp_path=tmp,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout, hlo, metrics
+
+
+def test_prints_mesh_params_and_collective_verdict(output):
+    stdout, _, _ = output
+    assert "mesh: data=8 (explicit)" in stdout
+    assert re.search(r"params: [\d.]+M total, [\d.]+M active per token", stdout)
+    assert "gradient reduction: deferred to once per step over ('data',)" in stdout
+    assert "OK: every gradient reduced once per step" in stdout
+
+
+def test_one_line_per_step_with_finite_loss(output):
+    stdout, _, metrics = output
+    steps = [STEP.match(line) for line in stdout.splitlines() if line.startswith("step ")]
+    assert [int(m.group(1)) for m in steps] == [1, 2, 3]
+    assert all(0 < float(m.group(2)) < 20 for m in steps)
+    assert len(metrics.read_text().splitlines()) == 3
+
+
+def test_dumped_hlo_reads_back_with_hlo_report(output):
+    _, hlo, _ = output
+    report = subprocess.run(
+        [str(Path(sys.executable).parent / "hlo-report"), str(hlo), "--check"],
+        capture_output=True,
+        text=True,
+    )
+    assert report.returncode == 0, report.stdout + report.stderr
+    assert "all-reduce" in report.stdout
+
+
+def test_bad_override_fails_fast_naming_the_key(tmp_path):
+    done = _train("steps=3", "gradient_accumulation_step=2", tmp_path=tmp_path)
+    assert done.returncode == 2
+    assert "unknown config key 'gradient_accumulation_step'" in done.stderr
+    assert "did you mean 'gradient_accumulation_steps'" in done.stderr
+    assert "mesh:" not in done.stdout  # rejected before building anything

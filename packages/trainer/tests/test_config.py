@@ -1,0 +1,113 @@
+"""Config: presets, overrides, and a table of bad configurations caught before compiling."""
+
+import pytest
+
+from trainer.config import PRESETS, Config, ConfigError, make_config, mesh_shape, parse_overrides
+from trainer.validate import validate
+
+BAD = [
+    (
+        {"per_device_batch_sise": "2"},
+        "unknown config key 'per_device_batch_sise'.*did you mean 'per_device_batch_size'",
+    ),
+    ({"steps": "ten"}, r"steps='ten' is not an integer"),
+    ({"steps": "2.5"}, r"steps='2.5' is not an integer"),
+    ({"learning_rate": "fast"}, r"learning_rate='fast' is not a number"),
+    ({"scan_layers": "maybe"}, r"scan_layers='maybe' is not a boolean"),
+    ({"shard_mode": "manual"}, r"shard_mode='manual' is not one of \('explicit', 'auto'\)"),
+    ({"model_name": "deepseek4"}, r"model_name='deepseek4' is not one of"),
+    ({"ici_data_parallelism": "3"}, r"mesh product 3 \(data=3\) != device count 8"),
+    (
+        {"ici_data_parallelism": "-1", "ici_fsdp_parallelism": "-1"},
+        r"only one ici_\*_parallelism may be -1",
+    ),
+    ({"ici_fsdp_parallelism": "3"}, r"ici_data_parallelism=-1 cannot fill 8 devices.*3"),
+    ({"ici_tensor_parallelism": "0"}, r"ici_tensor_parallelism=0 must be a positive size or -1"),
+    (
+        {"gradient_accumulation_steps": "3"},
+        r"global batch 8 .* not divisible by gradient_accumulation_steps=3",
+    ),
+    (
+        {"gradient_accumulation_steps": "2"},
+        r"microbatch of 4 sequences .* does not split over 8 batch shards",
+    ),
+    (
+        {"per_device_batch_size": "0.3"},
+        r"per_device_batch_size=0.3 x 8 devices = 2.4 is not a whole",
+    ),
+    (
+        {"shard_optimizer_over_data": "true", "ici_fsdp_parallelism": "2"},
+        r"shard_optimizer_over_data=true \(ZeRO-1\) cannot be combined with ici_fsdp_parallelism=2",
+    ),
+    (
+        {"num_experts": "6", "n_routing_groups": "3", "ici_expert_parallelism": "4"},
+        r"num_experts=6 is not divisible by ici_expert_parallelism=4",
+    ),
+    ({"num_experts_per_tok": "9"}, r"num_experts_per_tok=9 must be between 1 and num_experts=8"),
+    ({"n_routing_groups": "3"}, r"n_routing_groups=3 must divide num_experts=8"),
+    ({"topk_routing_group": "3"}, r"topk_routing_group=3 must be between 1 and n_routing_groups=2"),
+    (
+        {"num_experts_per_tok": "5", "topk_routing_group": "1"},
+        r"num_experts_per_tok=5 exceeds the 4 experts",
+    ),
+    (
+        {"ici_tensor_parallelism": "8", "base_num_query_heads": "4"},
+        r"base_num_query_heads=4 is not divisible by ici_tensor_parallelism=8",
+    ),
+    (
+        {"ici_context_parallelism": "8", "max_target_length": "20"},
+        r"max_target_length=20 is not divisible by the 8 sequence shards",
+    ),
+    (
+        {"first_num_dense_layers": "5"},
+        r"first_num_dense_layers=5 must be between 0 and base_num_decoder_layers=3",
+    ),
+    ({"qk_rope_head_dim": "7"}, r"qk_rope_head_dim=7 must be even"),
+    ({"steps": "0"}, r"steps=0 must be >= 1"),
+    ({"learning_rate": "-1"}, r"learning_rate=-1.0 must be > 0"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD, ids=[",".join(o) for o, _ in BAD])
+def test_bad_config_names_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(make_config(overrides), 8)
+
+
+def test_at_least_fifteen_bad_configurations():
+    assert len(BAD) >= 15
+
+
+def test_overrides_parse_and_convert():
+    config = make_config(
+        parse_overrides(["steps=7", "learning_rate=1e-4", "shard_mode=auto", "scan_layers=False"])
+    )
+    assert (config.steps, config.learning_rate, config.shard_mode) == (7, 1e-4, "auto")
+    assert config.scan_layers is False
+    with pytest.raises(ConfigError, match="'steps' is not of the form key=value"):
+        parse_overrides(["steps"])
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_are_valid_configs(name):
+    config = make_config({"model_name": name})
+    assert isinstance(config, Config) and config.model_name == name
+    assert config.num_moe_layers == config.base_num_decoder_layers - config.first_num_dense_layers
+
+
+def test_preset_values_then_overrides():
+    config = make_config({"model_name": "deepseek3-671b", "num_experts": "64"})
+    assert config.base_emb_dim == 7168 and config.num_experts == 64
+
+
+def test_mesh_fill():
+    config = make_config({"ici_fsdp_parallelism": "2", "ici_tensor_parallelism": "2"})
+    sizes = mesh_shape(config, 8)
+    assert sizes == {
+        "data": 2,
+        "fsdp": 2,
+        "tensor": 2,
+        "tensor_transpose": 1,
+        "context": 1,
+        "expert": 1,
+    }
