@@ -82,10 +82,9 @@ def test_master_and_optimizer_state_are_data_sharded(zero1_run):
         assert m.sharding.is_equivalent_to(s, m.ndim)
 
 
-def test_zero1_reduces_once_into_the_shards(zero1_run):
-    setup, _, z_step, _, _ = zero1_run
-    if setup.mode != "explicit":
-        pytest.skip("placement is asserted in explicit mode (auto leaves it to XLA)")
+def test_zero1_reduces_once_into_the_shards(get_setup):
+    # Explicit mode only: auto mode leaves placement to XLA.
+    z_step = _setup_zero1(get_setup("data8"))[4]
     outside = ht.assert_reduced_once_per_step(z_step.as_text(), max_in_loop_elements=8)
     assert outside
 
