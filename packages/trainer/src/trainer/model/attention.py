@@ -91,7 +91,10 @@ class MLA(nnx.Module):
         k_nope, v_BxSxHxV = kv_BxSxHxNV[..., :nope], kv_BxSxHxNV[..., nope:]
         # One rope key shared by every head (DeepSeek's decoupled RoPE).
         k_pe_BxSx1xR = rope(k_pe_BxSxR[:, :, None, :], positions_BxS, c.rope_max_timescale)
-        k_pe_BxSxHxR = jnp.broadcast_to(k_pe_BxSx1xR, (*k_nope.shape[:3], rope_dim))
+        # Laid out like k_nope (heads over 'tensor') so the concatenate type-checks.
+        k_pe_BxSxHxR = ctx.act(
+            jnp.broadcast_to(k_pe_BxSx1xR, (*k_nope.shape[:3], rope_dim)), NAMES.q
+        )
         k_BxSxHxK = jnp.concatenate([k_nope, k_pe_BxSxHxR], -1)
 
         # Context parallelism: queries keep their sequence shard, keys and values

@@ -91,9 +91,10 @@ class Decoder(nnx.Module):
         """Returns (logits_BxSxV in f32, MoE stats stacked over MoE layers)."""
         c, ctx = self.config, self.ctx
         dt = jnp.dtype(c.dtype)
-        # The lookup table is gathered whole (its rows are picked by token id);
-        # `ctx.param` carries the reduced tag so its gradient stays unreduced.
-        table_VxD = ctx.param(self.embedding_VxD[...], ("vocab", None))
+        # Rows are picked by token id, so the vocab dim is gathered whole and the
+        # embed dim laid out like the activations; `ctx.param` carries the reduced
+        # tag onto that rebuilt spec so the table's gradient stays unreduced.
+        table_VxD = ctx.param(self.embedding_VxD[...], (None, "activation_embed"))
         x_BxSxD = pt.embed_lookup(table_VxD, tokens_BxS, ctx.spec(BSE)).astype(dt)
         x_BxSxD = ctx.act(x_BxSxD, BSE)
         stats = {}
