@@ -16,7 +16,11 @@ CASES = {
         ici_fsdp_parallelism="2",
         gradient_accumulation_steps="2",
     ),
+    "explicit-data8-zero1-ga4": dict(
+        shard_mode="explicit", shard_optimizer_over_data="true", gradient_accumulation_steps="4"
+    ),
     "auto-data8-ga4": dict(shard_mode="auto", gradient_accumulation_steps="4"),
+    "auto-data8-zero1-ga1": dict(shard_mode="auto", shard_optimizer_over_data="true"),
     "auto-data4xfsdp2-ga1": dict(
         shard_mode="auto", ici_data_parallelism="4", ici_fsdp_parallelism="2"
     ),
@@ -59,3 +63,22 @@ def test_deferred_and_per_microbatch_losses_agree_and_fall(runner):
     losses = np.array([m["loss"] for m in deferred])
     np.testing.assert_allclose(losses, [m["loss"] for m in per_microbatch], rtol=1e-5)
     assert losses[4] < losses[0] - 0.2, losses  # 5 steps reduce the loss
+
+
+def test_zero1_shards_masters_and_optimizer_state_over_data():
+    import jax
+
+    from trainer import run as run_lib
+    from trainer.config import make_config
+
+    overrides = {"shard_optimizer_over_data": "true", "per_device_batch_size": "4"}
+    run = run_lib.setup(make_config(overrides))
+    leaves = jax.tree.leaves(run.state["params"]) + jax.tree.leaves(run.state["opt_state"])
+    big = [x for x in leaves if x.size >= 64]
+    assert big and all("data" in str(x.sharding.spec) for x in big)
+
+
+def test_zero1_reduces_once_into_the_shards(runner):
+    _, text = runner(1, **CASES["explicit-data8-zero1-ga4"])
+    outside = hlo_tools.assert_reduced_once_per_step(text)
+    assert sum(c.elements for c in outside) > 10_000

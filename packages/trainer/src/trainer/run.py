@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import accum
 from trainer import data, flops, report
 from trainer import model as model_lib
 from trainer.config import Config
@@ -44,9 +45,20 @@ def setup(config: Config, devices: list | None = None) -> Run:
     model = model_lib.define(config, ctx)
     params, router = model_lib.init(config, ctx, model)
     tx = make_optimizer(config)
-    fns = make_step(config, ctx, model, tx)
+    zero1 = None
+    opt_shardings = None
+    if config.shard_optimizer_over_data:
+        # ZeRO-1: master params and optimizer state sharded over 'data'.
+        compute_shardings = jax.tree.map(lambda p: p.sharding, params)
+        master_shardings = accum.zero1_shardings(params, mesh)
+        params = jax.device_put(params, master_shardings)
+        opt_shardings = accum.zero1_state_shardings(
+            jax.eval_shape(tx.init, params), params, master_shardings, mesh
+        )
+        zero1 = (compute_shardings, master_shardings)
+    fns = make_step(config, ctx, model, tx, zero1)
     with jax.set_mesh(mesh):
-        opt_state = jax.jit(fns.init_opt_state)(params)
+        opt_state = jax.jit(fns.init_opt_state, out_shardings=opt_shardings)(params)
     state = {
         "params": params,
         "opt_state": opt_state,

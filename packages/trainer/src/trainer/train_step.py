@@ -12,6 +12,7 @@ import optax
 
 import accum
 import moe_kernels
+import pspec_tags as pt
 from trainer import model as model_lib
 from trainer.config import Config
 from trainer.loss import cross_entropy_sum
@@ -65,16 +66,32 @@ def make_step(
     ctx: ShardCtx,
     model: model_lib.ModelDef,
     tx: optax.GradientTransformation,
-    grad_shardings: Any = None,
+    zero1: tuple[Any, Any] | None = None,
 ) -> StepFns:
-    """Build the step. `grad_shardings` (ZeRO-1) is where the single reduction lands."""
+    """Build the step.
+
+    With `zero1 = (compute_shardings, master_shardings)`, `state["params"]` are
+    the data-sharded master parameters: they are gathered onto
+    `compute_shardings` once before the microbatch loop, the single gradient
+    reduction lands straight in `master_shardings` (a reduce-scatter where the
+    backend forms one), and the optimizer updates shards only.
+    """
     schedule = learning_rate_schedule(config)
     batch_axes = deferral_axes(ctx, model.param_logical)
 
     def step(state: dict, batch: dict) -> tuple[dict, dict]:
+        grad_shardings, params = None, state["params"]
+        if zero1 is not None:
+            compute_shardings, grad_shardings = zero1
+            # One gather per step, before the loop. Its target is untagged on
+            # purpose: accum then tags the gathered copies reduced over the batch
+            # axes, so the loop carries unreduced partial sums as usual.
+            params = jax.tree.map(
+                lambda p, s: pt.shard(p, s.spec, ctx.mode), params, compute_shardings
+            )
         loss, aux, grads = accum.accumulate_gradients(
             _loss_fn(config, model, state["router"]),
-            state["params"],
+            params,
             batch,
             num_microbatches=config.gradient_accumulation_steps,
             mode=config.shard_mode,
