@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import types
 import typing
 from typing import Any, Literal
@@ -82,12 +83,33 @@ class Config:
     adam_weight_decay: float = 0.1
     gradient_clipping_threshold: float = 1.0
     seed: int = 0
-    dataset_type: Literal["synthetic"] = "synthetic"
+    # Data (input_pipeline.py, text_data.py): synthetic, or .txt/.jsonl files
+    # (a directory or glob), byte tokens unless tokenizer_path names a tokenizer.json.
+    dataset_type: Literal["synthetic", "text"] = "synthetic"
+    dataset_path: str = ""
+    jsonl_field: str = "text"
+    tokenizer_path: str = ""
+    # Checkpoints (checkpoint.py): on when base_output_directory is set; they go to
+    # run_dir/checkpoints, every checkpoint_period steps (0: only at the end) and at
+    # the end, async; a restart resumes from the newest complete one.
+    enable_checkpointing: bool = True
+    async_checkpointing: bool = True
+    checkpoint_period: int = 100
+    max_checkpoints_to_keep: int = 3
     # Output and reporting.
     run_name: str = ""
     base_output_directory: str = ""
     log_period: int = 1
     device_peak_tflops: float = 0.0
+    # Metrics (metrics.py): JSONL and TensorBoard event files under run_dir.
+    enable_tensorboard: bool = True
+    # Profiling (profiling.py): jax.profiler traces under run_dir/tensorboard.
+    profiler: Literal["", "xplane"] = ""
+    profiler_start_step: int = 2
+    profiler_steps: int = 3
+    # AOT (aot.py): compile the step for a TPU topology on this host, do not train.
+    compile_topology: str = ""
+    compile_topology_num_slices: int = 1
 
     @property
     def emb_dim(self) -> int:
@@ -100,6 +122,17 @@ class Config:
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def run_dir(self) -> str:
+        """base_output_directory/run_name: metrics, traces, checkpoints and HLO go here.
+
+        Defaults: base_output_directory "outputs", run_name the model_name (the
+        same on every process of a multi-host run, and again on a restart).
+        """
+        return os.path.join(
+            self.base_output_directory or "outputs", self.run_name or self.model_name
+        )
 
     def parallelism(self) -> dict[str, int]:
         """Requested size per mesh axis (before -1 is filled)."""
