@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import numpy as np
 import pytest
 
 from trainer import run as run_lib
@@ -14,17 +15,59 @@ from trainer.config import make_config
 BASE = {"model_name": "deepseek3-tiny", "dtype": "float32", "per_device_batch_size": "4"}
 
 
+# Gradient leaves spot-checked across shardings (paths into the params dict).
+SPOT_LEAVES = (
+    ("embedding_VxD",),
+    ("logits_DxV",),
+    ("dense_layers", "attn", "wq_a_DxQ"),
+    ("moe_layers", "attn", "wkv_b_CxHxNV"),
+    ("moe_layers", "ffn", "wi_0"),
+    ("moe_layers", "ffn", "gate"),
+)
+
+
+def _adam_mu(opt_state):
+    """Adam's first moment: after one step it is (1 - b1) x the clipped gradient."""
+    for node in jax.tree.leaves(opt_state, is_leaf=lambda x: hasattr(x, "mu")):
+        if hasattr(node, "mu"):
+            return node.mu
+    raise AssertionError("no Adam state in the optimizer state")
+
+
 @functools.cache
-def run_steps(steps: int, devices: int = 8, **overrides: str) -> tuple[list[dict], str]:
-    """(per-step metrics, compiled HLO text) for BASE + overrides on `devices` devices."""
-    values = {**BASE, **overrides, "steps": str(steps)}
+def _run(steps: int, devices: int, overrides: tuple) -> tuple[list[dict], str, dict]:
+    values = {**BASE, **dict(overrides), "steps": str(steps)}
     if devices != 8:
         # Same global batch on fewer devices.
         values["per_device_batch_size"] = str(float(values["per_device_batch_size"]) * 8 / devices)
     run = run_lib.setup(make_config(values), jax.devices()[:devices])
     run_lib.compile_step(run)
     history = run_lib.train(run)
-    return history, run.compiled.as_text()
+    mu = _adam_mu(run.state["opt_state"])
+    spots = {}
+    for path in SPOT_LEAVES:
+        node = mu
+        for key in path:
+            node = node[key]
+        spots["/".join(path)] = np.asarray(node)
+    return history, run.compiled.as_text(), spots
+
+
+def run_steps(steps: int, devices: int = 8, **overrides: str) -> tuple[list[dict], str]:
+    """(per-step metrics, compiled HLO text) for BASE + overrides on `devices` devices."""
+    history, text, _ = _run(steps, devices, tuple(sorted(overrides.items())))
+    return history, text
+
+
+def spot_grads(steps: int, devices: int = 8, **overrides: str) -> dict:
+    """Adam's first moment of SPOT_LEAVES after `steps` steps (the gradient after one)."""
+    return _run(steps, devices, tuple(sorted(overrides.items())))[2]
+
+
+@pytest.fixture(scope="session")
+def grads_runner():
+    """`spot_grads`, sharing `runner`'s compiled runs."""
+    return spot_grads
 
 
 @pytest.fixture(scope="session")

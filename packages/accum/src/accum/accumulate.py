@@ -11,8 +11,8 @@ import jax.numpy as jnp
 from accum.gating import batch_axes_of, deferred_axes, resolve_mode
 from accum.guard import find_dropped_tags, report_dropped_tags
 from accum.microbatch import split_microbatches
-from accum.tags import reduce_to, safe_inverse, tag_reduced, unreduced_zeros
-from pspec_tags import check_unreduced
+from accum.tags import leaf_axes, reduce_to, safe_inverse, tag_reduced, unreduced_zeros
+from pspec_tags import check_unreduced, spec_of
 
 ON_TAG_LOST = ("raise", "warn", "ignore")
 
@@ -43,8 +43,27 @@ def microbatch_grads(
     if "weight" not in aux:
         raise KeyError("loss_fn's aux must hold 'weight' (the number of counted targets)")
     if axes and on_tag_lost != "ignore":
-        check_unreduced(grads, axes, warn_only=on_tag_lost == "warn")
+        check_grads_unreduced(grads, params, axes, warn_only=on_tag_lost == "warn")
     return loss_sum, aux, grads
+
+
+def check_grads_unreduced(grads: Any, params: Any, axes: tuple[str, ...], warn_only: bool) -> None:
+    """`check_unreduced` per group of parameters sharing the same deferred axes.
+
+    Each gradient must be unreduced over the `leaf_axes` of its own parameter
+    (all of `axes` unless the parameter is itself sharded over one of them).
+    """
+    expected = jax.tree.map(lambda p: leaf_axes(spec_of(p), axes), params)
+    is_axes = lambda x: isinstance(x, tuple)  # noqa: E731 - a leaf test for the tree above
+    for group in {a for a in jax.tree.leaves(expected, is_leaf=is_axes) if a}:
+        # Leaves of other groups become None, which tree flattening skips.
+        subset = jax.tree.map(
+            lambda g, want, group=group: g if want == group else None,
+            grads,
+            expected,
+            is_leaf=lambda x: x is None,
+        )
+        check_unreduced(subset, group, warn_only=warn_only)
 
 
 def add_grads(acc: Any, grads: Any) -> Any:
@@ -73,6 +92,7 @@ def accumulate_gradients(
     rng: jax.Array | None = None,
     on_tag_lost: str = "raise",
     accum_dtype: Any = jnp.float32,
+    per_parameter_axes: bool = False,
 ) -> tuple[jax.Array, dict, Any]:
     """Loss, summed aux and gradients of `batch`, computed over `num_microbatches` microbatches.
 
@@ -94,6 +114,12 @@ def accumulate_gradients(
     `loss_fn` raises `TagLostError` at trace time (`on_tag_lost="warn"` warns,
     `"ignore"` skips the guards). `defer_reduction=False` keeps parameters
     untagged so every microbatch reduces its own gradients (for comparison).
+    `per_parameter_axes=True` defers, for each parameter, every batch axis
+    that does not shard it: right when the only parameters sharded over a
+    batch axis are consumed inside `shard_map` kernels (experts over
+    'expert'), where the manual region sums them itself. Matmuls outside
+    shard_map need the global gating (JAX types their gradient as unreduced
+    over every batch axis they contract).
 
     Auto mode: same numerics, no tags; XLA places the reductions.
     Gradients come back in `accum_dtype` (None: each parameter's dtype).
@@ -103,7 +129,10 @@ def accumulate_gradients(
     microbatches = split_microbatches(batch, num_microbatches)
     axes: tuple[str, ...] = ()
     if mode == "explicit" and defer_reduction:
-        axes = deferred_axes(params, batch_axes if batch_axes is not None else batch_axes_of(batch))
+        batch_axes = batch_axes if batch_axes is not None else batch_axes_of(batch)
+        # Global gating drops any batch axis that shards some parameter; per
+        # parameter, each leaf defers the batch axes that do not shard it.
+        axes = tuple(batch_axes) if per_parameter_axes else deferred_axes(params, batch_axes)
     # Free cast outside the loop: forward reads of a reduced array are reads of
     # a replicated one; only the cotangents change type (to unreduced).
     compute_params = tag_reduced(params, axes)

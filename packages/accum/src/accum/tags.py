@@ -14,7 +14,14 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pspec_tags import partitions, spec_of, untagged, with_reduced, with_unreduced
+from pspec_tags import (
+    mesh_axes_used,
+    partitions,
+    spec_of,
+    untagged,
+    with_reduced,
+    with_unreduced,
+)
 
 
 def _floating(x: Any) -> bool:
@@ -25,8 +32,19 @@ def _named(value: Any, spec: P) -> NamedSharding:
     return NamedSharding(jax.typeof(value).sharding.mesh, spec)
 
 
+def leaf_axes(spec: P | None, axes: tuple[str, ...]) -> tuple[str, ...]:
+    """The deferred axes that apply to one parameter: `axes` minus those sharding it.
+
+    A spec cannot be reduced over an axis that partitions it, and a parameter
+    sharded over a batch axis (experts over 'expert') is summed over that axis
+    by its own kernel, so only the remaining batch axes are deferred for it.
+    """
+    used = set(mesh_axes_used(spec))
+    return tuple(a for a in axes if a not in used)
+
+
 def tag_reduced(params: Any, axes: tuple[str, ...]) -> Any:
-    """Reshard each floating parameter to `reduced` over `axes` (a free cast).
+    """Reshard each floating parameter to `reduced` over its `leaf_axes` (a free cast).
 
     A reduced array is physically replicated, so the forward pass is unchanged;
     the point is the cotangent type: autodiff maps reduced primals to unreduced
@@ -37,10 +55,10 @@ def tag_reduced(params: Any, axes: tuple[str, ...]) -> Any:
 
     def tag(p):
         spec = spec_of(p)
-        if spec is None or not _floating(p):
+        if spec is None or not _floating(p) or not leaf_axes(spec, axes):
             return p
         # with_reduced keeps the partitions and any existing tags (never spec[...]).
-        return jax.reshard(p, _named(p, with_reduced(spec, axes)))
+        return jax.reshard(p, _named(p, with_reduced(spec, leaf_axes(spec, axes))))
 
     return jax.tree.map(tag, params)
 
@@ -56,11 +74,11 @@ def unreduced_zeros(params: Any, axes: tuple[str, ...], dtype: Any | None) -> An
     def zeros(p):
         dt = dtype if dtype is not None and _floating(p) else jnp.result_type(p)
         spec = spec_of(p)
-        if spec is None or not axes:
+        if spec is None or not leaf_axes(spec, axes):
             return jnp.zeros_like(p, dtype=dt)
         # Partitions from the parameter, its reduced tag swapped for unreduced
         # (a spec cannot hold the same axis as both).
-        target = with_unreduced(P(*partitions(spec)), axes)
+        target = with_unreduced(P(*partitions(spec)), leaf_axes(spec, axes))
         return lax.broadcast_in_dim(jnp.zeros((), dt), p.shape, (), out_sharding=_named(p, target))
 
     return jax.tree.map(zeros, params)

@@ -120,21 +120,41 @@ def _einsum_out_shape(equation: str, operands: Sequence[jax.Array]) -> tuple[int
     return tuple(dims[letter] for letter in output)
 
 
-def deferral_axes(ctx: ShardCtx, param_logical: dict) -> tuple[str, ...]:
-    """Batch mesh axes the gradient reduction can be deferred over; () turns deferral off.
+def _param_mesh_axes(ctx: ShardCtx, param_logical: dict, *, experts: bool) -> set[str]:
+    """Mesh axes sharding the expert weights (`experts`) or every other weight."""
+    is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
+    return {
+        axis
+        for axes in jax.tree.leaves(param_logical, is_leaf=is_axes)
+        if ("exp" in axes) == experts
+        for axis in pt.mesh_axes_used(ctx.spec(axes))
+    }
 
-    Deferral needs every mesh axis that shards the batch to shard no parameter
-    (the seed's `data_is_only_batch_axis`): JAX types the gradient of a matmul
-    that contracts over batch axes as unreduced over *all* of them, so a weight
-    tagged reduced over 'data' but gathered over 'fsdp' does not type-check.
-    With FSDP (or expert-as-batch) the model's own reductions stay in the loop.
+
+def deferral_axes(ctx: ShardCtx, param_logical: dict) -> tuple[str, ...]:
+    """Batch mesh axes the gradient reduction is deferred over; `()` turns deferral off.
+
+    JAX types the gradient of a matmul that contracts over batch-sharded
+    activations as unreduced over *every* batch axis, so a weight used by such
+    a matmul must be reduced over all of them: deferral needs the batch axes to
+    shard none of those weights (with FSDP, a batch axis sharding every weight,
+    it is off). Expert weights are the exception: they are consumed inside the
+    MoE shard_map, which sums their gradient over the expert axis itself (see
+    `deferral_per_parameter`).
     """
     if not ctx.explicit:
         return ()
     batch = pt.batch_mesh_axes(ctx.mesh, ctx.rules)
-    param_axes = {
-        axis
-        for axes in jax.tree.leaves(param_logical, is_leaf=lambda x: isinstance(x, tuple))
-        for axis in pt.mesh_axes_used(ctx.spec(axes))
-    }
-    return () if param_axes & set(batch) else batch
+    if _param_mesh_axes(ctx, param_logical, experts=False) & set(batch):
+        return ()
+    return batch
+
+
+def deferral_per_parameter(ctx: ShardCtx, param_logical: dict) -> bool:
+    """Whether each parameter defers only the batch axes that do not shard it.
+
+    True with expert parallelism over a batch axis: expert weights defer the
+    other batch axes ('data'), every other weight all of them.
+    """
+    batch = set(deferral_axes(ctx, param_logical))
+    return bool(_param_mesh_axes(ctx, param_logical, experts=True) & batch)

@@ -17,7 +17,7 @@ from trainer import model as model_lib
 from trainer.config import Config
 from trainer.loss import cross_entropy_sum
 from trainer.optimizer import learning_rate_schedule
-from trainer.sharding import ShardCtx, deferral_axes
+from trainer.sharding import ShardCtx, deferral_axes, deferral_per_parameter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +78,7 @@ def make_step(
     """
     schedule = learning_rate_schedule(config)
     batch_axes = deferral_axes(ctx, model.param_logical)
+    per_parameter = deferral_per_parameter(ctx, model.param_logical)
 
     def step(state: dict, batch: dict) -> tuple[dict, dict]:
         grad_shardings, params = None, state["params"]
@@ -97,6 +98,7 @@ def make_step(
             mode=config.shard_mode,
             defer_reduction=config.defer_gradient_reduction,
             batch_axes=batch_axes,
+            per_parameter_axes=per_parameter,
             grad_shardings=grad_shardings,
         )
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
