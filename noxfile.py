@@ -14,6 +14,11 @@ nox.options.default_venv_backend = "uv"
 nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["lint", "cpu", "aot"]
 
+# Two pytest workers (the CI machine has 2 cores; the tests are compile-bound and
+# JAX compiles on one thread). `loadfile` keeps a file's tests, and the compiled
+# runs their fixtures cache, on one worker.
+PARALLEL = ["-n", "2", "--dist", "loadfile"]
+
 # On a CPU host the tests simulate a mesh of 8 devices; JAX_PLATFORMS=cpu keeps
 # libtpu (installed by the `tpu` extra) from probing for chips that are not there.
 CPU_ENV = {"JAX_PLATFORMS": "cpu"}
@@ -40,7 +45,12 @@ def cpu(session: nox.Session) -> None:
     """Every package's unit tests on 8 virtual CPU devices."""
     _sync(session)
     session.run(
-        "pytest", "-m", "not aot and not integration and not slow", *session.posargs, env=CPU_ENV
+        "pytest",
+        *PARALLEL,
+        "-m",
+        "not aot and not integration and not slow",
+        *session.posargs,
+        env=CPU_ENV,
     )
 
 
