@@ -269,3 +269,27 @@ ENTRY %main (x: f32[4], y: bf16[2,3]) -> (f32[4], bf16[2,3]) {
     assert (c.elements, c.bytes) == (4 + 6, 16 + 12)
     # Devices laid out [a=2, b=2] row-major; grouping over 'a' pairs 0 with 2, 1 with 3.
     assert c.replica_groups == ((0, 2), (1, 3)) and c.group_size == 2
+
+
+SPARSECORE = (
+    "HloModule sc, num_partitions=8\n"
+    + ADD
+    + """
+%called_computation.6 (param_0: s32[32]) -> s32[32] {
+  %param_0 = s32[32]{0:T(128)} parameter(0)
+  ROOT %copy.1 = s32[32]{0:T(128)} copy(%param_0)
+}, execution_thread="sparsecore"
+
+ENTRY %main (x: f32[64]) -> f32[64] {
+  %x = f32[64]{0} parameter(0)
+  ROOT %ar = f32[64]{0} all-reduce(%x), replica_groups=[1,8]<=[8], to_apply=%add
+}
+"""
+)
+
+
+def test_sparsecore_computation_closed_with_attributes():
+    # v5p dumps close SparseCore computations with `}, execution_thread="sparsecore"`.
+    module = ht.parse(SPARSECORE)
+    assert "called_computation.6" in module.computations
+    assert [c.elements for c in ht.collectives(module)] == [64]

@@ -28,6 +28,8 @@ _SECTION_ROW = re.compile(r"\d+\s")
 # Opcodes whose parenthesised text is a literal, not operand names.
 _LITERAL_OPCODES = {"constant", "parameter", "iota"}
 
+_CLOSE_WITH_ATTRIBUTES = re.compile(r"^\}\s*,\s*[\w.]+=")
+
 
 def parse(text: str) -> HloModule:
     """Parse compiled HLO text into an :class:`HloModule`.
@@ -48,7 +50,8 @@ def parse(text: str) -> HloModule:
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()
         if current is not None:
-            if line == "}":
+            # TPU SparseCore computations close with `}, execution_thread="sparsecore"`.
+            if line == "}" or _CLOSE_WITH_ATTRIBUTES.match(line):
                 _finish(current, raw)
                 current = None
             elif line:
