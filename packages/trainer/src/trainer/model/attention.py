@@ -16,8 +16,15 @@ from trainer.sharding import ShardCtx
 
 @dataclasses.dataclass(frozen=True)
 class MLANames:
-    """Every logical axis name this layer uses, in one place."""
+    """Every logical axis name this layer uses, weights and activations, in one place."""
 
+    # Weights.
+    wq_a: tuple = ("embed", "q_lora")
+    wq_b: tuple = ("q_lora", "heads", "head_dim")
+    wkv_a: tuple = ("embed", "kv_lora")
+    wkv_b: tuple = ("kv_lora", "heads", "head_dim")
+    wo: tuple = ("heads", "head_dim", "embed")
+    # Activations.
     q: tuple = ("activation_batch", "activation_length", "activation_heads", "activation_head_dim")
     kv: tuple = (
         "activation_batch",
@@ -48,23 +55,17 @@ class MLA(nnx.Module):
     def __init__(self, config: Config, ctx: ShardCtx, *, rngs: nnx.Rngs):
         c = config
         d, h = c.emb_dim, c.base_num_query_heads
-        self.wq_a_DxQ = param(rngs, (d, c.q_lora_rank), ("embed", "q_lora"))
+        self.wq_a_DxQ = param(rngs, (d, c.q_lora_rank), NAMES.wq_a)
         self.q_norm = RMSNorm(c.q_lora_rank, c.normalization_layer_epsilon, rngs=rngs)
-        self.wq_b_QxHxK = param(
-            rngs, (c.q_lora_rank, h, c.qk_head_dim), ("q_lora", "heads", "head_dim")
-        )
-        self.wkv_a_DxCR = param(
-            rngs, (d, c.kv_lora_rank + c.qk_rope_head_dim), ("embed", "kv_lora")
-        )
+        self.wq_b_QxHxK = param(rngs, (c.q_lora_rank, h, c.qk_head_dim), NAMES.wq_b)
+        self.wkv_a_DxCR = param(rngs, (d, c.kv_lora_rank + c.qk_rope_head_dim), NAMES.wkv_a)
         self.kv_norm = RMSNorm(c.kv_lora_rank, c.normalization_layer_epsilon, rngs=rngs)
         self.wkv_b_CxHxNV = param(
             rngs,
             (c.kv_lora_rank, h, c.qk_nope_head_dim + c.v_head_dim),
-            ("kv_lora", "heads", "head_dim"),
+            NAMES.wkv_b,
         )
-        self.wo_HxVxD = param(
-            rngs, (h, c.v_head_dim, d), ("heads", "head_dim", "embed"), fan_in=h * c.v_head_dim
-        )
+        self.wo_HxVxD = param(rngs, (h, c.v_head_dim, d), NAMES.wo, fan_in=h * c.v_head_dim)
         self.config, self.ctx = config, ctx
         self.dtype = jnp.dtype(config.dtype)
 
@@ -113,4 +114,6 @@ class MLA(nnx.Module):
         logits_BxHxSxT = jnp.where(causal & same_doc, logits_BxHxSxT, -1e30)
         probs_BxHxSxT = jax.nn.softmax(logits_BxHxSxT, axis=-1).astype(dt)
         out_BxSxHxV = ctx.einsum("bhst,bthv->bshv", probs_BxHxSxT, v_BxTxHxV, out=NAMES.q)
-        return ctx.einsum("bshv,hvd->bsd", out_BxSxHxV, self.wo_HxVxD[...].astype(dt), out=BSE)
+        return ctx.einsum(
+            "bshv,hvd->bsd", out_BxSxHxV, self.wo_HxVxD[...].astype(dt), out=NAMES.out
+        )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -14,8 +16,22 @@ from trainer.model.moe_block import MoE
 from trainer.model.params import param
 from trainer.sharding import ShardCtx
 
-TOKENS = ("activation_batch", "activation_length")
-LOGITS = ("activation_batch", "activation_length", "activation_vocab")
+
+@dataclasses.dataclass(frozen=True)
+class DecoderNames:
+    """Logical axis names of the embedding, the residual stream and the logits."""
+
+    embedding: tuple = ("vocab", "embed")
+    # The lookup gathers the vocab dim whole and lays the embed dim out like
+    # the activations (see Decoder.__call__).
+    embedding_lookup: tuple = (None, "activation_embed")
+    logits_kernel: tuple = ("embed", "vocab")
+    tokens: tuple = ("activation_batch", "activation_length")
+    residual: tuple = BSE
+    logits: tuple = ("activation_batch", "activation_length", "activation_vocab")
+
+
+NAMES = DecoderNames()
 
 
 class Block(nnx.Module):
@@ -40,7 +56,7 @@ class Block(nnx.Module):
             y_BxSxD, stats = self.ffn(self.ffn_norm(x_BxSxD))
         else:
             y_BxSxD, stats = self.ffn(self.ffn_norm(x_BxSxD)), {}
-        return self.ctx.act(x_BxSxD + y_BxSxD, BSE), stats
+        return self.ctx.act(x_BxSxD + y_BxSxD, NAMES.residual), stats
 
 
 def _stack(config: Config, ctx: ShardCtx, moe: bool, count: int, rngs: nnx.Rngs):
@@ -78,13 +94,13 @@ class Decoder(nnx.Module):
 
     def __init__(self, config: Config, ctx: ShardCtx, *, rngs: nnx.Rngs):
         d = config.emb_dim
-        self.embedding_VxD = param(rngs, (config.vocab_size, d), ("vocab", "embed"), fan_in=1)
+        self.embedding_VxD = param(rngs, (config.vocab_size, d), NAMES.embedding, fan_in=1)
         if config.first_num_dense_layers:
             self.dense_layers = _stack(config, ctx, False, config.first_num_dense_layers, rngs)
         if config.num_moe_layers:
             self.moe_layers = _stack(config, ctx, True, config.num_moe_layers, rngs)
         self.final_norm = RMSNorm(d, config.normalization_layer_epsilon, rngs=rngs)
-        self.logits_DxV = param(rngs, (d, config.vocab_size), ("embed", "vocab"))
+        self.logits_DxV = param(rngs, (d, config.vocab_size), NAMES.logits_kernel)
         self.config, self.ctx = config, ctx
 
     def __call__(self, tokens_BxS, positions_BxS, segments_BxS):
@@ -94,9 +110,9 @@ class Decoder(nnx.Module):
         # Rows are picked by token id, so the vocab dim is gathered whole and the
         # embed dim laid out like the activations; `ctx.param` carries the reduced
         # tag onto that rebuilt spec so the table's gradient stays unreduced.
-        table_VxD = ctx.param(self.embedding_VxD[...], (None, "activation_embed"))
-        x_BxSxD = pt.embed_lookup(table_VxD, tokens_BxS, ctx.spec(BSE)).astype(dt)
-        x_BxSxD = ctx.act(x_BxSxD, BSE)
+        table_VxD = ctx.param(self.embedding_VxD[...], NAMES.embedding_lookup)
+        x_BxSxD = pt.embed_lookup(table_VxD, tokens_BxS, ctx.spec(NAMES.residual)).astype(dt)
+        x_BxSxD = ctx.act(x_BxSxD, NAMES.residual)
         stats = {}
         if c.first_num_dense_layers:
             x_BxSxD, _ = _run_stack(
@@ -107,5 +123,7 @@ class Decoder(nnx.Module):
                 self.moe_layers, x_BxSxD, positions_BxS, segments_BxS, c.remat_policy
             )
         x_BxSxD = self.final_norm(x_BxSxD)
-        logits = ctx.einsum("bsd,dv->bsv", x_BxSxD, self.logits_DxV[...].astype(dt), out=LOGITS)
+        logits = ctx.einsum(
+            "bsd,dv->bsv", x_BxSxD, self.logits_DxV[...].astype(dt), out=NAMES.logits
+        )
         return logits.astype(jnp.float32), stats

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -13,10 +15,24 @@ from trainer.sharding import ShardCtx
 BSE = ("activation_batch", "activation_length", "activation_embed")
 
 
+@dataclasses.dataclass(frozen=True)
+class MLPNames:
+    """Logical axis names of the SwiGLU MLP, weights and activations."""
+
+    wi: tuple = ("embed", "mlp")
+    wo: tuple = ("mlp", "embed")
+    hidden: tuple = ("activation_batch", "activation_length", "activation_mlp")
+    out: tuple = BSE
+
+
+MLP_NAMES = MLPNames()
+NORM_SCALE = ("norm",)
+
+
 class RMSNorm(nnx.Module):
     """Root-mean-square norm with a learned scale (computed in f32)."""
 
-    def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs, logical=("norm",)):
+    def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs, logical=NORM_SCALE):
         self.scale = param(rngs, (dim,), logical, init="ones")
         self.eps = eps
 
@@ -33,18 +49,20 @@ class MLP(nnx.Module):
     """SwiGLU feed-forward: (silu(x W0) * x W1) Wo."""
 
     def __init__(self, dim: int, hidden: int, ctx: ShardCtx, dtype, *, rngs: nnx.Rngs):
-        self.wi_0 = param(rngs, (dim, hidden), ("embed", "mlp"))
-        self.wi_1 = param(rngs, (dim, hidden), ("embed", "mlp"))
-        self.wo = param(rngs, (hidden, dim), ("mlp", "embed"))
+        self.wi_0 = param(rngs, (dim, hidden), MLP_NAMES.wi)
+        self.wi_1 = param(rngs, (dim, hidden), MLP_NAMES.wi)
+        self.wo = param(rngs, (hidden, dim), MLP_NAMES.wo)
         self.ctx, self.dtype = ctx, dtype
 
     def __call__(self, x_BxSxD: jax.Array) -> jax.Array:
         ctx, dt = self.ctx, self.dtype
-        hidden = ("activation_batch", "activation_length", "activation_mlp")
+        hidden = MLP_NAMES.hidden
         # Casting a (possibly reduced) weight is fine: it meets no activation.
         h0 = ctx.einsum("bsd,df->bsf", x_BxSxD, self.wi_0[...].astype(dt), out=hidden)
         h1 = ctx.einsum("bsd,df->bsf", x_BxSxD, self.wi_1[...].astype(dt), out=hidden)
-        return ctx.einsum("bsf,fd->bsd", jax.nn.silu(h0) * h1, self.wo[...].astype(dt), out=BSE)
+        return ctx.einsum(
+            "bsf,fd->bsd", jax.nn.silu(h0) * h1, self.wo[...].astype(dt), out=MLP_NAMES.out
+        )
 
 
 def rope(x_BxSxHxR: jax.Array, positions_BxS: jax.Array, max_timescale: int) -> jax.Array:
