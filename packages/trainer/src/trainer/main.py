@@ -73,7 +73,17 @@ def main(argv: list[str]) -> int:
                 metrics_out.write(run_lib.metrics_json(metrics) + "\n")
                 metrics_out.flush()
 
-        run_lib.train(run, on_step)
+        if run.start_step >= config.steps:
+            print(f"nothing to do: resumed at step {run.start_step}, steps={config.steps}")
+        try:
+            run_lib.train(run, on_step)
+        except FloatingPointError as error:
+            kept = run.checkpoints.last_saved if run.checkpoints else None
+            where = f" (newest checkpoint: step {kept})" if kept else ""
+            print(f"error: {error}{where}", file=sys.stderr)
+            return 1
+    if run.stop_reason:
+        print(run.stop_reason, flush=True)
     return 0
 
 

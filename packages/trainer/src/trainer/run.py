@@ -11,9 +11,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import accum
-from trainer import data, flops, report
+from trainer import checkpoint, data, flops, input_pipeline, report
 from trainer import model as model_lib
 from trainer.config import Config
 from trainer.optimizer import make_optimizer
@@ -34,28 +36,27 @@ class Run:
     batch_size: int
     deferral_axes: tuple[str, ...] = ()
     compiled: Any = None
+    source: Any = None  # input_pipeline.Source
+    checkpoints: checkpoint.Checkpointer | None = None
+    start_step: int = 0  # > 0 when resumed from a checkpoint
+    restored_from: str = ""
+    stop_reason: str = ""  # set when a signal stopped the loop early
 
 
 def setup(config: Config, devices: list | None = None) -> Run:
     """Validate (before compiling anything), build mesh and state, jit the step."""
     devices = devices if devices is not None else jax.devices()
     sizes = validate(config, len(devices))
+    # Inputs and the output directory, before building or compiling anything.
+    batch = global_batch_size(config, len(devices))
+    source = input_pipeline.make_source(config, batch)
+    checkpoints = checkpoint.open_checkpointer(config, batch)
     mesh = make_mesh(sizes, config.shard_mode, devices)
     ctx = ShardCtx(mesh, logical_rules(config), config.shard_mode)
     model = model_lib.define(config, ctx)
     params, router = model_lib.init(config, ctx, model)
     tx = make_optimizer(config)
-    zero1 = None
-    opt_shardings = None
-    if config.shard_optimizer_over_data:
-        # ZeRO-1: master params and optimizer state sharded over 'data'.
-        compute_shardings = jax.tree.map(lambda p: p.sharding, params)
-        master_shardings = accum.zero1_shardings(params, mesh)
-        params = jax.device_put(params, master_shardings)
-        opt_shardings = accum.zero1_state_shardings(
-            jax.eval_shape(tx.init, params), params, master_shardings, mesh
-        )
-        zero1 = (compute_shardings, master_shardings)
+    params, opt_shardings, zero1 = _optimizer_layout(config, mesh, tx, params)
     fns = make_step(config, ctx, model, tx, zero1)
     with jax.set_mesh(mesh):
         opt_state = jax.jit(fns.init_opt_state, out_shardings=opt_shardings)(params)
@@ -66,13 +67,76 @@ def setup(config: Config, devices: list | None = None) -> Run:
         "step": jnp.zeros((), jnp.int32),
     }
     step_fn = jax.jit(fns.step, donate_argnums=(0,))
+    run = Run(config, ctx, model, state, step_fn, batch, deferral_axes(ctx, model.param_logical))
+    run.source, run.checkpoints = source, checkpoints
+    restored = checkpoints.restore_latest(state, mesh) if checkpoints else None
+    if restored:
+        run.state, run.start_step, run.restored_from = restored.state, restored.step, restored.path
+    return run
+
+
+def _optimizer_layout(config: Config, mesh, tx, params) -> tuple[Any, Any, Any]:
+    """(params, optimizer-state shardings, zero1) for `make_step`; `params` may be
+    arrays or ShapeDtypeStructs (abstract_setup). Without ZeRO-1 nothing moves."""
+    if not config.shard_optimizer_over_data:
+        return params, None, None
+    # ZeRO-1: master params and optimizer state sharded over 'data'.
+    compute_shardings = jax.tree.map(lambda p: p.sharding, params)
+    master_shardings = accum.zero1_shardings(params, mesh)
+    params = jax.tree.map(
+        lambda p, s: (
+            jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s)
+            if isinstance(p, jax.ShapeDtypeStruct)
+            else jax.device_put(p, s)
+        ),
+        params,
+        master_shardings,
+    )
+    opt_shardings = accum.zero1_state_shardings(
+        jax.eval_shape(tx.init, params), params, master_shardings, mesh
+    )
+    return params, opt_shardings, (compute_shardings, master_shardings)
+
+
+def abstract_setup(config: Config, devices: list) -> Run:
+    """What `setup` builds, with the state as ShapeDtypeStructs carrying their
+    shardings: nothing is initialised or allocated, no data source is opened.
+    For AOT compiles (aot.py), where `devices` are a TPU topology's
+    compile-only devices; lower with `abstract_batch(run)`."""
+    sizes = validate(config, len(devices))
+    mesh = make_mesh(sizes, config.shard_mode, devices)
+    ctx = ShardCtx(mesh, logical_rules(config), config.shard_mode)
+    model = model_lib.define(config, ctx)
+    params, router = model_lib.abstract_state(model, ctx)
+    tx = make_optimizer(config)
+    params, opt_shardings, zero1 = _optimizer_layout(config, mesh, tx, params)
+    fns = make_step(config, ctx, model, tx, zero1)
+    with jax.set_mesh(mesh):
+        init = jax.jit(fns.init_opt_state, out_shardings=opt_shardings)
+        opt_state = jax.eval_shape(init, params)
+    state = {
+        "params": params,
+        "opt_state": opt_state,
+        "router": router,
+        "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())),
+    }
+    step_fn = jax.jit(fns.step, donate_argnums=(0,))
     batch = global_batch_size(config, len(devices))
     return Run(config, ctx, model, state, step_fn, batch, deferral_axes(ctx, model.param_logical))
 
 
+def abstract_batch(run: Run) -> dict:
+    """ShapeDtypeStructs of one global batch, sharded as the loop's batches are."""
+    shape = (run.batch_size, run.config.max_target_length)
+    shardings = data.batch_shardings(run.ctx, *shape)
+    return {
+        key: jax.ShapeDtypeStruct(shape, jnp.float32 if key == "weights" else jnp.int32, sharding=s)
+        for key, s in shardings.items()
+    }
+
+
 def batch_for(run: Run, step: int) -> dict:
-    host = data.synthetic_batch(run.config, run.batch_size, step)
-    return data.put_batch(host, run.ctx)
+    return input_pipeline.put_rows(run.source, step, run.ctx, run.config.max_target_length)
 
 
 def compile_step(run: Run) -> Any:
@@ -98,24 +162,41 @@ def train(run: Run, on_step: Callable[[int, dict], None] | None = None) -> list[
     flops_per_step = flops.training_flops_per_token(config) * tokens_per_step
     peak = flops.peak_tflops(config, jax.devices()[0].device_kind)
     history = []
-    with jax.set_mesh(run.ctx.mesh):
-        for step in range(config.steps):
-            batch = batch_for(run, step)
-            start = time.perf_counter()
-            run.state, metrics = compiled(run.state, batch)
-            metrics = to_host(jax.block_until_ready(metrics))
-            seconds = time.perf_counter() - start
-            metrics.update(
-                step=step + 1, step_time_s=seconds, tokens_per_s=tokens_per_step / seconds
-            )
-            if peak:
-                devices = run.ctx.mesh.size
-                metrics["mfu"] = flops_per_step / seconds / (peak * 1e12 * devices)
-            if not np.isfinite(metrics["loss"]):
-                raise FloatingPointError(f"loss is {metrics['loss']} at step {step + 1}; stopping")
-            history.append(metrics)
-            if on_step:
-                on_step(step + 1, metrics)
+    checkpoints = run.checkpoints
+    with jax.set_mesh(run.ctx.mesh), checkpoint.stop_on_sigterm() as stop:
+        try:
+            for step in range(run.start_step, config.steps):
+                batch = batch_for(run, step)
+                start = time.perf_counter()
+                run.state, metrics = compiled(run.state, batch)
+                metrics = to_host(jax.block_until_ready(metrics))
+                seconds = time.perf_counter() - start
+                metrics.update(
+                    step=step + 1, step_time_s=seconds, tokens_per_s=tokens_per_step / seconds
+                )
+                if peak:
+                    devices = run.ctx.mesh.size
+                    metrics["mfu"] = flops_per_step / seconds / (peak * 1e12 * devices)
+                for key in ("loss", "grad_norm"):
+                    # Before any save: the last good checkpoint stays the newest.
+                    if not np.isfinite(metrics[key]):
+                        raise FloatingPointError(
+                            f"{key} is {metrics[key]} at step {step + 1}; stopping"
+                        )
+                history.append(metrics)
+                if checkpoints and checkpoints.should_save(step + 1):
+                    checkpoints.save(step + 1, run.state)
+                if on_step:
+                    on_step(step + 1, metrics)
+                if stop.requested:
+                    if checkpoints:
+                        checkpoints.save(step + 1, run.state)  # no-op when just saved
+                    saved = f"; checkpoint saved in {checkpoints.directory}" if checkpoints else ""
+                    run.stop_reason = f"{stop.signal_name}: stopped after step {step + 1}{saved}"
+                    break
+        finally:
+            if checkpoints:
+                checkpoints.wait()  # a pending async save completes, even on an error
     return history
 
 
@@ -140,7 +221,20 @@ def startup_lines(run: Run) -> list[str]:
         f"{config.gradient_accumulation_steps} microbatches",
     ]
     lines.append(report.deferral_line(config, run.deferral_axes))
+    lines += data_lines(run)
     return lines + report.collective_summary(run.compiled.as_text(), config)
+
+
+def data_lines(run: Run) -> list[str]:
+    """Where batches come from, where checkpoints go, and where the run resumes."""
+    lines = [run.source.describe()] if run.source else []
+    if run.checkpoints:
+        lines.append(run.checkpoints.describe())
+        if run.restored_from:
+            lines.append(f"resumed from {run.restored_from} at step {run.start_step}")
+    else:
+        lines.append("checkpoints: off (set base_output_directory=DIR to save and resume)")
+    return lines
 
 
 def metrics_json(m: dict) -> str:

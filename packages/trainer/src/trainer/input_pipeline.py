@@ -1,0 +1,79 @@
+"""Where batches come from (`dataset_type`) and how a process puts its rows on the mesh.
+
+A source answers `rows(step, start, stop)`: rows [start, stop) of the global
+batch of `step`, deterministic in (seed, step). `put_rows` asks only for the
+rows this process's devices hold, so every process builds only its own share.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import jax
+import numpy as np
+
+from trainer import data
+from trainer.config import Config, ConfigError
+from trainer.sharding import ShardCtx
+
+
+class Source(Protocol):
+    global_batch: int
+
+    def rows(self, step: int, start: int, stop: int) -> dict[str, np.ndarray]: ...
+
+    def describe(self) -> str: ...
+
+
+class SyntheticSource:
+    """`data.synthetic_batch`, the whole global batch per step, sliced."""
+
+    def __init__(self, config: Config, global_batch: int):
+        self.config, self.global_batch = config, global_batch
+        self._step, self._batch = None, None
+
+    def rows(self, step: int, start: int, stop: int) -> dict[str, np.ndarray]:
+        if self._step != step:
+            self._step, self._batch = (
+                step,
+                data.synthetic_batch(self.config, self.global_batch, step),
+            )
+        return {key: value[start:stop] for key, value in self._batch.items()}
+
+    def describe(self) -> str:
+        return "data: synthetic (counting sequences, seed-determined)"
+
+
+def make_source(config: Config, global_batch: int) -> Source:
+    """Open the configured dataset; every input problem is a ConfigError, before compiling."""
+    if config.dataset_type == "text":
+        from trainer import text_data
+
+        return text_data.make_text_source(config, global_batch)
+    for key in ("dataset_path", "tokenizer_path"):
+        if getattr(config, key):
+            raise ConfigError(
+                f"{key}={getattr(config, key)!r} is set but dataset_type=synthetic; "
+                "add dataset_type=text to train on it"
+            )
+    return SyntheticSource(config, global_batch)
+
+
+def put_rows(source: Source, step: int, ctx: ShardCtx, length: int) -> dict[str, jax.Array]:
+    """The global batch of `step` on the mesh, each process building only its rows."""
+    batch = source.global_batch
+    shardings = data.batch_shardings(ctx, batch, length)
+    cache: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+
+    def block(key: str, index: tuple[slice, ...]) -> np.ndarray:
+        start, stop, _ = index[0].indices(batch)
+        if (start, stop) not in cache:
+            cache[(start, stop)] = source.rows(step, start, stop)
+        return cache[(start, stop)][key][(slice(None), *index[1:])]
+
+    return {
+        key: jax.make_array_from_callback(
+            (batch, length), sharding, lambda index, key=key: block(key, index)
+        )
+        for key, sharding in shardings.items()
+    }

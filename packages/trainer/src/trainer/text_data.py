@@ -1,0 +1,269 @@
+"""Text data: `.txt` / `.jsonl` files -> tokens -> packed rows -> a grain MapDataset.
+
+Every document (a `.txt` file, or one `.jsonl` line's `jsonl_field`) is
+tokenized — bytes by default (ids 0..255, `EOS_BYTE` = 256 ends a document), or
+a local `tokenizer.json` through `tokenizers` — and turned into (input, target)
+pairs. Pairs never cross a document, so packing needs no cross-document mask:
+documents longer than `max_target_length` pairs are cut into pieces, and pieces
+are packed in order into rows of `max_target_length`, each piece its own
+segment (1..n per row, 0 for padding) with positions restarting at 0. Padding
+has weight 0, every real target weight 1.
+
+The packed rows are a grain `MapDataset`, shuffled with `seed` and repeated
+(reshuffled every epoch). Global row `r` of step `s` is element
+`s * global_batch + r`, so any process can build any rows of any step on its
+own: a process builds only the rows its devices hold, and a resumed run
+continues the exact stream from its step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import grain
+import numpy as np
+
+from trainer.config import Config, ConfigError
+
+SUFFIXES = (".txt", ".jsonl")
+EOS_BYTE = 256
+BYTE_VOCAB = 257  # 256 bytes + end-of-document
+KEYS = ("inputs", "targets", "positions", "segments", "weights")
+# End-of-document tokens looked up in a tokenizer.json, first match wins.
+EOS_NAMES = ("</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>", "[SEP]", "<|im_end|>")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokenizer:
+    name: str
+    vocab_size: int  # ids are < vocab_size
+    eos_id: int | None
+    encode: Callable[[str], Sequence[int]]
+
+
+def byte_tokenizer() -> Tokenizer:
+    return Tokenizer(
+        "bytes", BYTE_VOCAB, EOS_BYTE, lambda text: np.frombuffer(text.encode("utf-8"), np.uint8)
+    )
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """A local tokenizer.json (Hugging Face `tokenizers` format)."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"tokenizer_path={path!r} is not a file")
+    import tokenizers
+
+    try:
+        tok = tokenizers.Tokenizer.from_file(path)
+    except Exception as error:  # the Rust side raises its own exception types
+        raise ConfigError(
+            f"tokenizer_path={path!r} is not a readable tokenizer.json: {error}"
+        ) from None
+    eos = next((i for i in map(tok.token_to_id, EOS_NAMES) if i is not None), None)
+    return Tokenizer(
+        f"tokenizer.json ({path})",
+        tok.get_vocab_size(with_added_tokens=True),
+        eos,
+        lambda text: tok.encode(text, add_special_tokens=False).ids,
+    )
+
+
+def find_files(dataset_path: str) -> list[Path]:
+    """A directory (searched recursively), a glob, or one file; only .txt / .jsonl."""
+    if not dataset_path:
+        raise ConfigError("dataset_type=text needs dataset_path=DIR_OR_GLOB (.txt / .jsonl files)")
+    path = Path(dataset_path)
+    if path.is_dir():
+        found = [p for p in path.rglob("*") if p.suffix in SUFFIXES and p.is_file()]
+        where = f"directory dataset_path={dataset_path!r}"
+    elif glob.has_magic(dataset_path):
+        matches = [Path(p) for p in glob.glob(dataset_path, recursive=True)]
+        found = [p for p in matches if p.suffix in SUFFIXES and p.is_file()]
+        where = f"dataset_path={dataset_path!r} (matched {len(matches)} paths)"
+    elif path.is_file():
+        if path.suffix not in SUFFIXES:
+            raise ConfigError(f"dataset_path={dataset_path!r} is not a .txt or .jsonl file")
+        found = [path]
+        where = ""
+    else:
+        raise ConfigError(f"dataset_path={dataset_path!r} does not exist")
+    if not found:
+        raise ConfigError(f"{where} holds no .txt or .jsonl files")
+    return sorted(found)
+
+
+def read_documents(files: Sequence[Path], field: str) -> Iterator[str]:
+    """Documents in file order; unreadable or malformed input raises ConfigError."""
+    for path in files:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise ConfigError(f"cannot read dataset file {str(path)!r}: {error}") from None
+        if path.suffix == ".txt":
+            yield text
+            continue
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ConfigError(f"{path}:{number} is not valid JSON: {error}") from None
+            if not isinstance(record, dict) or field not in record:
+                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                raise ConfigError(
+                    f"{path}:{number} has no field {field!r} (jsonl_field={field!r}); it has {keys}"
+                )
+            if not isinstance(record[field], str):
+                raise ConfigError(
+                    f"{path}:{number} field {field!r} is a {type(record[field]).__name__}, "
+                    "not a string"
+                )
+            yield record[field]
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedRows:
+    """Rows of packed document pieces over one flat token array (random access).
+
+    Piece `i` covers pairs (tokens[j], tokens[j + 1]) for j in
+    [piece_start[i], piece_start[i] + piece_len[i]); row `r` holds pieces
+    row_start[r] .. row_start[r + 1] - 1.
+    """
+
+    tokens: np.ndarray
+    piece_start: np.ndarray
+    piece_len: np.ndarray
+    row_start: np.ndarray
+    length: int
+
+    def __len__(self) -> int:
+        return len(self.row_start) - 1
+
+    def __getitem__(self, row: int) -> dict[str, np.ndarray]:
+        length = self.length
+        out = {
+            "inputs": np.zeros(length, np.int32),
+            "targets": np.zeros(length, np.int32),
+            "positions": np.zeros(length, np.int32),
+            "segments": np.zeros(length, np.int32),
+            "weights": np.zeros(length, np.float32),
+        }
+        at = 0
+        first, stop = self.row_start[row], self.row_start[row + 1]
+        for segment, piece in enumerate(range(first, stop), 1):
+            start, n = int(self.piece_start[piece]), int(self.piece_len[piece])
+            out["inputs"][at : at + n] = self.tokens[start : start + n]
+            out["targets"][at : at + n] = self.tokens[start + 1 : start + n + 1]
+            out["positions"][at : at + n] = np.arange(n)
+            out["segments"][at : at + n] = segment
+            out["weights"][at : at + n] = 1.0
+            at += n
+        return out
+
+
+def pack(documents: Sequence[np.ndarray], length: int) -> PackedRows:
+    """Cut each document into pieces of <= `length` pairs and pack them in order (next fit)."""
+    docs = [np.asarray(d, np.int32) for d in documents if len(d) >= 2]
+    offsets = np.cumsum([0] + [len(d) for d in docs])
+    tokens = np.concatenate(docs) if docs else np.zeros(0, np.int32)
+    piece_start, piece_len, row_start = [], [], [0]
+    used = 0
+    for doc, offset in zip(docs, offsets[:-1], strict=True):
+        pairs = len(doc) - 1
+        for cut in range(0, pairs, length):
+            n = min(length, pairs - cut)
+            if used + n > length:
+                row_start.append(len(piece_start))
+                used = 0
+            piece_start.append(offset + cut)
+            piece_len.append(n)
+            used += n
+    if piece_start:
+        row_start.append(len(piece_start))
+    return PackedRows(
+        tokens,
+        np.asarray(piece_start, np.int64),
+        np.asarray(piece_len, np.int64),
+        np.asarray(row_start, np.int64),
+        length,
+    )
+
+
+@dataclasses.dataclass
+class TextSource:
+    """The text stream: `rows(step, start, stop)` -> global rows [start, stop) of `step`."""
+
+    dataset: grain.MapDataset
+    packed: PackedRows
+    global_batch: int
+    tokenizer: Tokenizer
+    files: list[Path]
+    documents: int
+
+    def rows(self, step: int, start: int, stop: int) -> dict[str, np.ndarray]:
+        base = step * self.global_batch
+        examples = [self.dataset[base + r] for r in range(start, stop)]
+        return {key: np.stack([e[key] for e in examples]) for key in KEYS}
+
+    def process_rows(
+        self, step: int, process_index: int, process_count: int
+    ) -> dict[str, np.ndarray]:
+        """This process's contiguous share of the global batch of `step`."""
+        start, stop = process_row_range(self.global_batch, process_index, process_count)
+        return self.rows(step, start, stop)
+
+    def describe(self) -> str:
+        tokens = int(self.packed.piece_len.sum())
+        fill = tokens / max(1, len(self.packed) * self.packed.length)
+        return (
+            f"data: text, {len(self.files)} files, {self.documents} documents, "
+            f"{self.tokenizer.name} tokens: {tokens:,} targets in {len(self.packed):,} "
+            f"packed rows of {self.packed.length} ({fill:.0%} filled)"
+        )
+
+
+def process_row_range(global_batch: int, process_index: int, process_count: int) -> tuple[int, int]:
+    """[start, stop) of the global batch rows that process `process_index` builds."""
+    if global_batch % process_count:
+        raise ConfigError(
+            f"global batch {global_batch} does not split over {process_count} processes"
+        )
+    share = global_batch // process_count
+    return process_index * share, (process_index + 1) * share
+
+
+def make_text_source(config: Config, global_batch: int) -> TextSource:
+    """Read, tokenize and pack everything once; raise ConfigError on any bad input."""
+    files = find_files(config.dataset_path)
+    tokenizer = load_tokenizer(config.tokenizer_path) if config.tokenizer_path else byte_tokenizer()
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ConfigError(
+            f"vocab_size={config.vocab_size} is smaller than the {tokenizer.vocab_size} ids of the "
+            f"{tokenizer.name} tokenizer"
+            + (" (256 bytes + end-of-document)" if tokenizer.name == "bytes" else "")
+            + f"; set vocab_size={tokenizer.vocab_size} or more"
+        )
+    eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+    documents = []
+    for text in read_documents(files, config.jsonl_field):
+        ids = np.asarray(tokenizer.encode(text), np.int32)
+        if ids.size:
+            documents.append(np.concatenate([ids, np.asarray(eos, np.int32)]))
+    packed = pack(documents, config.max_target_length)
+    if not len(packed):
+        raise ConfigError(
+            f"dataset_path={config.dataset_path!r}: {len(files)} files hold no text "
+            f"(every document is empty or a single token)"
+        )
+    dataset = (
+        grain.MapDataset.source(packed)
+        .shuffle(seed=config.seed % 2**32)
+        .repeat(reseed_each_epoch=True)
+    )
+    return TextSource(dataset, packed, global_batch, tokenizer, files, len(documents))
