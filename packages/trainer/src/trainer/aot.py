@@ -1,0 +1,217 @@
+"""`train compile_topology=v5e-8 ...`: compile the real train step for a TPU
+topology on this (CPU) host with libtpu, without running it.
+
+The state is built as ShapeDtypeStructs with their shardings
+(`run.abstract_setup`), so even the 671B shape compiles without allocating a
+parameter. Prints per-device memory from the compiled executable against the
+chip's HBM, the hlo_tools collective table and the in-loop verdict, and writes
+the HLO to run_dir/aot_<topology>.hlo.
+
+Topology names follow Cloud TPU: the number counts chips for v5e and v6e and
+TensorCores (two per chip) for v5p. `compile_topology_num_slices=N` compiles
+for N such slices joined over DCN; the data axis spans the slices.
+Needs libtpu: `uv run --extra tpu train compile_topology=v5e-8 ...`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from trainer.config import Config, ConfigError, mesh_shape
+
+GIB = 1024**3
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    name: str  # v5e-8
+    libtpu_name: str  # v5e:2x4
+    chips: int  # per slice
+    hbm_gib: float  # per chip
+
+
+_GRID_2D = {
+    1: "1x1",
+    4: "2x2",
+    8: "2x4",
+    16: "4x4",
+    32: "4x8",
+    64: "8x8",
+    128: "8x16",
+    256: "16x16",
+}
+_GRID_3D = {
+    4: "2x2x1",
+    8: "2x2x2",
+    16: "2x2x4",
+    32: "2x4x4",
+    64: "4x4x4",
+    128: "4x4x8",
+    256: "4x8x8",
+    512: "8x8x8",
+    1024: "8x8x16",
+    2048: "8x16x16",
+}
+HBM_GIB = {"v5e": 16.0, "v6e": 32.0, "v5p": 95.0}
+
+
+def _known() -> dict[str, Topology]:
+    out = {}
+    for gen in ("v5e", "v6e"):
+        for chips, grid in _GRID_2D.items():
+            out[f"{gen}-{chips}"] = Topology(f"{gen}-{chips}", f"{gen}:{grid}", chips, HBM_GIB[gen])
+    for chips, grid in _GRID_3D.items():
+        name = f"v5p-{2 * chips}"
+        out[name] = Topology(name, f"v5p:{grid}", chips, HBM_GIB["v5p"])
+    return out
+
+
+TOPOLOGIES = _known()
+
+
+def resolve(config: Config) -> Topology:
+    """The topology named by compile_topology, and checks on the mesh it implies.
+
+    Raises ConfigError naming the key (unknown names list the known ones); cheap,
+    so it runs before libtpu loads or anything compiles.
+    """
+    topo = TOPOLOGIES.get(config.compile_topology)
+    if topo is None:
+        raise ConfigError(
+            f"compile_topology={config.compile_topology!r} is not a known TPU topology; "
+            f"known: {', '.join(TOPOLOGIES)}"
+        )
+    slices = config.compile_topology_num_slices
+    if slices < 1:
+        raise ConfigError(f"compile_topology_num_slices={slices} must be >= 1")
+    sizes = mesh_shape(config, topo.chips * slices)
+    if sizes["data"] % slices:
+        raise ConfigError(
+            f"compile_topology_num_slices={slices} needs a data axis divisible by {slices} "
+            f"(slices are joined over 'data'); the mesh has data={sizes['data']} "
+            f"(ici_data_parallelism={config.ici_data_parallelism})"
+        )
+    return topo
+
+
+def devices_for(topo: Topology, num_slices: int) -> list:
+    """Compile-only TPU devices, slice-major (so the data axis spans the slices)."""
+    from jax.experimental import topologies
+
+    kwargs = {"num_slices": num_slices} if num_slices > 1 else {}
+    devices = topologies.get_topology_desc(topo.libtpu_name, "tpu", **kwargs).devices
+    return sorted(devices, key=lambda d: (getattr(d, "slice_index", 0) or 0, d.id))
+
+
+@dataclasses.dataclass
+class AotResult:
+    topology: Topology
+    num_slices: int
+    run: Any  # run.Run with abstract state
+    compiled: Any
+    hlo_path: str
+    memory: dict[str, int]
+
+    @property
+    def hbm_bytes(self) -> int:
+        return int(self.topology.hbm_gib * GIB)
+
+
+def memory_of(compiled: Any) -> dict[str, int]:
+    """Per-device bytes from the compiled executable's memory analysis.
+
+    total = arguments + outputs - aliased (donated state reused for the new
+    state) + temporaries + generated code: what the step needs resident.
+    """
+    m = compiled.memory_analysis()
+    out = {
+        "argument": int(m.argument_size_in_bytes),
+        "output": int(m.output_size_in_bytes),
+        "alias": int(m.alias_size_in_bytes),
+        "temp": int(m.temp_size_in_bytes),
+        "code": int(m.generated_code_size_in_bytes),
+    }
+    out["total"] = out["argument"] + out["output"] - out["alias"] + out["temp"] + out["code"]
+    return out
+
+
+def compile_for_topology(config: Config, hlo_path: str | None = None) -> AotResult:
+    """Build the abstract state on the topology's devices, lower, compile, write HLO."""
+    import jax
+
+    from trainer import run as run_lib
+
+    topo = resolve(config)
+    slices = config.compile_topology_num_slices
+    run = run_lib.abstract_setup(config, devices_for(topo, slices))
+    with jax.set_mesh(run.ctx.mesh):
+        lowered = run.step_fn.lower(run.state, run_lib.abstract_batch(run))
+        compiled = lowered.compile()
+    run.compiled = compiled
+    suffix = f"x{slices}" if slices > 1 else ""
+    hlo_path = hlo_path or os.path.join(config.run_dir, f"aot_{topo.name}{suffix}.hlo")
+    os.makedirs(os.path.dirname(os.path.abspath(hlo_path)), exist_ok=True)
+    with open(hlo_path, "w") as f:
+        f.write(compiled.as_text())
+    return AotResult(topo, slices, run, compiled, hlo_path, memory_of(compiled))
+
+
+def report_lines(result: AotResult) -> list[str]:
+    """What `train compile_topology=...` prints."""
+    import hlo_tools
+    from trainer import flops, report
+
+    run, topo, mem = result.run, result.topology, result.memory
+    config = run.config
+    slices = f" x {result.num_slices} slices" if result.num_slices > 1 else ""
+    devices = run.ctx.mesh.size
+    lines = [
+        f"topology: {topo.name}{slices} ({topo.libtpu_name}, {devices} chips, "
+        f"{topo.hbm_gib:g} GiB HBM each); compiled on this host, not run",
+        report.mesh_line(dict(run.ctx.mesh.shape), config.shard_mode),
+        report.params_line(
+            flops.count_params(run.state["params"]), flops.active_matmul_params(config)
+        ),
+        f"batch: {run.batch_size} sequences x {config.max_target_length} tokens, "
+        f"{config.gradient_accumulation_steps} microbatches",
+        report.deferral_line(config, run.deferral_axes),
+        "memory per device (compiled.memory_analysis()):",
+    ]
+    for key in ("argument", "output", "alias", "temp", "code"):
+        lines.append(f"  {key:9s} {mem[key] / GIB:9.3f} GiB")
+    share = mem["total"] / result.hbm_bytes
+    fits = "fits" if share <= 1 else "DOES NOT FIT"
+    lines.append(
+        f"  total     {mem['total'] / GIB:9.3f} GiB of {topo.hbm_gib:g} GiB HBM "
+        f"({share * 100:.1f}%, {fits})"
+    )
+    text = result.compiled.as_text()
+    lines += report.collective_summary(text, config)
+    lines += hlo_tools.format_table(hlo_tools.parse(text)).splitlines()
+    lines.append(f"wrote compiled HLO to {result.hlo_path} (inspect with: hlo-report FILE)")
+    return lines
+
+
+def main(config: Config, hlo_path: str | None = None) -> int:
+    """`train compile_topology=...`: compile, print the report; 1 when it does not fit."""
+    import jax
+
+    topo = resolve(config)  # ConfigError before libtpu loads
+    print(f"model: {config.model_name}", flush=True)
+    try:
+        result = compile_for_topology(config, hlo_path)
+    except jax.errors.JaxRuntimeError as error:
+        message = str(error)
+        if "RESOURCE_EXHAUSTED" not in message:
+            raise
+        print(
+            f"memory per device: DOES NOT FIT on {topo.name} ({topo.hbm_gib:g} GiB HBM per "
+            f"chip); XLA: {message.strip().splitlines()[0]}",
+            flush=True,
+        )
+        return 1
+    for line in report_lines(result):
+        print(line, flush=True)
+    return 0 if result.memory["total"] <= result.hbm_bytes else 1

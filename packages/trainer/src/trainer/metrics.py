@@ -1,0 +1,183 @@
+"""Per-step metrics: one JSONL record per step and TensorBoard event files, under run_dir.
+
+Record keys (`record(step_metrics)`):
+
+    step
+    learning/loss, learning/ce_loss, learning/balance_loss, learning/grad_norm, learning/lr
+    perf/step_time_s, perf/tokens_per_s, perf/tokens, perf/mfu (null when the peak is unknown)
+    moe/tokens_per_expert            [MoE layer][expert] tokens routed this step
+    moe/load_imbalance_per_layer     [MoE layer] max / mean expert load
+    moe/load_imbalance               the worst layer's max / mean (1.0 = perfectly balanced)
+
+Only process 0 writes. A run that starts at step N (a resumed run) keeps the
+records of steps 1..N already in the file and drops later ones, so a restart
+after a crash does not leave duplicate steps; a fresh run (N = 0) starts the
+file over. TensorBoard gets `purge_step=N + 1` for the same reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+
+# run.train's host metric name -> record key.
+RENAMES = {
+    "loss": "learning/loss",
+    "ce_loss": "learning/ce_loss",
+    "balance_loss": "learning/balance_loss",
+    "grad_norm": "learning/grad_norm",
+    "learning_rate": "learning/lr",
+    "step_time_s": "perf/step_time_s",
+    "tokens_per_s": "perf/tokens_per_s",
+    "tokens": "perf/tokens",
+    "mfu": "perf/mfu",
+}
+
+
+def load_imbalance(tokens_per_expert_LxE: Any) -> list[float]:
+    """max / mean expert load per MoE layer (1.0 when every expert gets the same)."""
+    loads = np.asarray(tokens_per_expert_LxE, dtype=np.float64)
+    if loads.ndim == 1:
+        loads = loads[None]
+    mean = loads.mean(axis=-1)
+    return [float(m / a) if a > 0 else 1.0 for m, a in zip(loads.max(axis=-1), mean, strict=True)]
+
+
+def record(metrics: dict) -> dict:
+    """The JSONL record for one step of `run.train`'s host metrics."""
+    out: dict[str, Any] = {"step": int(metrics["step"]), "perf/mfu": None}
+    for key, value in metrics.items():
+        if key in RENAMES:
+            out[RENAMES[key]] = value
+        elif key == "tokens_per_expert":
+            per_layer = load_imbalance(value)
+            out["moe/tokens_per_expert"] = np.asarray(value).tolist()
+            out["moe/load_imbalance_per_layer"] = per_layer
+            out["moe/load_imbalance"] = max(per_layer)
+        elif key != "step":
+            out[key] = value
+    return out
+
+
+def scalars(rec: dict) -> dict[str, float]:
+    """The TensorBoard scalars of a record: every number, per-layer imbalance split out."""
+    out = {}
+    for key, value in rec.items():
+        if key == "step" or value is None:
+            continue
+        if isinstance(value, int | float):
+            out[key] = float(value)
+        elif key == "moe/load_imbalance_per_layer":
+            for layer, v in enumerate(value):
+                out[f"moe/load_imbalance/layer_{layer}"] = float(v)
+    return out
+
+
+def _keep_until(path: str, last_step: int) -> None:
+    """Rewrite `path` keeping only records with step <= last_step (none when 0)."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line)["step"] <= last_step:
+                    kept.append(line)
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut short by a killed process
+    with open(path, "w") as f:
+        f.writelines(kept)
+
+
+class MetricsWriter:
+    """JSONL (+ TensorBoard) writer; a no-op on processes other than 0.
+
+    `jsonl_path` defaults to run_dir/metrics.jsonl; TensorBoard files go to
+    run_dir/tensorboard (where profiling.py also puts traces).
+    """
+
+    def __init__(
+        self,
+        run_dir: str,
+        *,
+        start_step: int = 0,
+        jsonl_path: str | None = None,
+        tensorboard: bool = True,
+        process_index: int = 0,
+    ):
+        self.active = process_index == 0
+        self.jsonl_path = jsonl_path or os.path.join(run_dir, METRICS_FILE)
+        self.tensorboard_dir = os.path.join(run_dir, TENSORBOARD_DIR)
+        self._jsonl = None
+        self._tb = None
+        if not self.active:
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(self.jsonl_path)), exist_ok=True)
+        _keep_until(self.jsonl_path, start_step)
+        self._jsonl = open(self.jsonl_path, "a")  # noqa: SIM115 -- closed by close()
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(self.tensorboard_dir, purge_step=start_step + 1)
+
+    def write(self, metrics: dict) -> dict:
+        """Write one step (run.train's host metrics); returns the record."""
+        rec = record(metrics)
+        if self._jsonl:
+            self._jsonl.write(json.dumps(rec, sort_keys=True) + "\n")
+            self._jsonl.flush()
+        if self._tb:
+            for key, value in scalars(rec).items():
+                self._tb.add_scalar(key, value, rec["step"])
+            self._tb.flush()
+        return rec
+
+    def close(self) -> None:
+        if self._jsonl:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read(path: str) -> list[dict]:
+    """Records of a metrics file, one per step (a later record for a step wins)."""
+    by_step: dict[int, dict] = {}
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rec = json.loads(line)
+                by_step[int(rec["step"])] = rec
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut short by a killed process
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def output_lines(writer: MetricsWriter, profiler: Any = None) -> list[str]:
+    """Where this run's metrics (and trace) go, for the startup printout."""
+    if not writer.active:
+        return []
+    tb = f", tensorboard: {writer.tensorboard_dir}" if writer._tb else ""
+    lines = [f"metrics: {writer.jsonl_path}{tb}"]
+    if profiler is not None and profiler.enabled:
+        lines.append(
+            f"profiler: xplane trace of steps {profiler.first}-{profiler.last} "
+            f"-> {profiler.log_dir}/plugins/profile"
+        )
+    return lines

@@ -1,0 +1,103 @@
+"""`plot-metrics FILE... [--output_dir DIR]`: loss, throughput and load-balance PNGs.
+
+Each FILE is a metrics.jsonl written by `train` (or a run directory holding
+one); every run is one line on each chart, labelled by its run directory name
+(or `--labels`). Writes loss.png, throughput.png and, when any run has MoE
+layers, load_balance.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from trainer.metrics import METRICS_FILE, read
+
+# chart file -> (title, y label, record key)
+CHARTS = {
+    "loss.png": ("Training loss", "loss", "learning/loss"),
+    "throughput.png": ("Throughput", "tokens / s", "perf/tokens_per_s"),
+    "load_balance.png": (
+        "MoE load imbalance (max / mean expert load, worst layer)",
+        "max / mean",
+        "moe/load_imbalance",
+    ),
+}
+
+
+def _label(path: str, taken: set[str]) -> str:
+    parent = os.path.basename(os.path.dirname(os.path.abspath(path)))
+    stem = os.path.splitext(os.path.basename(path))[0]
+    label = parent if stem == "metrics" and parent else stem
+    while label in taken:
+        label += "'"
+    taken.add(label)
+    return label
+
+
+def load_runs(paths: list[str], labels: list[str] | None = None) -> list[tuple[str, list[dict]]]:
+    """(label, records) per input; a directory stands for its metrics.jsonl."""
+    if labels and len(labels) != len(paths):
+        raise ValueError(f"--labels has {len(labels)} names for {len(paths)} files")
+    runs, taken = [], set()
+    for i, path in enumerate(paths):
+        if os.path.isdir(path):
+            path = os.path.join(path, METRICS_FILE)
+        records = read(path)
+        if not records:
+            raise ValueError(f"{path}: no metrics records")
+        runs.append((labels[i] if labels else _label(path, taken), records))
+    return runs
+
+
+def plot(runs: list[tuple[str, list[dict]]], output_dir: str) -> list[str]:
+    """Draw every chart some run has data for; returns the PNG paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(output_dir, exist_ok=True)
+    written = []
+    for filename, (title, ylabel, key) in CHARTS.items():
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+        drawn = 0
+        for label, records in runs:
+            points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+            if points:
+                steps, values = zip(*points, strict=True)
+                ax.plot(steps, values, marker="." if len(points) < 50 else None, label=label)
+                drawn += 1
+        if drawn:
+            ax.set_title(title)
+            ax.set_xlabel("step")
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+            ax.legend()
+            fig.tight_layout()
+            path = os.path.join(output_dir, filename)
+            fig.savefig(path)
+            written.append(path)
+        plt.close(fig)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="plot-metrics", description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="+", help="metrics.jsonl files or run directories")
+    parser.add_argument("--output_dir", default="plots", help="where the PNGs go (default plots)")
+    parser.add_argument("--labels", nargs="+", help="one legend name per file")
+    args = parser.parse_args(argv)
+    try:
+        runs = load_runs(args.files, args.labels)
+    except (OSError, ValueError) as error:
+        print(f"plot-metrics: {error}", file=sys.stderr)
+        return 2
+    for path in plot(runs, args.output_dir):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
