@@ -152,6 +152,33 @@ def test_a_different_model_in_the_run_directory_is_refused(resumed):
         run_lib.setup(_config(out, base_emb_dim="32"))
 
 
+def test_text_data_trains_through_the_same_step(resumed, tmp_path):
+    # A tokenizer.json with 256 ids keeps the compiled shapes: the executable is reused.
+    tokenizers = pytest.importorskip("tokenizers")
+    words = [f"w{i}" for i in range(255)]
+    vocab = {"</s>": 0, **{w: i + 1 for i, w in enumerate(words)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    rng = np.random.default_rng(0)
+    lines = [json.dumps({"text": " ".join(rng.choice(words, n))}) for n in rng.integers(3, 60, 40)]
+    (tmp_path / "docs.jsonl").write_text("\n".join(lines))
+    config = _config(
+        None,
+        dataset_type="text",
+        dataset_path=str(tmp_path / "docs.jsonl"),
+        tokenizer_path=str(tmp_path / "tokenizer.json"),
+        steps="2",
+    )
+    run = run_lib.setup(config)
+    run.compiled = resumed["compiled"]
+    history = run_lib.train(run)
+    for step, metrics in enumerate(history):
+        real = run.source.rows(step, 0, run.batch_size)["weights"].sum()
+        assert metrics["tokens"] == real  # the loss counts exactly the unpadded targets
+        assert np.isfinite(metrics["loss"])
+
+
 # The binary, in subprocesses.
 
 

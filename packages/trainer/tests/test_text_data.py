@@ -175,3 +175,24 @@ def test_text_keys_without_text_dataset_are_rejected(tmp_path):
         make_source(make_config({"dataset_path": str(tmp_path)}), global_batch=2)
     with pytest.raises(ConfigError, match="dataset_type=text needs dataset_path"):
         make_source(make_config({"dataset_type": "text"}), global_batch=2)
+
+
+def test_put_rows_places_the_global_batch_on_the_mesh(corpus):
+    import jax
+
+    from trainer.input_pipeline import put_rows
+    from trainer.sharding import ShardCtx, logical_rules, make_mesh
+
+    config = _config(corpus, jsonl_field="body")
+    source = make_source(config, global_batch=8)
+    mesh = make_mesh(
+        {"data": 4, "fsdp": 1, "tensor": 2, "tensor_transpose": 1, "context": 1, "expert": 1},
+        "explicit",
+        jax.devices()[:8],
+    )
+    ctx = ShardCtx(mesh, logical_rules(config), "explicit")
+    placed = put_rows(source, 5, ctx, LENGTH)
+    want = source.rows(5, 0, 8)
+    for key in text_data.KEYS:
+        assert "data" in str(placed[key].sharding.spec)
+        np.testing.assert_array_equal(np.asarray(placed[key]), want[key])

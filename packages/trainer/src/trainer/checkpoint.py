@@ -201,6 +201,11 @@ class Checkpointer:
         self.config, self.directory, self.global_batch = config, directory, global_batch
         self.period = config.checkpoint_period
         self.skipped = sweep_incomplete(directory)
+        if jax.process_count() > 1:
+            # Process 0 moves the incomplete ones aside: nobody lists steps before that.
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("tagtrain: checkpoint sweep")
         options = ocp.CheckpointManagerOptions(
             max_to_keep=config.max_checkpoints_to_keep,
             save_interval_steps=1,  # the policy is `should_save`; saves pass force=True
