@@ -59,3 +59,31 @@ def test_explicit_ga4_keeps_gradient_reductions_out_of_the_loop(name, runner):
     _, text = runner(1, **LAYOUTS[name], gradient_accumulation_steps="4")
     outside = hlo_tools.assert_reduced_once_per_step(text)
     assert sum(c.elements for c in outside) > 10_000
+
+
+def _groups_span_data(collective, data_size: int, devices: int = 8) -> bool:
+    # 'data' is the leading mesh axis and the mesh takes devices in order, so a
+    # device's data index is its id divided by the size of the other axes.
+    stride = devices // data_size
+    return any(len({d // stride for d in group}) > 1 for group in collective.replica_groups or ())
+
+
+DATA_FSDP = dict(
+    ici_data_parallelism="4", ici_fsdp_parallelism="2", gradient_accumulation_steps="4"
+)
+
+
+def test_fsdp_keeps_data_reduction_out_of_the_loop(runner):
+    """FSDP reduce-scatters stay per microbatch; the 'data' all-reduce runs once per step."""
+    _, text = runner(1, **DATA_FSDP)
+    inside = hlo_tools.in_loop_reductions(text)
+    assert inside, "FSDP must reduce-scatter each gathered weight's gradient per microbatch"
+    assert not [c for c in inside if _groups_span_data(c, 4)], "a 'data' reduction in the loop"
+    outside = hlo_tools.gradient_reductions_outside(text)
+    assert [c for c in outside if _groups_span_data(c, 4)], "no 'data' reduction after the loop"
+
+
+def test_fsdp_without_deferral_reduces_data_in_the_loop(runner):
+    _, text = runner(1, **DATA_FSDP, defer_gradient_reduction="false")
+    inside = hlo_tools.in_loop_reductions(text)
+    assert [c for c in inside if _groups_span_data(c, 4)]

@@ -88,15 +88,51 @@ class ShardCtx:
         """Constrain an activation (never a parameter: that would drop its tag)."""
         return pt.shard(x, self.spec(logical, x.shape), self.mode)
 
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """Mesh axes (size > 1) that shard the batch."""
+        return pt.batch_mesh_axes(self.mesh, self.rules)
+
     def param(self, w: jax.Array, logical: Sequence[str | None]) -> jax.Array:
-        """Reshard a parameter to `logical`, keeping its reduced tag.
+        """Reshard a parameter to `logical`, keeping its reduced tag (and extending it).
 
         The rebuilt spec is untagged; without `carry_reduced_axes` a reduced
         parameter would land on it as a plain replicated value and its gradient
-        would be all-reduced right here, once per microbatch.
+        would be all-reduced right here, once per microbatch. When the reshard
+        gathers a tagged parameter over batch axes (FSDP), the gathered copy is
+        identical across them, so it is tagged reduced over those too: its
+        cotangent is then unreduced over every batch axis, which is what a
+        matmul contracting over the batch produces, and the transpose of this
+        reshard is the FSDP reduce-scatter, leaving 'data' unreduced.
         """
-        spec = pt.carry_reduced_axes(self.spec(logical, w.shape), w)
-        return pt.shard(w, spec, self.mode)
+        return self._reshard_param(w, self.spec(logical, w.shape))
+
+    def _reshard_param(self, w: jax.Array, target: P) -> jax.Array:
+        source = pt.spec_of(w)
+        if not self.explicit or source is None or not pt.reduced_axes(source):
+            return pt.shard(w, pt.carry_reduced_axes(target, w), self.mode)
+        gathered = set(pt.mesh_axes_used(source)) - set(pt.mesh_axes_used(target))
+        tag = pt.reduced_axes(source) | (gathered & set(self.batch_axes))
+        return jax.reshard(w, pt.with_reduced(target, tag))
+
+    def weight(self, w: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+        """A weight in the layout a matmul uses it: its logical spec minus the batch axes.
+
+        Only tagged weights (deferred reduction) are gathered here, via `param`;
+        untagged ones are left to the einsum, as XLA gathers them anyway.
+        """
+        source = pt.spec_of(w)
+        if not self.explicit or source is None or not pt.reduced_axes(source):
+            return w
+        batch = set(self.batch_axes)
+        spec = self.spec(logical, w.shape)
+        entries = []
+        for entry in pt.partitions(spec):
+            kept = tuple(a for a in pt.mesh_axes_used(P(entry)) if a not in batch)
+            entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+        if list(pt.partitions(source)) == entries:
+            return w
+        return self._reshard_param(w, P(*entries))
 
     def einsum(self, equation: str, *operands: jax.Array, out: Sequence[str | None]) -> jax.Array:
         """`jnp.einsum` whose output lands on the logical sharding `out`.
@@ -132,29 +168,27 @@ def _param_mesh_axes(ctx: ShardCtx, param_logical: dict, *, experts: bool) -> se
 
 
 def deferral_axes(ctx: ShardCtx, param_logical: dict) -> tuple[str, ...]:
-    """Batch mesh axes the gradient reduction is deferred over; `()` turns deferral off.
+    """Batch mesh axes the gradient reduction is deferred over (explicit mode).
 
-    JAX types the gradient of a matmul that contracts over batch-sharded
-    activations as unreduced over *every* batch axis, so a weight used by such
-    a matmul must be reduced over all of them: deferral needs the batch axes to
-    shard none of those weights (with FSDP, a batch axis sharding every weight,
-    it is off). Expert weights are the exception: they are consumed inside the
-    MoE shard_map, which sums their gradient over the expert axis itself (see
-    `deferral_per_parameter`).
+    Every batch axis: JAX types the gradient of a matmul that contracts over
+    batch-sharded activations as unreduced over all of them. Weights sharded
+    over a batch axis (FSDP, experts over 'expert') defer the others only: the
+    model gathers them with `ShardCtx.weight`, which tags the gathered copy
+    reduced over the gathered axes, and the MoE shard_map sums expert
+    gradients over the expert axis itself (see `deferral_per_parameter`).
     """
-    if not ctx.explicit:
-        return ()
-    batch = pt.batch_mesh_axes(ctx.mesh, ctx.rules)
-    if _param_mesh_axes(ctx, param_logical, experts=False) & set(batch):
-        return ()
-    return batch
+    return pt.batch_mesh_axes(ctx.mesh, ctx.rules) if ctx.explicit else ()
 
 
 def deferral_per_parameter(ctx: ShardCtx, param_logical: dict) -> bool:
-    """Whether each parameter defers only the batch axes that do not shard it.
+    """Whether some parameter is sharded over a deferred batch axis (FSDP, experts).
 
-    True with expert parallelism over a batch axis: expert weights defer the
-    other batch axes ('data'), every other weight all of them.
+    Then each parameter defers only the batch axes that do not shard it.
     """
-    batch = set(deferral_axes(ctx, param_logical))
-    return bool(_param_mesh_axes(ctx, param_logical, experts=True) & batch)
+    is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
+    used = {
+        axis
+        for axes in jax.tree.leaves(param_logical, is_leaf=is_axes)
+        for axis in pt.mesh_axes_used(ctx.spec(axes))
+    }
+    return bool(used & set(deferral_axes(ctx, param_logical)))

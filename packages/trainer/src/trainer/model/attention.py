@@ -75,19 +75,33 @@ class MLA(nnx.Module):
         c, ctx, dt = self.config, self.ctx, self.dtype
         nope, rope_dim = c.qk_nope_head_dim, c.qk_rope_head_dim
 
-        q_BxSxQ = ctx.einsum("bsd,dq->bsq", x_BxSxD, self.wq_a_DxQ[...].astype(dt), out=NAMES.lora)
+        q_BxSxQ = ctx.einsum(
+            "bsd,dq->bsq",
+            x_BxSxD,
+            ctx.weight(self.wq_a_DxQ[...].astype(dt), NAMES.wq_a),
+            out=NAMES.lora,
+        )
         q_BxSxHxK = ctx.einsum(
-            "bsq,qhk->bshk", self.q_norm(q_BxSxQ), self.wq_b_QxHxK[...].astype(dt), out=NAMES.q
+            "bsq,qhk->bshk",
+            self.q_norm(q_BxSxQ),
+            ctx.weight(self.wq_b_QxHxK[...].astype(dt), NAMES.wq_b),
+            out=NAMES.q,
         )
         q_nope, q_pe = q_BxSxHxK[..., :nope], q_BxSxHxK[..., nope:]
         q_BxSxHxK = jnp.concatenate([q_nope, rope(q_pe, positions_BxS, c.rope_max_timescale)], -1)
 
         kv_BxSxCR = ctx.einsum(
-            "bsd,dc->bsc", x_BxSxD, self.wkv_a_DxCR[...].astype(dt), out=NAMES.lora
+            "bsd,dc->bsc",
+            x_BxSxD,
+            ctx.weight(self.wkv_a_DxCR[...].astype(dt), NAMES.wkv_a),
+            out=NAMES.lora,
         )
         kv_c, k_pe_BxSxR = kv_BxSxCR[..., : c.kv_lora_rank], kv_BxSxCR[..., c.kv_lora_rank :]
         kv_BxSxHxNV = ctx.einsum(
-            "bsc,chk->bshk", self.kv_norm(kv_c), self.wkv_b_CxHxNV[...].astype(dt), out=NAMES.q
+            "bsc,chk->bshk",
+            self.kv_norm(kv_c),
+            ctx.weight(self.wkv_b_CxHxNV[...].astype(dt), NAMES.wkv_b),
+            out=NAMES.q,
         )
         k_nope, v_BxSxHxV = kv_BxSxHxNV[..., :nope], kv_BxSxHxNV[..., nope:]
         # One rope key shared by every head (DeepSeek's decoupled RoPE).
@@ -115,5 +129,8 @@ class MLA(nnx.Module):
         probs_BxHxSxT = jax.nn.softmax(logits_BxHxSxT, axis=-1).astype(dt)
         out_BxSxHxV = ctx.einsum("bhst,bthv->bshv", probs_BxHxSxT, v_BxTxHxV, out=NAMES.q)
         return ctx.einsum(
-            "bshv,hvd->bsd", out_BxSxHxV, self.wo_HxVxD[...].astype(dt), out=NAMES.out
+            "bshv,hvd->bsd",
+            out_BxSxHxV,
+            ctx.weight(self.wo_HxVxD[...].astype(dt), NAMES.wo),
+            out=NAMES.out,
         )

@@ -124,6 +124,9 @@ class Decoder(nnx.Module):
             )
         x_BxSxD = self.final_norm(x_BxSxD)
         logits = ctx.einsum(
-            "bsd,dv->bsv", x_BxSxD, self.logits_DxV[...].astype(dt), out=NAMES.logits
+            "bsd,dv->bsv",
+            x_BxSxD,
+            ctx.weight(self.logits_DxV[...].astype(dt), NAMES.logits_kernel),
+            out=NAMES.logits,
         )
         return logits.astype(jnp.float32), stats

@@ -57,11 +57,19 @@ class MLP(nnx.Module):
     def __call__(self, x_BxSxD: jax.Array) -> jax.Array:
         ctx, dt = self.ctx, self.dtype
         hidden = MLP_NAMES.hidden
-        # Casting a (possibly reduced) weight is fine: it meets no activation.
-        h0 = ctx.einsum("bsd,df->bsf", x_BxSxD, self.wi_0[...].astype(dt), out=hidden)
-        h1 = ctx.einsum("bsd,df->bsf", x_BxSxD, self.wi_1[...].astype(dt), out=hidden)
+        # Casting a (possibly reduced) weight is fine: it meets no activation. The
+        # cast comes first so an FSDP gather (ctx.weight) moves compute-dtype bytes.
+        h0 = ctx.einsum(
+            "bsd,df->bsf", x_BxSxD, ctx.weight(self.wi_0[...].astype(dt), MLP_NAMES.wi), out=hidden
+        )
+        h1 = ctx.einsum(
+            "bsd,df->bsf", x_BxSxD, ctx.weight(self.wi_1[...].astype(dt), MLP_NAMES.wi), out=hidden
+        )
         return ctx.einsum(
-            "bsf,fd->bsd", jax.nn.silu(h0) * h1, self.wo[...].astype(dt), out=MLP_NAMES.out
+            "bsf,fd->bsd",
+            jax.nn.silu(h0) * h1,
+            ctx.weight(self.wo[...].astype(dt), MLP_NAMES.wo),
+            out=MLP_NAMES.out,
         )
 
 
