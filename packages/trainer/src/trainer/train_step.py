@@ -101,6 +101,9 @@ def make_step(
             per_parameter_axes=per_parameter,
             grad_shardings=grad_shardings,
         )
+        # accum returns f32 gradients; the optimizer state follows the parameters'
+        # dtype (weight_dtype), so the step's types stay fixed across steps.
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state["params"])
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         params = jax.tree.map(lambda p, old: p.astype(old.dtype), params, state["params"])

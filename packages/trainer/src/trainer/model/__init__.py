@@ -30,6 +30,7 @@ class ModelDef:
     router_template: Any
     param_logical: dict
     router_logical: dict
+    weight_dtype: str = "float32"  # parameters' storage dtype (router biases stay f32)
 
 
 def _logical_tree(state: nnx.State) -> dict:
@@ -48,7 +49,14 @@ def define(config: Config, ctx: ShardCtx) -> ModelDef:
     """Trace the model's structure without allocating parameters."""
     abstract = nnx.eval_shape(lambda: Decoder(config, ctx, rngs=nnx.Rngs(config.seed)))
     graphdef, params, router = nnx.split(abstract, nnx.Param, RouterBias)
-    return ModelDef(graphdef, params, router, _logical_tree(params), _logical_tree(router))
+    return ModelDef(
+        graphdef,
+        params,
+        router,
+        _logical_tree(params),
+        _logical_tree(router),
+        weight_dtype=config.weight_dtype,
+    )
 
 
 def _is_axes(x) -> bool:
@@ -65,14 +73,16 @@ def shardings(tree_logical: dict, shapes: Any, ctx: ShardCtx) -> Any:
 def abstract_state(model: ModelDef, ctx: ShardCtx) -> tuple[dict, dict]:
     """ShapeDtypeStructs (with shardings) of the params and the router biases."""
 
-    def structs(template, logical):
+    def structs(template, logical, dtype=None):
         shapes = nnx.to_pure_dict(template)
         specs = shardings(logical, shapes, ctx)
         return jax.tree.map(
-            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, specs
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, dtype or s.dtype, sharding=sh),
+            shapes,
+            specs,
         )
 
-    return structs(model.param_template, model.param_logical), structs(
+    return structs(model.param_template, model.param_logical, model.weight_dtype), structs(
         model.router_template, model.router_logical
     )
 
@@ -84,7 +94,7 @@ def _host_init(template: nnx.State, abstract: dict, seed: int) -> dict:
         for key in path[:-1]:
             node_abs, node = node_abs[key], node.setdefault(key, {})
         target = node_abs[path[-1]]
-        value = host_value(variable, path, seed)
+        value = host_value(variable, path, seed).astype(target.dtype)
         node[path[-1]] = jax.make_array_from_callback(
             value.shape, target.sharding, lambda index, value=value: value[index]
         )

@@ -77,20 +77,34 @@ REMAT = {
 }
 
 
-def _run_stack(stack: nnx.Module, x_BxSxD, positions_BxS, segments_BxS, remat: str):
-    """lax.scan over the stacked blocks; returns the output and per-layer stats."""
+def _run_stack(stack: nnx.Module, x_BxSxD, positions_BxS, segments_BxS, config: Config):
+    """The stacked blocks in order; returns the output and per-layer stats (stacked).
+
+    `scan_layers` runs them as one lax.scan (compile time independent of depth);
+    otherwise as an unrolled Python loop over layer slices (same numbers).
+    """
     graphdef, state = nnx.split(stack)
 
     def body(x, layer_state):
         return nnx.merge(graphdef, layer_state)(x, positions_BxS, segments_BxS)
 
-    if REMAT[remat] is not None:
-        body = jax.checkpoint(body, policy=REMAT[remat])
-    return jax.lax.scan(body, x_BxSxD, state)
+    if REMAT[config.remat_policy] is not None:
+        body = jax.checkpoint(body, policy=REMAT[config.remat_policy])
+    if config.scan_layers:
+        return jax.lax.scan(body, x_BxSxD, state)
+    count = jax.tree.leaves(state)[0].shape[0]
+    per_layer = []
+    for i in range(count):
+        x_BxSxD, stats = body(
+            x_BxSxD,
+            jax.tree.map(lambda leaf, i=i: jax.lax.index_in_dim(leaf, i, keepdims=False), state),
+        )
+        per_layer.append(stats)
+    return x_BxSxD, jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
 
 
 class Decoder(nnx.Module):
-    """Token ids -> logits. Parameters are f32; compute runs in `config.dtype`."""
+    """Token ids -> logits. Parameters in `weight_dtype`; compute runs in `config.dtype`."""
 
     def __init__(self, config: Config, ctx: ShardCtx, *, rngs: nnx.Rngs):
         d = config.emb_dim
@@ -115,13 +129,9 @@ class Decoder(nnx.Module):
         x_BxSxD = ctx.act(x_BxSxD, NAMES.residual)
         stats = {}
         if c.first_num_dense_layers:
-            x_BxSxD, _ = _run_stack(
-                self.dense_layers, x_BxSxD, positions_BxS, segments_BxS, c.remat_policy
-            )
+            x_BxSxD, _ = _run_stack(self.dense_layers, x_BxSxD, positions_BxS, segments_BxS, c)
         if c.num_moe_layers:
-            x_BxSxD, stats = _run_stack(
-                self.moe_layers, x_BxSxD, positions_BxS, segments_BxS, c.remat_policy
-            )
+            x_BxSxD, stats = _run_stack(self.moe_layers, x_BxSxD, positions_BxS, segments_BxS, c)
         x_BxSxD = self.final_norm(x_BxSxD)
         logits = ctx.einsum(
             "bsd,dv->bsv",
