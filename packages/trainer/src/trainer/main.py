@@ -20,7 +20,17 @@ flags.DEFINE_integer(
     "num_cpu_devices", 8, "Virtual CPU devices when the run is on CPU (no accelerator)."
 )
 flags.DEFINE_string("dump_hlo", None, "Write the compiled step's HLO text here (for hlo-report).")
-flags.DEFINE_string("metrics_file", None, "Append one JSON record per step to this file.")
+flags.DEFINE_string(
+    "metrics_file",
+    None,
+    "One JSON record per step goes here instead of <run_dir>/metrics.jsonl "
+    "(records after the run's start step are replaced).",
+)
+flags.DEFINE_string(
+    "coordinator_address", None, "Multi-host: HOST:PORT of process 0 (jax.distributed)."
+)
+flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
+flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.")
 
 
 def _configure_jax() -> None:
@@ -45,7 +55,26 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
+    from trainer import aot, distributed, profiling
+
+    try:
+        profiling.check(config)
+        if config.compile_topology:
+            aot.resolve(config)
+        launch = distributed.resolve(
+            FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id
+        )
+    except ValueError as error:  # ConfigError included
+        print(f"config error: {error}", file=sys.stderr)
+        return 2
+    if config.compile_topology:
+        try:
+            return aot.main(config, FLAGS.dump_hlo)
+        except ConfigError as error:
+            print(f"config error: {error}", file=sys.stderr)
+            return 2
     _configure_jax()
+    distributed.initialize(launch)
     from trainer import run as run_lib
 
     try:
@@ -61,17 +90,34 @@ def main(argv: list[str]) -> int:
         print(f"wrote compiled HLO to {FLAGS.dump_hlo} (inspect with: hlo-report {FLAGS.dump_hlo})")
     for line in run_lib.startup_lines(run):
         print(line, flush=True)
+    if launch.multi_process:
+        print(distributed.describe(), flush=True)
     with contextlib.ExitStack() as stack:
-        metrics_out = (
-            stack.enter_context(open(FLAGS.metrics_file, "a")) if FLAGS.metrics_file else None
+        import jax
+
+        from trainer import metrics as metrics_lib
+
+        writer = stack.enter_context(
+            metrics_lib.MetricsWriter(
+                config.run_dir,
+                start_step=run.start_step,
+                jsonl_path=FLAGS.metrics_file,
+                tensorboard=config.enable_tensorboard,
+                process_index=jax.process_index(),
+            )
         )
+        profiler = profiling.Profiler(config)
+        stack.callback(profiler.stop)
+        for line in metrics_lib.output_lines(writer, profiler):
+            print(line, flush=True)
+        profiler.before(run.start_step + 1)
 
         def on_step(step: int, metrics: dict) -> None:
+            profiler.after(step)
+            profiler.before(step + 1)
             if step % config.log_period == 0 or step == config.steps:
                 print(run_lib.step_line(step, metrics), flush=True)
-            if metrics_out:
-                metrics_out.write(run_lib.metrics_json(metrics) + "\n")
-                metrics_out.flush()
+            writer.write(metrics)
 
         if run.start_step >= config.steps:
             print(f"nothing to do: resumed at step {run.start_step}, steps={config.steps}")

@@ -57,6 +57,7 @@ def plot(runs: list[tuple[str, list[dict]]], output_dir: str) -> list[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     os.makedirs(output_dir, exist_ok=True)
     written = []
@@ -72,6 +73,7 @@ def plot(runs: list[tuple[str, list[dict]]], output_dir: str) -> list[str]:
         if drawn:
             ax.set_title(title)
             ax.set_xlabel("step")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_ylabel(ylabel)
             ax.grid(alpha=0.3)
             ax.legend()
