@@ -38,16 +38,11 @@ def zero1_v5e8(tmp_path_factory):
 
 
 def test_v5e8_zero1_no_gradient_reduction_in_the_loop(zero1_v5e8):
-    config = zero1_v5e8.run.config
     text = zero1_v5e8.compiled.as_text()
-    # The router's per-expert token counts (s32[MoE layers, experts]) are still
-    # summed over 'data' once per microbatch; they are not gradients. Every
-    # gradient is larger than that (the smallest, a norm scale, has emb_dim).
-    counts = config.num_moe_layers * config.num_experts
-    assert counts < config.base_emb_dim
-    outside = hlo_tools.assert_reduced_once_per_step(text, max_in_loop_elements=counts)
-    in_loop = hlo_tools.in_loop_reductions(hlo_tools.parse(text), max_in_loop_elements=8)
-    assert all(c.dtype.startswith("s") for c in in_loop), [c.type_str for c in in_loop]
+    # Nothing over 8 elements is reduced inside the loop: not the gradients, and
+    # not the router's per-expert token counts (accumulated per token shard and
+    # summed once after the loop).
+    outside = hlo_tools.assert_reduced_once_per_step(text)
     params = sum(x.size for x in jax.tree.leaves(zero1_v5e8.run.state["params"]))
     assert sum(c.elements for c in outside) >= params
 
@@ -108,6 +103,5 @@ def test_v5e8_per_microbatch_reduction_is_caught(tmp_path):
     # The same check fails when the gradients are reduced inside the loop.
     config = _config(tmp_path, **TEST_V5E8, defer_gradient_reduction="false")
     text = aot.compile_for_topology(config).compiled.as_text()
-    counts = config.num_moe_layers * config.num_experts
     with pytest.raises(AssertionError, match="inside a loop"):
-        hlo_tools.assert_reduced_once_per_step(text, max_in_loop_elements=counts)
+        hlo_tools.assert_reduced_once_per_step(text)

@@ -40,7 +40,11 @@ def _loss_fn(config: Config, model: model_lib.ModelDef, router: dict) -> Callabl
         loss_sum = ce_sum
         if stats:
             # (MoE layers, E) token counts: summed over microbatches by accum.
-            aux["tokens_per_expert"] = stats["tokens_per_expert"]
+            # Per token shard, (MoE layers, shards, E), still sharded like the
+            # tokens: accum sums it over microbatches with no collective, and the
+            # one sum over shards happens after the loop. The global
+            # `tokens_per_expert` would all-reduce the counts every microbatch.
+            aux["tokens_per_expert_by_shard"] = stats["tokens_per_expert_by_shard"]
             balance = jnp.mean(stats["balance_loss"])
             aux["balance_loss_sum"] = balance * weight
             if config.load_balance_loss_weight:
@@ -107,7 +111,8 @@ def make_step(
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         params = jax.tree.map(lambda p, old: p.astype(old.dtype), params, state["params"])
-        tokens = aux.get("tokens_per_expert")
+        by_shard = aux.get("tokens_per_expert_by_shard")
+        tokens = None if by_shard is None else jnp.sum(by_shard, axis=1)
         router = (
             state["router"] if tokens is None else _update_router(config, state["router"], tokens)
         )
