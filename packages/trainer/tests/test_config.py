@@ -64,6 +64,7 @@ BAD = [
     ),
     ({"qk_rope_head_dim": "7"}, r"qk_rope_head_dim=7 must be even"),
     ({"steps": "0"}, r"steps=0 must be >= 1"),
+    ({"capacity_factor": "-1"}, r"capacity_factor=-1.0 must be >= 0"),
     ({"learning_rate": "-1"}, r"learning_rate=-1.0 must be > 0"),
 ]
 

@@ -46,6 +46,9 @@ class Config:
     routed_bias_update_rate: float = 0.001
     load_balance_loss_weight: float = 0.0
     sparse_matmul: bool = True
+    # 0 = never drop a token (all-to-all blocks sized for every assignment);
+    # c > 0 caps each expert-parallel block at c x its fair share and drops overflow.
+    capacity_factor: float = 0.0
     base_num_query_heads: int = 4
     q_lora_rank: int = 32
     kv_lora_rank: int = 32

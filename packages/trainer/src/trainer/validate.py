@@ -90,6 +90,10 @@ def _check_routing(config: Config) -> None:
     experts, k = config.num_experts, config.num_experts_per_tok
     _require(experts >= 1, f"num_experts={experts} must be >= 1")
     _require(
+        config.capacity_factor >= 0,
+        f"capacity_factor={config.capacity_factor} must be >= 0 (0 = no token dropped)",
+    )
+    _require(
         1 <= k <= experts, f"num_experts_per_tok={k} must be between 1 and num_experts={experts}"
     )
     groups, top_groups = config.n_routing_groups, config.topk_routing_group

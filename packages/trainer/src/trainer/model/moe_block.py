@@ -27,6 +27,7 @@ def moe_config(config: Config) -> moe_kernels.MoEConfig:
         routed_scaling_factor=config.routed_scaling_factor,
         score_func=config.routed_score_func,
         num_shared_experts=config.shared_experts,
+        capacity_factor=config.capacity_factor or None,
         precision=None,
     )
 
