@@ -10,7 +10,7 @@ asserted; `benchmarks/bench_aot_matrix.py` writes the whole table (memory and
 collective bytes per step) to `benchmarks/results/aot_matrix.md` from `compile_case`.
 
 Each compile takes ~20 s on a 2-core host: the three explicit data-axis layouts on
-v5e-8 run in the aot tier; the full matrix (32 compiles) is also marked slow:
+v5e-8 run in the aot tier; the full matrix (36 compiles) is also marked slow:
 
     JAX_PLATFORMS=cpu uv run --extra tpu pytest -m "aot and slow" \\
         packages/trainer/tests/test_aot_matrix.py
@@ -32,6 +32,7 @@ pytestmark = pytest.mark.aot
 # Same layouts as test_parallelism.py (8 devices), plus data x fsdp: the FSDP case
 # where deferral over 'data' applies.
 LAYOUTS = {
+    "data": dict(ici_data_parallelism="8"),
     "fsdp": dict(ici_data_parallelism="1", ici_fsdp_parallelism="8"),
     "fsdp+tensor": dict(
         ici_data_parallelism="1", ici_fsdp_parallelism="4", ici_tensor_parallelism="2"
@@ -200,11 +201,28 @@ def test_v5e8_per_microbatch_data_reduction_is_detected():
     assert case.data_grad_in_loop
 
 
-MATRIX = [(t, name, mode) for t in TOPOLOGIES for name in LAYOUTS for mode in MODES]
+# Explicit fsdp+context does not trace today (trainer bug, any GA, any model size):
+# attention.py's einsum asks for out_sharding unreduced over {'fsdp'} while the
+# contraction is over ('fsdp', 'context'). Kept visible as an expected failure.
+CONTEXT_BUG = pytest.mark.xfail(
+    raises=Exception, strict=False, reason="explicit fsdp+context: ShardingTypeError in attention"
+)
+MATRIX = [
+    pytest.param(
+        t,
+        name,
+        mode,
+        id=f"{t}-{name}-{mode}",
+        marks=[CONTEXT_BUG] if (name, mode) == ("fsdp+context", "explicit") else [],
+    )
+    for t in TOPOLOGIES
+    for name in LAYOUTS
+    for mode in MODES
+]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("topology,layout,mode", MATRIX, ids=["-".join(m) for m in MATRIX])
+@pytest.mark.parametrize("topology,layout,mode", MATRIX)
 def test_matrix_compiles_and_places_reductions(topology, layout, mode):
     case = compile_case(topology, layout, mode)
     assert 0 < case.memory["total"] < case.hbm_bytes, case.memory
