@@ -155,7 +155,7 @@ def write(rows, fit) -> None:
                 f"{r['speedup']:.3f}x",
                 "" if r["fitted_speedup"] != r["fitted_speedup"] else f"{r['fitted_speedup']:.3f}x",
                 f"{r['ceiling']:.3f}x",
-                f"{r['speedup_over_ceiling']:.2f}",
+                f"{r['speedup'] / r['ceiling']:.3f}",
                 f"{bl.mib(r['per_microbatch_in_loop_bytes'])} / "
                 f"{bl.mib(r['per_microbatch_outside_bytes'])}",
                 f"{bl.mib(r['deferred_in_loop_bytes'])} / {bl.mib(r['deferred_outside_bytes'])}",
@@ -171,7 +171,7 @@ def write(rows, fit) -> None:
             "speedup",
             "fitted",
             "ceiling (c+a)/(c+a/N)",
-            "gain / ceiling gain",
+            "speedup / ceiling",
             "reduce MiB/step in loop / outside: per-microbatch",
             "deferred",
             "memory deferred / per-mb",
@@ -189,13 +189,25 @@ def write(rows, fit) -> None:
             else "NOT zero somewhere: see the table"
         )
         + ".",
-        "'gain / ceiling gain' is (speedup - 1) / (ceiling - 1), with c and a of that row "
-        "(for the non-GA rows a = (T_pm - T_def)/(N-1) and c = (T_def - o - a)/N).",
+        "Target (issue 9): speedup >= 0.95 of the ceiling. Rows with GA=4 other than the "
+        "GA sweep take a = (T_pm - T_def)/(N-1) and c = (T_def - o - a)/N with the sweep's o; "
+        "the ceiling ignores o, the fitted column includes it. "
+        + ", ".join(
+            f"{LABEL[r['factor']]}={r['value']}: {r['speedup'] / r['ceiling']:.3f}"
+            for r in rows
+            if r["speedup"] / r["ceiling"] < 0.95
+        ).join(
+            ("Below 0.95: ", ".")
+            if any(r["speedup"] / r["ceiling"] < 0.95 for r in rows)
+            else ("All rows meet it.", "")
+        ),
         "",
-        "CPU collectives are in-process copies between virtual devices sharing the host's",
-        "cores, so a (one gradient reduction) is small next to c (one microbatch's compute)",
-        "and the ceiling is close to 1; step times on a shared 2-core machine are noisy at",
-        "the few-percent level. The ratios are what carry over; absolute times do not.",
+        f"Per microbatch, the gradient all-reduce runs inside the layer scan, once per layer "
+        f"and microbatch, so even GA=1 differs ({rows[0]['speedup']:.2f}x measured, 1.00x by "
+        "the model, which has no per-layer term). CPU collectives are in-process copies "
+        f"between virtual devices on 2 shared cores; here a/c = {a / c:.2f}. Step times on "
+        "this machine are noisy at the few-percent level even interleaved; the byte and "
+        "memory columns are exact.",
         "",
         "![deferral](deferral.png)",
     ]

@@ -37,8 +37,26 @@ def machine() -> str:
     return f"{platform.platform()}, {os.cpu_count()} CPU cores, load average {load}"
 
 
+def revision() -> str:
+    """`git describe --always --dirty` of the checkout (dirty: uncommitted source edits)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return out.stdout.strip()
+
+
 def header(title: str, command: str, notes: Sequence[str] = ()) -> list[str]:
     lines = [f"# {title}", "", f"Command: `{command}`", "", f"- versions: {versions()}"]
+    lines.append(f"- tree: {revision()}")
     lines.append(f"- machine: {machine()} (at the end of the run)")
     lines += [f"- {n}" for n in notes]
     return lines + [""]
