@@ -89,9 +89,14 @@ class ShardCtx:
         return pt.shard(x, self.spec(logical, x.shape), self.mode)
 
     @property
-    def batch_axes(self) -> tuple[str, ...]:
-        """Mesh axes (size > 1) that shard the batch."""
-        return pt.batch_mesh_axes(self.mesh, self.rules)
+    def token_axes(self) -> tuple[str, ...]:
+        """Mesh axes (size > 1) that shard the tokens: the batch and the sequence.
+
+        A weight's gradient contracts over every token, so these are the axes
+        its per-device partial sums are unreduced over.
+        """
+        spec = pt.logical_to_spec(("activation_batch", "activation_length"), self.rules, self.mesh)
+        return pt.mesh_axes_used(spec)
 
     def param(self, w: jax.Array, logical: Sequence[str | None]) -> jax.Array:
         """Reshard a parameter to `logical`, keeping its reduced tag (and extending it).
@@ -99,7 +104,7 @@ class ShardCtx:
         The rebuilt spec is untagged; without `carry_reduced_axes` a reduced
         parameter would land on it as a plain replicated value and its gradient
         would be all-reduced right here, once per microbatch. When the reshard
-        gathers a tagged parameter over batch axes (FSDP), the gathered copy is
+        gathers a tagged parameter over token axes (FSDP), the gathered copy is
         identical across them, so it is tagged reduced over those too: its
         cotangent is then unreduced over every batch axis, which is what a
         matmul contracting over the batch produces, and the transpose of this
@@ -112,11 +117,11 @@ class ShardCtx:
         if not self.explicit or source is None or not pt.reduced_axes(source):
             return pt.shard(w, pt.carry_reduced_axes(target, w), self.mode)
         gathered = set(pt.mesh_axes_used(source)) - set(pt.mesh_axes_used(target))
-        tag = pt.reduced_axes(source) | (gathered & set(self.batch_axes))
+        tag = pt.reduced_axes(source) | (gathered & set(self.token_axes))
         return jax.reshard(w, pt.with_reduced(target, tag))
 
     def weight(self, w: jax.Array, logical: Sequence[str | None]) -> jax.Array:
-        """A weight in the layout a matmul uses it: its logical spec minus the batch axes.
+        """A weight in the layout a matmul uses it: its logical spec minus the token axes.
 
         Only tagged weights (deferred reduction) are gathered here, via `param`;
         untagged ones are left to the einsum, as XLA gathers them anyway.
@@ -124,7 +129,7 @@ class ShardCtx:
         source = pt.spec_of(w)
         if not self.explicit or source is None or not pt.reduced_axes(source):
             return w
-        batch = set(self.batch_axes)
+        batch = set(self.token_axes)
         spec = self.spec(logical, w.shape)
         entries = []
         for entry in pt.partitions(spec):
@@ -168,22 +173,23 @@ def _param_mesh_axes(ctx: ShardCtx, param_logical: dict, *, experts: bool) -> se
 
 
 def deferral_axes(ctx: ShardCtx, param_logical: dict) -> tuple[str, ...]:
-    """Batch mesh axes the gradient reduction is deferred over (explicit mode).
+    """Token mesh axes the gradient reduction is deferred over (explicit mode).
 
-    Every batch axis: JAX types the gradient of a matmul that contracts over
-    batch-sharded activations as unreduced over all of them. Weights sharded
+    Every axis sharding the batch or the sequence: JAX types the gradient of a
+    matmul that contracts over token-sharded activations as unreduced over all
+    of them (context parallelism included). Weights sharded
     over a batch axis (FSDP, experts over 'expert') defer the others only: the
     model gathers them with `ShardCtx.weight`, which tags the gathered copy
     reduced over the gathered axes, and the MoE shard_map sums expert
     gradients over the expert axis itself (see `deferral_per_parameter`).
     """
-    return pt.batch_mesh_axes(ctx.mesh, ctx.rules) if ctx.explicit else ()
+    return ctx.token_axes if ctx.explicit else ()
 
 
 def deferral_per_parameter(ctx: ShardCtx, param_logical: dict) -> bool:
     """Whether some parameter is sharded over a deferred batch axis (FSDP, experts).
 
-    Then each parameter defers only the batch axes that do not shard it.
+    Then each parameter defers only the token axes that do not shard it.
     """
     is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
     used = {
