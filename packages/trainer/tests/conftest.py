@@ -74,3 +74,65 @@ def grads_runner():
 def runner():
     """`run_steps`, shared by every trainer test module (its cache spans the session)."""
     return run_steps
+
+
+# Issue 7's parallelism layouts (8 devices), shared by the explicit and auto test files.
+LAYOUTS = {
+    "fsdp": dict(ici_data_parallelism="1", ici_fsdp_parallelism="8"),
+    "fsdp+tensor": dict(
+        ici_data_parallelism="1", ici_fsdp_parallelism="4", ici_tensor_parallelism="2"
+    ),
+    "fsdp+tensor_transpose": dict(
+        ici_data_parallelism="1", ici_fsdp_parallelism="4", ici_tensor_transpose_parallelism="2"
+    ),
+    "fsdp+context": dict(
+        ici_data_parallelism="1", ici_fsdp_parallelism="4", ici_context_parallelism="2"
+    ),
+    "fsdp+expert(fsdp)": dict(
+        ici_data_parallelism="1", ici_fsdp_parallelism="4", ici_expert_parallelism="2"
+    ),
+    "fsdp+expert(context)": dict(
+        ici_data_parallelism="1",
+        ici_fsdp_parallelism="4",
+        ici_expert_parallelism="2",
+        expert_shard_attention_option="context",
+    ),
+    "data+expert": dict(ici_data_parallelism="4", ici_expert_parallelism="2"),
+    "data+zero1": dict(shard_optimizer_over_data="true"),
+}
+
+
+def pytest_generate_tests(metafunc):
+    """Tests asking for `layout` run once per entry of LAYOUTS."""
+    if "layout" in metafunc.fixturenames:
+        metafunc.parametrize("layout", list(LAYOUTS))
+
+
+@pytest.fixture(scope="session")
+def layouts():
+    return LAYOUTS
+
+
+@pytest.fixture(scope="session")
+def check_layout(runner, grads_runner):
+    """Assert one step of a layout in a mode matches a single-device run.
+
+    Loss, grad norm and the spot-checked gradient leaves (Adam's first moment
+    after one step), f32, rtol 1e-4.
+    """
+    ref_metrics = runner(1, devices=1)[0][0]
+    ref_grads = grads_runner(1, devices=1)
+
+    def check(name: str, mode: str) -> None:
+        overrides = dict(LAYOUTS[name], shard_mode=mode)
+        first = runner(1, **overrides)[0][0]
+        np.testing.assert_allclose(first["loss"], ref_metrics["loss"], rtol=1e-4)
+        np.testing.assert_allclose(first["grad_norm"], ref_metrics["grad_norm"], rtol=1e-4)
+        grads = grads_runner(1, **overrides)
+        for leaf, want in ref_grads.items():
+            scale = float(np.abs(want).max())
+            np.testing.assert_allclose(
+                grads[leaf], want, rtol=1e-4, atol=1e-5 * scale, err_msg=leaf
+            )
+
+    return check

@@ -1,62 +1,23 @@
-"""Issue 7's matrix: each parallelism layout in explicit and auto mode equals one device.
+"""Issue 7's matrix, explicit mode: each parallelism layout equals one device.
 
 deepseek3-tiny in f32, one step: the loss and spot-checked gradient leaves (Adam's
 first moment after one step) match a single-device run; with GA=4 and a batch-only
 'data' axis, explicit mode keeps every gradient reduction out of the entry loop.
 """
 
-import numpy as np
 import pytest
 
 import hlo_tools
 
-LAYOUTS = {
-    "fsdp": dict(ici_data_parallelism="1", ici_fsdp_parallelism="8"),
-    "fsdp+tensor": dict(
-        ici_data_parallelism="1", ici_fsdp_parallelism="4", ici_tensor_parallelism="2"
-    ),
-    "fsdp+tensor_transpose": dict(
-        ici_data_parallelism="1", ici_fsdp_parallelism="4", ici_tensor_transpose_parallelism="2"
-    ),
-    "fsdp+context": dict(
-        ici_data_parallelism="1", ici_fsdp_parallelism="4", ici_context_parallelism="2"
-    ),
-    "fsdp+expert(fsdp)": dict(
-        ici_data_parallelism="1", ici_fsdp_parallelism="4", ici_expert_parallelism="2"
-    ),
-    "fsdp+expert(context)": dict(
-        ici_data_parallelism="1",
-        ici_fsdp_parallelism="4",
-        ici_expert_parallelism="2",
-        expert_shard_attention_option="context",
-    ),
-    "data+expert": dict(ici_data_parallelism="4", ici_expert_parallelism="2"),
-    "data+zero1": dict(shard_optimizer_over_data="true"),
-}
-CASES = [(name, mode) for name in LAYOUTS for mode in ("explicit", "auto")]
 
-
-@pytest.fixture(scope="module")
-def reference(runner, grads_runner):
-    return runner(1, devices=1)[0][0], grads_runner(1, devices=1)
-
-
-@pytest.mark.parametrize("name,mode", CASES, ids=[f"{n}-{m}" for n, m in CASES])
-def test_layout_matches_single_device(name, mode, reference, runner, grads_runner):
-    ref_metrics, ref_grads = reference
-    overrides = dict(LAYOUTS[name], shard_mode=mode)
-    first = runner(1, **overrides)[0][0]
-    np.testing.assert_allclose(first["loss"], ref_metrics["loss"], rtol=1e-4)
-    np.testing.assert_allclose(first["grad_norm"], ref_metrics["grad_norm"], rtol=1e-4)
-    grads = grads_runner(1, **overrides)
-    for leaf, want in ref_grads.items():
-        scale = float(np.abs(want).max())
-        np.testing.assert_allclose(grads[leaf], want, rtol=1e-4, atol=1e-5 * scale, err_msg=leaf)
+def test_explicit_layout_matches_single_device(layout, check_layout):
+    # `layout` is parametrized over conftest.LAYOUTS; auto mode: test_parallelism_auto.py.
+    check_layout(layout, "explicit")
 
 
 @pytest.mark.parametrize("name", ["data+expert", "data+zero1"])
-def test_explicit_ga4_keeps_gradient_reductions_out_of_the_loop(name, runner):
-    _, text = runner(1, **LAYOUTS[name], gradient_accumulation_steps="4")
+def test_explicit_ga4_keeps_gradient_reductions_out_of_the_loop(name, runner, layouts):
+    _, text = runner(1, **layouts[name], gradient_accumulation_steps="4")
     outside = hlo_tools.assert_reduced_once_per_step(text)
     assert sum(c.elements for c in outside) > 10_000
 
