@@ -67,7 +67,15 @@ def slow(session: nox.Session) -> None:
 def aot(session: nox.Session) -> None:
     """Compiles for TPU topologies on this CPU host (libtpu from the `tpu` extra)."""
     _sync(session, "tpu")
-    session.run("pytest", "-m", "aot", *session.posargs, env=CPU_ENV)
+    # The full AOT matrix is also marked slow: `-s slow_aot` (or pytest -m "aot and slow").
+    session.run("pytest", "-m", "aot and not slow", *session.posargs, env=CPU_ENV)
+
+
+@nox.session
+def slow_aot(session: nox.Session) -> None:
+    """The slow AOT tests: the whole parallelism matrix on v5e-8 and v5p-16."""
+    _sync(session, "tpu")
+    session.run("pytest", "-m", "aot and slow", *session.posargs, env=CPU_ENV)
 
 
 @nox.session
@@ -80,7 +88,7 @@ def tpu_integration(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Benchmark scripts; results land under benchmarks/results/."""
-    _sync(session)
+    _sync(session, "tpu")  # the AOT benches compile for TPU topologies
     os.makedirs("benchmarks/results", exist_ok=True)
     scripts = sorted(
         f for f in os.listdir("benchmarks") if f.startswith("bench_") and f.endswith(".py")

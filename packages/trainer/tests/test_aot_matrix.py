@@ -201,20 +201,12 @@ def test_v5e8_per_microbatch_data_reduction_is_detected():
     assert case.data_grad_in_loop
 
 
-# Explicit fsdp+context and fsdp+expert(context) (the sequence sharded in attention)
-# do not trace today, on CPU or TPU, at any GA (trainer bug): attention.py's einsum
-# asks for out_sharding unreduced over {'fsdp'} while the contraction is over
-# ('fsdp', 'context'). Kept visible as expected failures.
-CONTEXT_BUG = pytest.mark.xfail(
-    raises=Exception, strict=False, reason="explicit, sequence-sharded attention: ShardingTypeError"
-)
 MATRIX = [
     pytest.param(
         t,
         name,
         mode,
         id=f"{t}-{name}-{mode}",
-        marks=[CONTEXT_BUG] if mode == "explicit" and "context" in name else [],
     )
     for t in TOPOLOGIES
     for name in LAYOUTS

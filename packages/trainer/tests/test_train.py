@@ -35,24 +35,25 @@ def reference(runner):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_first_step_matches_single_device(name, reference, runner):
-    history, _ = runner(1, **CASES[name])
+    history, _ = runner(2, **CASES[name])
     first = history[0]
     # Step 1's loss is computed from the initial parameters; its grad norm from
-    # the accumulated, reduced gradients.
+    # the accumulated, reduced gradients. Two steps run: the second call takes
+    # the first one's output state (auto mode once returned it resharded).
     np.testing.assert_allclose(first["loss"], reference["loss"], rtol=1e-4)
     np.testing.assert_allclose(first["grad_norm"], reference["grad_norm"], rtol=1e-4)
     assert first["tokens"] == reference["tokens"]
 
 
 def test_explicit_ga_reduces_gradients_once_per_step(runner):
-    _, text = runner(1, **CASES["explicit-data8-ga4"])
+    _, text = runner(6, **CASES["explicit-data8-ga4"])
     outside = hlo_tools.assert_reduced_once_per_step(text)
     assert sum(c.elements for c in outside) > 10_000  # the gradients, not a scalar
 
 
 def test_per_microbatch_reduction_shows_in_the_loop(runner):
     # The same step with deferral off: proves the assertion above can fail.
-    _, text = runner(1, **CASES["explicit-data8-ga4"], defer_gradient_reduction="false")
+    _, text = runner(6, **CASES["explicit-data8-ga4"], defer_gradient_reduction="false")
     with pytest.raises(AssertionError, match="run inside a loop"):
         hlo_tools.assert_reduced_once_per_step(text)
 
@@ -79,6 +80,6 @@ def test_zero1_shards_masters_and_optimizer_state_over_data():
 
 
 def test_zero1_reduces_once_into_the_shards(runner):
-    _, text = runner(1, **CASES["explicit-data8-zero1-ga4"])
+    _, text = runner(2, **CASES["explicit-data8-zero1-ga4"])
     outside = hlo_tools.assert_reduced_once_per_step(text)
     assert sum(c.elements for c in outside) > 10_000

@@ -64,9 +64,11 @@ def setup(config: Config, devices: list | None = None) -> Run:
         "params": params,
         "opt_state": opt_state,
         "router": router,
-        "step": jnp.zeros((), jnp.int32),
+        # On the mesh (replicated) like the rest of the state, so the step's
+        # pinned output shardings all live on one device set.
+        "step": jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P())),
     }
-    step_fn = jax.jit(fns.step, donate_argnums=(0,))
+    step_fn = _jit_step(fns.step, state)
     run = Run(config, ctx, model, state, step_fn, batch, deferral_axes(ctx, model.param_logical))
     run.source, run.checkpoints = source, checkpoints
     restored = checkpoints.restore_latest(state, mesh) if checkpoints else None
@@ -98,6 +100,18 @@ def _optimizer_layout(config: Config, mesh, tx, params) -> tuple[Any, Any, Any]:
     return params, opt_shardings, (compute_shardings, master_shardings)
 
 
+def _jit_step(step: Callable, state: dict) -> Any:
+    """jit the step with the new state pinned to the old state's shardings.
+
+    In auto mode XLA chooses output shardings freely (it returned FSDP optimizer
+    state replicated), and the next call, compiled for the input shardings,
+    would then reject its own output. Pinning also lets the donated buffers be
+    reused in place.
+    """
+    state_shardings = jax.tree.map(lambda x: x.sharding, state)
+    return jax.jit(step, donate_argnums=(0,), out_shardings=(state_shardings, None))
+
+
 def abstract_setup(config: Config, devices: list) -> Run:
     """What `setup` builds, with the state as ShapeDtypeStructs carrying their
     shardings: nothing is initialised or allocated, no data source is opened.
@@ -120,7 +134,7 @@ def abstract_setup(config: Config, devices: list) -> Run:
         "router": router,
         "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())),
     }
-    step_fn = jax.jit(fns.step, donate_argnums=(0,))
+    step_fn = _jit_step(fns.step, state)
     batch = global_batch_size(config, len(devices))
     return Run(config, ctx, model, state, step_fn, batch, deferral_axes(ctx, model.param_logical))
 
