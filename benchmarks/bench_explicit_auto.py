@@ -24,6 +24,8 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import benchlib as bl  # noqa: E402
 
+from trainer.layouts import EIGHT_DEVICE_LAYOUTS  # noqa: E402
+
 COMMAND = "JAX_PLATFORMS=cpu uv run python benchmarks/bench_explicit_auto.py"
 WARMUP = 2
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "7"))
@@ -39,7 +41,7 @@ MODES = ("explicit", "auto")
 
 
 def main() -> None:
-    layouts = bl.load_test_module("test_aot_matrix").LAYOUTS
+    layouts = EIGHT_DEVICE_LAYOUTS
     steps, failed = {}, {}
     for name, layout in layouts.items():
         for mode in MODES:

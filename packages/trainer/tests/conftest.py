@@ -10,6 +10,7 @@ import pytest
 
 from trainer import run as run_lib
 from trainer.config import make_config
+from trainer.layouts import EIGHT_DEVICE_LAYOUTS
 
 # f32 compute so sharded and single-device runs can be compared at rtol 1e-4.
 BASE = {"model_name": "deepseek3-tiny", "dtype": "float32", "per_device_batch_size": "4"}
@@ -76,36 +77,15 @@ def runner():
     return run_steps
 
 
-# Issue 7's parallelism layouts (8 devices), shared by the explicit and auto test files.
-LAYOUTS = {
-    "fsdp": dict(ici_data_parallelism="1", ici_fsdp_parallelism="8"),
-    "fsdp+tensor": dict(
-        ici_data_parallelism="1", ici_fsdp_parallelism="4", ici_tensor_parallelism="2"
-    ),
-    "fsdp+tensor_transpose": dict(
-        ici_data_parallelism="1", ici_fsdp_parallelism="4", ici_tensor_transpose_parallelism="2"
-    ),
-    "fsdp+context": dict(
-        ici_data_parallelism="1", ici_fsdp_parallelism="4", ici_context_parallelism="2"
-    ),
-    "fsdp+expert(fsdp)": dict(
-        ici_data_parallelism="1", ici_fsdp_parallelism="4", ici_expert_parallelism="2"
-    ),
-    "fsdp+expert(context)": dict(
-        ici_data_parallelism="1",
-        ici_fsdp_parallelism="4",
-        ici_expert_parallelism="2",
-        expert_shard_attention_option="context",
-    ),
-    "data+expert": dict(ici_data_parallelism="4", ici_expert_parallelism="2"),
-    "data+zero1": dict(shard_optimizer_over_data="true"),
-}
+# Issue 7's matrix (8 devices): the named layouts minus the two plain data ones,
+# which test_train.py covers.
+LAYOUTS = {k: v for k, v in EIGHT_DEVICE_LAYOUTS.items() if k not in ("data", "data+fsdp")}
 
 
 def pytest_generate_tests(metafunc):
-    """Tests asking for `layout` run once per entry of LAYOUTS."""
-    if "layout" in metafunc.fixturenames:
-        metafunc.parametrize("layout", list(LAYOUTS))
+    """Tests asking for `matrix_layout` run once per entry of LAYOUTS."""
+    if "matrix_layout" in metafunc.fixturenames:
+        metafunc.parametrize("matrix_layout", list(LAYOUTS))
 
 
 @pytest.fixture(scope="session")

@@ -26,36 +26,13 @@ import tempfile
 import pytest
 
 import hlo_tools
+from trainer.layouts import EIGHT_DEVICE_LAYOUTS
 
 pytestmark = pytest.mark.aot
 
-# Same layouts as test_parallelism.py (8 devices), plus data x fsdp: the FSDP case
-# where deferral over 'data' applies.
-LAYOUTS = {
-    "data": dict(ici_data_parallelism="8"),
-    "fsdp": dict(ici_data_parallelism="1", ici_fsdp_parallelism="8"),
-    "fsdp+tensor": dict(
-        ici_data_parallelism="1", ici_fsdp_parallelism="4", ici_tensor_parallelism="2"
-    ),
-    "fsdp+tensor_transpose": dict(
-        ici_data_parallelism="1", ici_fsdp_parallelism="4", ici_tensor_transpose_parallelism="2"
-    ),
-    "fsdp+context": dict(
-        ici_data_parallelism="1", ici_fsdp_parallelism="4", ici_context_parallelism="2"
-    ),
-    "fsdp+expert(fsdp)": dict(
-        ici_data_parallelism="1", ici_fsdp_parallelism="4", ici_expert_parallelism="2"
-    ),
-    "fsdp+expert(context)": dict(
-        ici_data_parallelism="1",
-        ici_fsdp_parallelism="4",
-        ici_expert_parallelism="2",
-        expert_shard_attention_option="context",
-    ),
-    "data+expert": dict(ici_data_parallelism="4", ici_expert_parallelism="2"),
-    "data+zero1": dict(ici_data_parallelism="8", shard_optimizer_over_data="true"),
-    "data+fsdp": dict(ici_data_parallelism="4", ici_fsdp_parallelism="2"),
-}
+# The named 8-device layouts (issue 7's matrix plus data and data x fsdp, the FSDP
+# case where deferral over 'data' applies).
+LAYOUTS = EIGHT_DEVICE_LAYOUTS
 DATA_LAYOUTS = [name for name, o in LAYOUTS.items() if int(o["ici_data_parallelism"]) > 1]
 TOPOLOGIES = ("v5e-8", "v5p-16")
 MODES = ("explicit", "auto")

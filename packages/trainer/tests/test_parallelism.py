@@ -10,9 +10,9 @@ import pytest
 import hlo_tools
 
 
-def test_explicit_layout_matches_single_device(layout, check_layout):
-    # `layout` is parametrized over conftest.LAYOUTS; auto mode: test_parallelism_auto.py.
-    check_layout(layout, "explicit")
+def test_explicit_layout_matches_single_device(matrix_layout, check_layout):
+    # `matrix_layout` is parametrized over conftest.LAYOUTS; auto mode: test_parallelism_auto.py.
+    check_layout(matrix_layout, "explicit")
 
 
 @pytest.mark.parametrize("name", ["data+expert", "data+zero1"])

@@ -5,5 +5,5 @@ its own so the two halves compile on different test workers.
 """
 
 
-def test_auto_layout_matches_single_device(layout, check_layout):
-    check_layout(layout, "auto")
+def test_auto_layout_matches_single_device(matrix_layout, check_layout):
+    check_layout(matrix_layout, "auto")

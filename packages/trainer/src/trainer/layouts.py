@@ -1,0 +1,31 @@
+"""Named parallelism layouts on 8 devices: the seeds' matrix, as config overrides.
+
+Tests, benchmarks and users share them, e.g.
+`make_config({**EIGHT_DEVICE_LAYOUTS["fsdp+tensor"], "steps": "10"})`.
+"""
+
+EIGHT_DEVICE_LAYOUTS = {
+    "data": dict(ici_data_parallelism="8"),
+    "fsdp": dict(ici_data_parallelism="1", ici_fsdp_parallelism="8"),
+    "fsdp+tensor": dict(
+        ici_data_parallelism="1", ici_fsdp_parallelism="4", ici_tensor_parallelism="2"
+    ),
+    "fsdp+tensor_transpose": dict(
+        ici_data_parallelism="1", ici_fsdp_parallelism="4", ici_tensor_transpose_parallelism="2"
+    ),
+    "fsdp+context": dict(
+        ici_data_parallelism="1", ici_fsdp_parallelism="4", ici_context_parallelism="2"
+    ),
+    "fsdp+expert(fsdp)": dict(
+        ici_data_parallelism="1", ici_fsdp_parallelism="4", ici_expert_parallelism="2"
+    ),
+    "fsdp+expert(context)": dict(
+        ici_data_parallelism="1",
+        ici_fsdp_parallelism="4",
+        ici_expert_parallelism="2",
+        expert_shard_attention_option="context",
+    ),
+    "data+expert": dict(ici_data_parallelism="4", ici_expert_parallelism="2"),
+    "data+zero1": dict(ici_data_parallelism="8", shard_optimizer_over_data="true"),
+    "data+fsdp": dict(ici_data_parallelism="4", ici_fsdp_parallelism="2"),
+}
