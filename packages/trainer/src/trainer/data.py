@@ -1,8 +1,7 @@
-"""Batches: the synthetic stream (deterministic in seed and step) and device placement."""
+"""Batches: the synthetic stream (deterministic in seed and step) and their shardings."""
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 
 from trainer.config import Config
@@ -38,14 +37,3 @@ def batch_shardings(ctx: ShardCtx, batch_size: int, length: int) -> dict:
     """Every batch leaf is (batch, length), sharded over the batch and sequence axes."""
     sharding = ctx.sharding(TOKENS, (batch_size, length))
     return {key: sharding for key in BATCH_KEYS}
-
-
-def put_batch(batch: dict[str, np.ndarray], ctx: ShardCtx) -> dict[str, jax.Array]:
-    """Place a host batch (the global batch on every process) on the mesh."""
-    shardings = batch_shardings(ctx, *batch["inputs"].shape)
-    return {
-        key: jax.make_array_from_callback(
-            value.shape, shardings[key], lambda index, value=value: value[index]
-        )
-        for key, value in batch.items()
-    }
