@@ -24,10 +24,7 @@ def deferral_line(config: Config, axes: tuple[str, ...]) -> str:
     if not config.defer_gradient_reduction:
         return "gradient reduction: per microbatch (defer_gradient_reduction=false)"
     if not axes:
-        return (
-            "gradient reduction: not deferred (a mesh axis that shards the batch also shards "
-            "parameters, e.g. fsdp; deferral needs batch-only axes)"
-        )
+        return "gradient reduction: nothing to defer (no mesh axis shards the tokens)"
     return f"gradient reduction: deferred to once per step over {axes} (grads stay unreduced)"
 
 

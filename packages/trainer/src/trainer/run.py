@@ -69,7 +69,7 @@ def setup(config: Config, devices: list | None = None) -> Run:
         "step": jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P())),
     }
     step_fn = _jit_step(fns.step, state)
-    run = Run(config, ctx, model, state, step_fn, batch, deferral_axes(ctx, model.param_logical))
+    run = Run(config, ctx, model, state, step_fn, batch, deferral_axes(ctx))
     run.source, run.checkpoints = source, checkpoints
     restored = checkpoints.restore_latest(state, mesh) if checkpoints else None
     if restored:
@@ -136,7 +136,7 @@ def abstract_setup(config: Config, devices: list) -> Run:
     }
     step_fn = _jit_step(fns.step, state)
     batch = global_batch_size(config, len(devices))
-    return Run(config, ctx, model, state, step_fn, batch, deferral_axes(ctx, model.param_logical))
+    return Run(config, ctx, model, state, step_fn, batch, deferral_axes(ctx))
 
 
 def abstract_batch(run: Run) -> dict:

@@ -172,7 +172,7 @@ def _param_mesh_axes(ctx: ShardCtx, param_logical: dict, *, experts: bool) -> se
     }
 
 
-def deferral_axes(ctx: ShardCtx, param_logical: dict) -> tuple[str, ...]:
+def deferral_axes(ctx: ShardCtx) -> tuple[str, ...]:
     """Token mesh axes the gradient reduction is deferred over (explicit mode).
 
     Every axis sharding the batch or the sequence: JAX types the gradient of a
@@ -197,4 +197,4 @@ def deferral_per_parameter(ctx: ShardCtx, param_logical: dict) -> bool:
         for axes in jax.tree.leaves(param_logical, is_leaf=is_axes)
         for axis in pt.mesh_axes_used(ctx.spec(axes))
     }
-    return bool(used & set(deferral_axes(ctx, param_logical)))
+    return bool(used & set(deferral_axes(ctx)))

@@ -81,7 +81,7 @@ def make_step(
     backend forms one), and the optimizer updates shards only.
     """
     schedule = learning_rate_schedule(config)
-    batch_axes = deferral_axes(ctx, model.param_logical)
+    batch_axes = deferral_axes(ctx)
     per_parameter = deferral_per_parameter(ctx, model.param_logical)
 
     def step(state: dict, batch: dict) -> tuple[dict, dict]:
