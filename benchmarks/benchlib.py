@@ -158,38 +158,24 @@ class TrainerStep:
     `step()` runs one optimizer step on a fixed batch (the state is donated and
     replaced, as in `run.train`); `memory` is the compiled memory analysis per
     device; `traffic` the hlo_tools byte accounting of the compiled step.
+    `floor=True` runs trainer.floor's hand-written shard_map step instead.
     """
 
-    def __init__(self, overrides: dict[str, str], devices=None):
+    def __init__(self, overrides: dict[str, str], devices=None, floor: bool = False):
         import jax
 
         import hlo_tools
         from trainer import aot
+        from trainer import floor as floor_lib
         from trainer import run as run_lib
         from trainer.config import make_config
 
         self.overrides = dict(overrides)
         self.config = make_config({"enable_tensorboard": "false", **overrides})
-        self.run = run_lib.setup(self.config, devices if devices is not None else jax.devices())
+        # floor: the same run with trainer.floor's hand-written shard_map step.
+        setup = floor_lib.setup_floor if floor else run_lib.setup
+        self.run = setup(self.config, devices if devices is not None else jax.devices())
         self.batch = run_lib.batch_for(self.run, 0)
-        if self.config.shard_mode == "auto":
-            # Workaround (trainer bug): in auto mode the step's output shardings are
-            # XLA's choice, and can differ from the inputs' (optimizer state under
-            # FSDP comes back replicated), so the second call of the compiled step
-            # fails. Pin the new state to the state's own shardings.
-            mesh = self.run.ctx.mesh
-            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-            shardings = jax.tree.map(
-                lambda x: (
-                    x.sharding if isinstance(x.sharding, jax.sharding.NamedSharding) else replicated
-                ),
-                self.run.state,
-            )
-            self.run.step_fn = jax.jit(
-                self.run.step_fn.__wrapped__,
-                donate_argnums=(0,),
-                out_shardings=(shardings, None),
-            )
         start = time.perf_counter()
         self.compiled = run_lib.compile_step(self.run)
         self.compile_s = time.perf_counter() - start

@@ -164,3 +164,39 @@ def test_microbatch_scan_with_bias_and_lookup_reduces_once(mesh, inputs):
     outside = hlo_tools.assert_reduced_once_per_step(text)
     # XLA may combine the two gradient reductions into one; together they cover both.
     assert sum(c.elements for c in outside) == V * D + D
+
+
+def test_unreduced_sum_defers_the_reduction_of_a_scan_of_sums(mesh):
+    """Σ per microbatch stays a partial sum: no all-reduce in the loop, one after it."""
+    import hlo_tools
+
+    n = 4
+    x_NxBxL = _put(jnp.arange(n * B * L, dtype=jnp.float32).reshape(n, B, L), P(None, "data"), mesh)
+    w = _put(jnp.ones(()), P(), mesh)
+    seen = {}
+
+    def step(w, x_NxBxL):
+        def body(acc, x_BxL):
+            total, grad = jax.value_and_grad(
+                lambda w: pt.unreduced_sum(pt.broadcast_param(w, x_BxL) * x_BxL)
+            )(jax.reshard(w, P(reduced={"data"})))
+            seen["total"], seen["grad"] = str(jax.typeof(total)), str(jax.typeof(grad))
+            return jax.tree.map(jnp.add, acc, (total, grad)), None
+
+        zero = jax.lax.broadcast_in_dim(0.0, (), (), out_sharding=P(unreduced={"data"}))
+        (total, grad), _ = jax.lax.scan(body, (zero, zero), x_NxBxL)
+        return jax.reshard(total, P()), jax.reshard(grad, P())
+
+    total, grad = jax.jit(step)(w, x_NxBxL)
+    assert seen == {"total": "float32[]{U:data}", "grad": "float32[]{U:data}"}
+    want = float(np.sum(np.asarray(x_NxBxL)))
+    assert float(total) == pytest.approx(want) and float(grad) == pytest.approx(want)
+    text = jax.jit(step).lower(w, x_NxBxL).compile().as_text()
+    # Scalars: a threshold of 0 elements, so even one in-loop scalar all-reduce fails.
+    outside = hlo_tools.assert_reduced_once_per_step(text, max_in_loop_elements=0)
+    assert sum(c.elements for c in outside) == 2
+
+
+def test_unreduced_sum_is_a_plain_sum_off_explicit_axes():
+    x = np.arange(6.0).reshape(2, 3)
+    assert float(pt.unreduced_sum(jnp.asarray(x))) == 15.0

@@ -11,7 +11,14 @@ import jax.numpy as jnp
 from accum.gating import batch_axes_of, deferred_axes, resolve_mode
 from accum.guard import find_dropped_tags, report_dropped_tags
 from accum.microbatch import split_microbatches
-from accum.tags import leaf_axes, reduce_to, safe_inverse, tag_reduced, unreduced_zeros
+from accum.tags import (
+    leaf_axes,
+    reduce_to,
+    reduce_unreduced,
+    safe_inverse,
+    tag_reduced,
+    unreduced_zeros,
+)
 from pspec_tags import check_unreduced, spec_of
 
 ON_TAG_LOST = ("raise", "warn", "ignore")
@@ -72,7 +79,12 @@ def add_grads(acc: Any, grads: Any) -> Any:
 
 
 def normalize(loss_sum: jax.Array, aux: dict, grads: Any) -> tuple[jax.Array, dict, Any]:
-    """Divide loss and (already reduced) grads by the total weight; zero weight gives zeros."""
+    """Divide loss and (already reduced) grads by the total weight; zero weight gives zeros.
+
+    Loss and aux sums a `loss_fn` kept unreduced (`pspec_tags.unreduced_sum`)
+    are reduced here first: once per step, after the loop, like the gradients.
+    """
+    loss_sum, aux = reduce_unreduced((loss_sum, aux))
     inv = safe_inverse(aux["weight"])
     loss = loss_sum * inv.astype(loss_sum.dtype)
     grads = jax.tree.map(lambda g: g * inv.astype(g.dtype), grads)

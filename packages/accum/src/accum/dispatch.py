@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from accum.accumulate import _check_option, add_grads, microbatch_grads, normalize
 from accum.gating import batch_axes_of, deferred_axes, resolve_mode
-from accum.tags import reduce_to, tag_reduced, unreduced_zeros
+from accum.tags import reduce_to, tag_reduced, unreduced_zeros, zeros_of_type
 
 
 @jax.tree_util.register_dataclass
@@ -39,10 +39,6 @@ class Accumulator:
     count: jax.Array
     axes: tuple[str, ...] = dataclasses.field(metadata={"static": True})
     mode: str = dataclasses.field(metadata={"static": True})
-
-
-def _zeros_like_struct(s: jax.ShapeDtypeStruct) -> jax.Array:
-    return jnp.zeros(s.shape, s.dtype)
 
 
 def start(
@@ -70,14 +66,18 @@ def start(
             params, batch_axes if batch_axes is not None else batch_axes_of(microbatch)
         )
     args = (microbatch,) if rng is None else (microbatch, rng)
-    _, aux_shape = jax.eval_shape(loss_fn, params, *args)
+    # Traced with the tags `add` will use, so unreduced loss/aux sums get
+    # unreduced zeros (the same type: adding them moves nothing).
+    loss_shape, aux_shape = jax.eval_shape(
+        lambda p, *a: loss_fn(tag_reduced(p, axes), *a), params, *args
+    )
     if "weight" not in aux_shape:
         raise KeyError("loss_fn's aux must hold 'weight' (the number of counted targets)")
     return Accumulator(
         # Same type as each microbatch's gradients, so `add` is a local sum.
         grads=unreduced_zeros(params, axes, accum_dtype),
-        loss_sum=jnp.zeros((), jnp.float32),
-        aux=jax.tree.map(_zeros_like_struct, aux_shape),
+        loss_sum=zeros_of_type(jax.ShapeDtypeStruct((), jnp.float32, sharding=loss_shape.sharding)),
+        aux=jax.tree.map(zeros_of_type, aux_shape),
         count=jnp.zeros((), jnp.uint32),
         axes=axes,
         mode=mode,

@@ -18,6 +18,7 @@ from pspec_tags import (
     mesh_axes_used,
     partitions,
     spec_of,
+    unreduced_axes,
     untagged,
     with_reduced,
     with_unreduced,
@@ -82,6 +83,33 @@ def unreduced_zeros(params: Any, axes: tuple[str, ...], dtype: Any | None) -> An
         return lax.broadcast_in_dim(jnp.zeros((), dt), p.shape, (), out_sharding=_named(p, target))
 
     return jax.tree.map(zeros, params)
+
+
+def zeros_of_type(struct: jax.ShapeDtypeStruct) -> jax.Array:
+    """Zeros of `struct`'s shape, dtype and explicit sharding, tags included.
+
+    For accumulators of loss and aux sums: a `loss_fn` may return them unreduced
+    (`pspec_tags.unreduced_sum`), and adding an unreduced value to an untagged
+    zero would reduce it at the addition, once per microbatch.
+    """
+    sharding = getattr(struct, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or spec_of(struct) is None:
+        return jnp.zeros(struct.shape, struct.dtype)
+    return lax.broadcast_in_dim(
+        jnp.zeros((), struct.dtype), struct.shape, (), out_sharding=sharding
+    )
+
+
+def reduce_unreduced(tree: Any) -> Any:
+    """Each unreduced leaf resharded onto its own partitions, untagged: its one all-reduce."""
+
+    def reduce(x):
+        spec = spec_of(x)
+        if spec is None or not unreduced_axes(spec):
+            return x
+        return jax.reshard(x, _named(x, untagged(spec)))
+
+    return jax.tree.map(reduce, tree)
 
 
 def as_spec(sharding: Any) -> P | None:

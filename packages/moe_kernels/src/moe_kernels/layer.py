@@ -454,17 +454,32 @@ def _moe(x_BxSxD, params, *, config, mesh, rules, mode, keep_tags, sparse):
     def body(x, p):
         return _layer_body(x, p, config=config, plan=plan, sparse=sparse)
 
-    y, shard_stats = jax.shard_map(
+    layer = jax.shard_map(
         body,
         mesh=mesh,
         # TAG: in auto mode the specs are untagged (auto axes cannot carry tags).
         in_specs=(plan.token_spec, param_in_specs),
         out_specs=(plan.token_spec, stats_specs),
-    )(x_BxSxD, params)
+    )
+    # Inside the body a weight meets the (varying) tokens through a cast to
+    # varying. Autodiff would save that cast's output for the backward pass: a
+    # per-device copy of every weight the layer reads, stacked over layers by a
+    # layer scan. Recomputing the (free) casts instead saves the weights as they
+    # came in, which a scan re-slices from its input: no copy.
+    y, shard_stats = jax.checkpoint(layer, policy=_save_all_but_casts)(x_BxSxD, params)
     if mode == "explicit" and x_spec is not None:
         # Hand the output back in the caller's sharding (a no-op when equal).
         y = shard(y, x_spec, mode)
     return y, _finish_stats(shard_stats)
+
+
+def _save_all_but_casts(prim, *_, **__) -> bool:
+    """Remat policy: every intermediate is saveable except varying/reduced casts."""
+    return prim.name not in _CASTS
+
+
+# Primitives that only retype a value across mesh axes (names as of JAX 0.10).
+_CASTS = frozenset({"pvary", "pcast", "reduced_vary_cast_p", "reduced_vary_cast"})
 
 
 def _finish_stats(shard_stats):
@@ -479,6 +494,9 @@ def _finish_stats(shard_stats):
         "tokens_per_expert": by_shard.sum(0),
         "tokens_per_expert_by_shard": by_shard,
         "balance_loss": shard_stats["balance_loss"].mean(),
+        # Sharded like the tokens: a caller that only averages it later (a
+        # metric) accumulates it with no collective, unlike the scalar above.
+        "balance_loss_by_shard": shard_stats["balance_loss"],
         "dropped": shard_stats["dropped"].sum(),
     }
 
@@ -507,8 +525,9 @@ def sparse_moe(
 
     stats: `tokens_per_expert` (E,) int32 over all tokens (feed it to
     `update_routing_bias`), `tokens_per_expert_by_shard` (token shards, E),
-    `balance_loss` (scalar, sequence-wise, unscaled), `dropped` (assignments
-    lost to a finite `capacity_factor`).
+    `balance_loss` (scalar, sequence-wise, unscaled; the mean of
+    `balance_loss_by_shard`, one per token shard), `dropped` (assignments lost
+    to a finite `capacity_factor`).
     """
     return _moe(
         x_BxSxD, params, config=config, mesh=mesh, rules=rules, mode=mode,

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pspec_tags.specs import partitions, untagged
+from pspec_tags.specs import mesh_axes_used, partitions, unreduced_axes, untagged, with_unreduced
 from pspec_tags.values import spec_of
 
 MODES = ("explicit", "auto")
@@ -25,6 +26,12 @@ def shard(x: jax.Array, spec: P | None, mode: str) -> jax.Array:
     if spec is None:
         return x
     if mode == "explicit":
+        if spec_of(x) == spec:
+            # Already there: skip the reshard. Not only tidier: a reshard is a
+            # new value, and one feeding a shard_map inside a scanned layer is
+            # saved as a residual for the backward pass (a stacked copy of the
+            # weights it carries), where the original would just be re-sliced.
+            return x
         return jax.reshard(x, spec)
     return lax.with_sharding_constraint(x, untagged(spec))
 
@@ -84,3 +91,26 @@ def embed_lookup(table: jax.Array, ids: jax.Array, out_spec: P | None = None) ->
     if out_spec is not None and untagged(out_spec) != rows_spec:
         rows = jax.reshard(rows, untagged(out_spec))
     return rows
+
+
+def unreduced_sum(x: jax.Array) -> jax.Array:
+    """Σ of every element of `x`, left `unreduced` over the mesh axes sharding `x`.
+
+    `jnp.sum` of a sharded array all-reduces its scalar on the spot. A loss sum
+    or a token count computed once per microbatch only needs its total once per
+    step: as per-device partial sums (unreduced) it adds up across microbatches
+    with no collective, and one reshard reduces it after the loop (accum does
+    this with the gradients). Differentiating it is communication-free too: its
+    cotangent is reduced, i.e. the same 1 on every device.
+
+    A plain `jnp.sum` where `x` is not sharded over an explicit axis (auto mode,
+    one device, inside shard_map), so callers need no mode switch.
+    """
+    spec = spec_of(x)
+    axes = set(mesh_axes_used(spec)) | set(unreduced_axes(spec)) if spec is not None else set()
+    if not axes:
+        return jnp.sum(x)
+    letters = "abcdefghijklmnopqrstuvwxyz"[: x.ndim]
+    # TAG: a contraction over sharded dims may name an unreduced output; jnp.sum
+    # takes no out_sharding and would reduce here.
+    return jnp.einsum(f"{letters}->", x, out_sharding=with_unreduced(P(), axes))

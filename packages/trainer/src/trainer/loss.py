@@ -10,9 +10,19 @@ import pspec_tags as pt
 
 
 def cross_entropy_sum(
-    logits_BxSxV: jax.Array, targets_BxS: jax.Array, weights_BxS: jax.Array
+    logits_BxSxV: jax.Array,
+    targets_BxS: jax.Array,
+    weights_BxS: jax.Array,
+    *,
+    keep_unreduced: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """(Σ weight * -log p(target), Σ weight): sums, so microbatches add up exactly."""
+    """(Σ weight * -log p(target), Σ weight): sums, so microbatches add up exactly.
+
+    `keep_unreduced`: in explicit mode the two sums come back unreduced over the
+    token-sharding axes (per-device partial sums, `pspec_tags.unreduced_sum`),
+    so a microbatch loop adds them up with no collective and accum reduces
+    them once after it; elsewhere they are plain sums.
+    """
     lse_BxS = jax.nn.logsumexp(logits_BxSxV, axis=-1)
     # A vocab index per logit, laid out exactly like the logits: comparing it with
     # the targets is then a plain elementwise op even when the vocab is sharded.
@@ -26,4 +36,7 @@ def cross_entropy_sum(
     hit_BxSxV = vocab_BxSxV == targets_BxS[..., None]
     target_BxS = jnp.sum(jnp.where(hit_BxSxV, logits_BxSxV, 0.0), axis=-1)
     weights_BxS = weights_BxS.astype(jnp.float32)
-    return jnp.sum((lse_BxS - target_BxS) * weights_BxS), jnp.sum(weights_BxS)
+    # TAG: jnp.sum over token-sharded rows all-reduces each scalar right here,
+    # once per microbatch; unreduced_sum leaves that to the end of the step.
+    total = pt.unreduced_sum if keep_unreduced else jnp.sum
+    return total((lse_BxS - target_BxS) * weights_BxS), total(weights_BxS)

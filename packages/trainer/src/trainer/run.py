@@ -68,7 +68,7 @@ def setup(config: Config, devices: list | None = None) -> Run:
         # pinned output shardings all live on one device set.
         "step": jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P())),
     }
-    step_fn = _jit_step(fns.step, state)
+    step_fn = jit_step(fns.step, state)
     run = Run(config, ctx, model, state, step_fn, batch, deferral_axes(ctx))
     run.source, run.checkpoints = source, checkpoints
     restored = checkpoints.restore_latest(state, mesh) if checkpoints else None
@@ -100,7 +100,7 @@ def _optimizer_layout(config: Config, mesh, tx, params) -> tuple[Any, Any, Any]:
     return params, opt_shardings, (compute_shardings, master_shardings)
 
 
-def _jit_step(step: Callable, state: dict) -> Any:
+def jit_step(step: Callable, state: dict) -> Any:
     """jit the step with the new state pinned to the old state's shardings.
 
     In auto mode XLA chooses output shardings freely (it returned FSDP optimizer
@@ -134,7 +134,7 @@ def abstract_setup(config: Config, devices: list) -> Run:
         "router": router,
         "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())),
     }
-    step_fn = _jit_step(fns.step, state)
+    step_fn = jit_step(fns.step, state)
     batch = global_batch_size(config, len(devices))
     return Run(config, ctx, model, state, step_fn, batch, deferral_axes(ctx))
 

@@ -64,17 +64,35 @@ def logical_rules(config: Config) -> tuple[tuple[str, Any], ...]:
     )
 
 
+CTX_MODES = ("explicit", "auto", "manual")
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardCtx:
-    """Mesh + rules + mode: turns logical axis names into shardings."""
+    """Mesh + rules + mode: turns logical axis names into shardings.
+
+    Modes: 'explicit' and 'auto' are the trainer's `shard_mode`s. 'manual' is
+    for model code running per device inside a `jax.shard_map` that already
+    made every mesh axis manual (the hand-written floor step, trainer.floor):
+    there is nothing left to shard, so constraints, weight gathers and
+    out_shardings are skipped and the MoE layer runs unsharded.
+    """
 
     mesh: Mesh
     rules: tuple[tuple[str, Any], ...]
     mode: str
 
+    def __post_init__(self):
+        if self.mode not in CTX_MODES:
+            raise ValueError(f"ShardCtx mode {self.mode!r} is not one of {CTX_MODES}")
+
     @property
     def explicit(self) -> bool:
         return self.mode == "explicit"
+
+    @property
+    def manual(self) -> bool:
+        return self.mode == "manual"
 
     def spec(self, logical: Sequence[str | None], shape: Sequence[int] | None = None) -> P:
         """Untagged spec for `logical`; with `shape`, axes that don't divide are dropped."""
@@ -86,6 +104,8 @@ class ShardCtx:
 
     def act(self, x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
         """Constrain an activation (never a parameter: that would drop its tag)."""
+        if self.manual:
+            return x
         return pt.shard(x, self.spec(logical, x.shape), self.mode)
 
     @property
@@ -110,6 +130,8 @@ class ShardCtx:
         matmul contracting over the batch produces, and the transpose of this
         reshard is the FSDP reduce-scatter, leaving 'data' unreduced.
         """
+        if self.manual:
+            return w
         return self._reshard_param(w, self.spec(logical, w.shape))
 
     def _reshard_param(self, w: jax.Array, target: P) -> jax.Array:
@@ -146,6 +168,8 @@ class ShardCtx:
         contraction over a sharded dim lands); auto mode cannot name Auto axes
         there, so it constrains the result instead.
         """
+        if self.manual:
+            return jnp.einsum(equation, *operands)
         if self.explicit:
             out_shape = _einsum_out_shape(equation, operands)
             return jnp.einsum(equation, *operands, out_sharding=self.spec(out, out_shape))

@@ -28,14 +28,21 @@ class StepFns:
     step: Callable[[dict, dict], tuple[dict, dict]]
 
 
-def _loss_fn(config: Config, model: model_lib.ModelDef, router: dict) -> Callable:
+def make_loss_fn(config: Config, model: model_lib.ModelDef, router: dict) -> Callable:
     """`loss_fn(params, microbatch) -> (loss_sum, aux)` in accum's contract."""
 
     def loss_fn(params, mb):
         logits, stats = model_lib.apply(
             model, params, router, mb["inputs"], mb["positions"], mb["segments"]
         )
-        ce_sum, weight = cross_entropy_sum(logits, mb["targets"], mb["weights"])
+        # Without the aux loss, the loss and token count only need their totals
+        # once per step: kept unreduced (explicit mode) they cost no collective
+        # per microbatch. The aux loss scales by the microbatch's global token
+        # count, so with it on that count is reduced here.
+        aux_loss = bool(config.load_balance_loss_weight and stats)
+        ce_sum, weight = cross_entropy_sum(
+            logits, mb["targets"], mb["weights"], keep_unreduced=not aux_loss
+        )
         aux = {"weight": weight, "ce_sum": ce_sum}
         loss_sum = ce_sum
         if stats:
@@ -45,9 +52,13 @@ def _loss_fn(config: Config, model: model_lib.ModelDef, router: dict) -> Callabl
             # one sum over shards happens after the loop. The global
             # `tokens_per_expert` would all-reduce the counts every microbatch.
             aux["tokens_per_expert_by_shard"] = stats["tokens_per_expert_by_shard"]
-            balance = jnp.mean(stats["balance_loss"])
-            aux["balance_loss_sum"] = balance * weight
-            if config.load_balance_loss_weight:
+            # Likewise the balance loss for the metric, (MoE layers, shards),
+            # and how many terms it holds (a constant), for the mean at the end.
+            by_shard = stats["balance_loss_by_shard"]
+            aux["balance_loss_by_shard"] = by_shard
+            aux["balance_loss_terms"] = jnp.float32(by_shard.size)
+            if aux_loss:
+                balance = jnp.mean(stats["balance_loss"])
                 loss_sum = loss_sum + config.load_balance_loss_weight * balance * weight
         return loss_sum, aux
 
@@ -80,7 +91,6 @@ def make_step(
     reduction lands straight in `master_shardings` (a reduce-scatter where the
     backend forms one), and the optimizer updates shards only.
     """
-    schedule = learning_rate_schedule(config)
     batch_axes = deferral_axes(ctx)
     per_parameter = deferral_per_parameter(ctx, model.param_logical)
 
@@ -95,7 +105,7 @@ def make_step(
                 lambda p, s: pt.shard(p, s.spec, ctx.mode), params, compute_shardings
             )
         loss, aux, grads = accum.accumulate_gradients(
-            _loss_fn(config, model, state["router"]),
+            make_loss_fn(config, model, state["router"]),
             params,
             batch,
             num_microbatches=config.gradient_accumulation_steps,
@@ -105,30 +115,36 @@ def make_step(
             per_parameter_axes=per_parameter,
             grad_shardings=grad_shardings,
         )
-        # accum returns f32 gradients; the optimizer state follows the parameters'
-        # dtype (weight_dtype), so the step's types stay fixed across steps.
-        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state["params"])
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        params = jax.tree.map(lambda p, old: p.astype(old.dtype), params, state["params"])
-        by_shard = aux.get("tokens_per_expert_by_shard")
-        tokens = None if by_shard is None else jnp.sum(by_shard, axis=1)
-        router = (
-            state["router"] if tokens is None else _update_router(config, state["router"], tokens)
-        )
-        weight = jnp.maximum(aux["weight"], 1.0)
-        metrics = {
-            "loss": loss,
-            "ce_loss": aux["ce_sum"] / weight,
-            "grad_norm": optax.tree.norm(grads),
-            "learning_rate": schedule(state["step"]),
-            "tokens": aux["weight"],
-        }
-        if tokens is not None:
-            metrics["tokens_per_expert"] = tokens
-            metrics["balance_loss"] = aux["balance_loss_sum"] / weight
-        new_state = {"params": params, "opt_state": opt_state, "router": router}
-        new_state["step"] = state["step"] + 1
-        return new_state, metrics
+        return apply_gradients(config, tx, state, loss, aux, grads)
 
     return StepFns(init_opt_state=tx.init, step=step)
+
+
+def apply_gradients(
+    config: Config, tx: optax.GradientTransformation, state: dict, loss, aux: dict, grads
+) -> tuple[dict, dict]:
+    """The rest of a step once the batch's gradients are reduced: AdamW, router
+    biases, step counter and metrics. `aux` is `loss_fn`'s, summed over the batch."""
+    # The gradients may be f32 while the optimizer state follows the parameters'
+    # dtype (weight_dtype): cast so the step's types stay fixed across steps.
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state["params"])
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    params = jax.tree.map(lambda p, old: p.astype(old.dtype), params, state["params"])
+    by_shard = aux.get("tokens_per_expert_by_shard")
+    tokens = None if by_shard is None else jnp.sum(by_shard, axis=1)
+    router = state["router"] if tokens is None else _update_router(config, state["router"], tokens)
+    weight = jnp.maximum(aux["weight"], 1.0)
+    metrics = {
+        "loss": loss,
+        "ce_loss": aux["ce_sum"] / weight,
+        "grad_norm": optax.tree.norm(grads),
+        "learning_rate": learning_rate_schedule(config)(state["step"]),
+        "tokens": aux["weight"],
+    }
+    if tokens is not None:
+        metrics["tokens_per_expert"] = tokens
+        metrics["balance_loss"] = jnp.sum(aux["balance_loss_by_shard"]) / aux["balance_loss_terms"]
+    new_state = {"params": params, "opt_state": opt_state, "router": router}
+    new_state["step"] = state["step"] + 1
+    return new_state, metrics

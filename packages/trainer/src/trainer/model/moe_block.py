@@ -59,6 +59,10 @@ class MoE(nnx.Module):
             )
         layer = moe_kernels.sparse_moe if self.sparse else moe_kernels.dense_moe
         ctx = self.ctx
+        if ctx.manual:
+            # Already per device inside the caller's shard_map: moe_kernels' own
+            # shard_map cannot nest there, and there is nothing left to shard.
+            return layer(x_BxSxD, params, config=self.moe)
         return layer(
             x_BxSxD, params, config=self.moe, mesh=ctx.mesh, rules=ctx.rules, mode=ctx.mode
         )
