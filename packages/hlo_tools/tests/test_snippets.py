@@ -293,3 +293,25 @@ def test_sparsecore_computation_closed_with_attributes():
     module = ht.parse(SPARSECORE)
     assert "called_computation.6" in module.computations
     assert [c.elements for c in ht.collectives(module)] == [64]
+
+
+def test_spans_mesh_axis_reads_the_groups():
+    records = {c.opcode: c for c in ht.collectives(ASYNC)}
+    mesh = {"data": 2, "fsdp": 4}  # row-major: device d has data d // 4, fsdp d % 4
+    # {{0,1,2,3},{4,5,6,7}}: each group is one data index, every fsdp index.
+    start = records["all-reduce-start"]
+    assert ht.spans_mesh_axis(start, mesh, "fsdp")
+    assert not ht.spans_mesh_axis(start, mesh, "data")
+    # [2,4]<=[8] is the same grouping, from the iota form.
+    inner = records["all-reduce"]
+    assert inner.replica_groups == start.replica_groups
+    # Transposed mesh order: now the groups run across 'data' (size 4) instead.
+    swapped = {"fsdp": 2, "data": 4}
+    assert ht.spans_mesh_axis(start, swapped, "data")
+    assert not ht.spans_mesh_axis(start, swapped, "fsdp")
+    # [1,8]<=[8]: one group of all devices spans both axes.
+    gather = records["all-gather-start"]
+    assert ht.spans_mesh_axis(gather, mesh, "data") and ht.spans_mesh_axis(gather, mesh, "fsdp")
+    assert [ht.axis_index(d, mesh, "fsdp") for d in range(8)] == [0, 1, 2, 3] * 2
+    with pytest.raises(KeyError, match="'tensor'"):
+        ht.axis_index(0, mesh, "tensor")

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import tempfile
 
 import pytest
@@ -71,14 +70,8 @@ class Case:
 
 
 def spans_data(collective, mesh_shape: dict) -> bool:
-    """Whether a collective's replica groups join devices with different 'data' indices.
-
-    Replica groups hold logical device ids, positions in the mesh's device order;
-    'data' is the leading mesh axis, so a device's data index is its id divided by
-    the product of the other axes."""
-    devices = math.prod(mesh_shape.values())
-    stride = devices // mesh_shape["data"]
-    return any(len({d // stride for d in group}) > 1 for group in collective.replica_groups or ())
+    """Whether a collective's replica groups join devices with different 'data' indices."""
+    return hlo_tools.spans_mesh_axis(collective, mesh_shape, "data")
 
 
 def gradient_reductions(module, mesh_shape: dict) -> tuple[list, list]:

@@ -23,10 +23,9 @@ def test_explicit_ga4_keeps_gradient_reductions_out_of_the_loop(name, runner, la
 
 
 def _groups_span_data(collective, data_size: int, devices: int = 8) -> bool:
-    # 'data' is the leading mesh axis and the mesh takes devices in order, so a
-    # device's data index is its id divided by the size of the other axes.
-    stride = devices // data_size
-    return any(len({d // stride for d in group}) > 1 for group in collective.replica_groups or ())
+    # The trainer's mesh: 'data' leading, the other axes folded into one.
+    mesh_shape = {"data": data_size, "rest": devices // data_size}
+    return hlo_tools.spans_mesh_axis(collective, mesh_shape, "data")
 
 
 DATA_FSDP = dict(

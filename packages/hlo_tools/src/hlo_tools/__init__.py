@@ -13,6 +13,7 @@ from hlo_tools.collectives import KINDS, REDUCTION_KINDS, Collective, collective
 from hlo_tools.errors import HloParseError
 from hlo_tools.jitted import assert_jitted_reduced_once_per_step, compiled_text, report_jitted
 from hlo_tools.lines import cross_replica_all_reduce_sizes, split_by_entry_loop
+from hlo_tools.mesh_axes import axis_index, spans_mesh_axis
 from hlo_tools.module import Computation, HloModule, Instruction
 from hlo_tools.parser import parse, parse_instruction
 from hlo_tools.report import format_table, to_json
@@ -34,6 +35,7 @@ __all__ = [
     "Loop",
     "TupleType",
     "assert_jitted_reduced_once_per_step",
+    "axis_index",
     "assert_reduced_once_per_step",
     "collectives",
     "compiled_text",
@@ -44,6 +46,7 @@ __all__ = [
     "parse",
     "parse_instruction",
     "report_jitted",
+    "spans_mesh_axis",
     "split_by_entry_loop",
     "to_json",
     "traffic",
