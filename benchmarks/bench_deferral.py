@@ -87,6 +87,8 @@ def main() -> None:
         if all(dict(p)[f] == BASE[f] for f in BASE if f != "ga")
     }
     o, c, a = bl.fit_deferral(base_ga)
+    base_point = tuple(sorted(BASE.items()))
+    base_params_bytes = steps[base_point, True].reduction_bytes("outside")
     rows = []
     for factor, values in FACTORS.items():
         for v in values:
@@ -94,12 +96,17 @@ def main() -> None:
             d, u = steps[p, True], steps[p, False]
             td, tu = med[p, True], med[p, False]
             n = dict(p)["ga"]
+            # o holds the optimizer update and the one reduction, both proportional
+            # to the parameters: the variant scales it by the gradient bytes.
+            o_scaled = o * d.reduction_bytes("outside") / base_params_bytes
             if factor == "ga":
                 cc, aa, fitted = c, a, bl.fitted_speedup(o, c, a, n)
+                ceiling_o_scaled = bl.ceiling(c, a, n)
             else:
                 aa = (tu - td) / (n - 1)
                 cc = (td - o - aa) / n
                 fitted = float("nan")
+                ceiling_o_scaled = bl.ceiling((td - o_scaled - aa) / n, aa, n)
             rows.append(
                 {
                     "factor": factor,
@@ -110,6 +117,7 @@ def main() -> None:
                     "speedup": tu / td,
                     "fitted_speedup": fitted,
                     "ceiling": bl.ceiling(cc, aa, n),
+                    "ceiling_o_scaled": ceiling_o_scaled,
                     "speedup_over_ceiling": (tu / td - 1) / (bl.ceiling(cc, aa, n) - 1)
                     if bl.ceiling(cc, aa, n) > 1
                     else float("nan"),
@@ -179,14 +187,15 @@ def write(rows, fit) -> None:
         table_rows,
         align="lrrrrrrrrrr",
     )
-    meets = all(r["deferred_in_loop_bytes"] < 1024 for r in rows)
+    worst_in_loop = max(r["deferred_in_loop_bytes"] for r in rows)
     lines += [
         "",
         "In-loop reduction bytes with deferral: "
         + (
-            "under 1 KiB everywhere (token counts and loss scalars)"
-            if meets
-            else "NOT zero somewhere: see the table"
+            "0 everywhere (gradients, loss sums, token counts and balance losses are all "
+            "reduced once, after the loop)"
+            if worst_in_loop == 0
+            else f"NOT zero: up to {worst_in_loop} bytes per step, see the table"
         )
         + ".",
         "Target (issue 9): speedup >= 0.95 of the ceiling. Rows with GA=4 other than the "
@@ -197,7 +206,20 @@ def write(rows, fit) -> None:
             for r in rows
             if r["speedup"] / r["ceiling"] < 0.95
         ).join(
-            ("Below 0.95: ", ".")
+            (
+                "Below 0.95: ",
+                ". Why: the ceiling leaves out o (the work outside the loop: optimizer "
+                "update, the one reduction), which weighs most in the smallest "
+                "configurations, and these rows reuse the sweep's o although they have "
+                "fewer parameters. With o scaled by each row's gradient bytes the same rows "
+                "give "
+                + ", ".join(
+                    f"{LABEL[r['factor']]}={r['value']}: {r['speedup'] / r['ceiling_o_scaled']:.3f}"
+                    for r in rows
+                    if r["speedup"] / r["ceiling"] < 0.95
+                )
+                + ".",
+            )
             if any(r["speedup"] / r["ceiling"] < 0.95 for r in rows)
             else ("All rows meet it.", "")
         ),
