@@ -27,10 +27,10 @@ def _stacked_params():
     return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
 
 
-def _sharded_grads(params, x, mesh):
+def _sharded_grads(params, x, mesh, recompute_casts=True):
     def loss(params, x):
         def layer(h, p):
-            y, _ = sparse_moe(h, p, config=CFG, mesh=mesh)
+            y, _ = sparse_moe(h, p, config=CFG, mesh=mesh, recompute_casts=recompute_casts)
             return h + y, None
 
         h, _ = lax.scan(layer, x, params)

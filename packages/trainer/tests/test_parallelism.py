@@ -47,3 +47,37 @@ def test_fsdp_without_deferral_reduces_data_in_the_loop(runner):
     _, text = runner(1, **DATA_FSDP, defer_gradient_reduction="false")
     inside = hlo_tools.in_loop_reductions(text)
     assert [c for c in inside if _groups_span_data(c, 4)]
+
+
+def test_startup_summary_tells_fsdp_reductions_from_lost_deferral(runner):
+    """The per-microbatch FSDP reduce-scatters are expected; a 'data' one in the loop is not."""
+    from trainer.config import make_config
+    from trainer.report import collective_summary
+
+    config = make_config(DATA_FSDP)
+    mesh_shape = {"data": 4, "fsdp": 2}
+    _, text = runner(1, **DATA_FSDP)
+    head = collective_summary(text, config, mesh_shape, ("data",))[0]
+    assert "FAIL" not in head and "none over data;" in head and "over fsdp" in head
+    # Deferral off: the 'data' reductions are in the loop, and a strict summary says so.
+    _, per_microbatch = runner(1, **DATA_FSDP, defer_gradient_reduction="false")
+    head = collective_summary(per_microbatch, config, mesh_shape, ("data",))[0]
+    assert "FAIL" in head and "over data run inside loops" in head
+
+
+@pytest.mark.parametrize(
+    ("name", "strict"),
+    [("data", ("data",)), ("data+zero1", ("data",)), ("data+fsdp", ("data",)),
+     ("fsdp", ()), ("fsdp+context", ("context",)), ("fsdp+expert(fsdp)", ())],
+)  # fmt: skip
+def test_fully_deferred_axes_are_those_sharding_no_weight(name, strict):
+    import jax
+
+    from trainer import run as run_lib
+    from trainer.config import make_config
+    from trainer.layouts import EIGHT_DEVICE_LAYOUTS
+    from trainer.sharding import fully_deferred_axes
+
+    config = make_config({"model_name": "deepseek3-tiny", **EIGHT_DEVICE_LAYOUTS[name]})
+    run = run_lib.abstract_setup(config, jax.devices())
+    assert fully_deferred_axes(run.ctx, run.model.param_logical) == strict

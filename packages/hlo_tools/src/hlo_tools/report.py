@@ -90,12 +90,14 @@ def format_table(
     min_bytes: int = 0,
     max_in_loop_elements: int = 8,
     details: bool = False,
+    verdict_line: bool = True,
 ) -> str:
     """The ``hlo-report`` table: collectives grouped by loop nesting and kind, totals, verdict.
 
     Counts marked ``+`` sit under a loop of unknown trip count: counted once,
     so the figure is a lower bound. The verdict always looks at the whole module,
-    not the filtered rows.
+    not the filtered rows; `verdict_line=False` leaves it out (for callers that
+    know the mesh and judge the reductions themselves).
     """
     records = select(collectives(module), kinds, min_bytes)
     table = rows(records)
@@ -148,7 +150,8 @@ def format_table(
                 f"{c.kind:<20} {c.type_str:<24} x{times:<5} groups of {c.group_size}  "
                 f"{c.loop_path}  {c.op_name or '<no op_name>'}"
             )
-    out.append(verdict(module, max_in_loop_elements)["message"])
+    if verdict_line:
+        out.append(verdict(module, max_in_loop_elements)["message"])
     return "\n".join(out)
 
 

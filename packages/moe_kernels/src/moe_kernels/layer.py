@@ -421,7 +421,7 @@ def _layer_body(x_BxSxD, params, *, config: MoEConfig, plan: _Plan | None, spars
 # Public entry points
 
 
-def _moe(x_BxSxD, params, *, config, mesh, rules, mode, keep_tags, sparse):
+def _moe(x_BxSxD, params, *, config, mesh, rules, mode, keep_tags, sparse, recompute_casts):
     if x_BxSxD.ndim != 3:
         raise ValueError(f"x must be (batch, seq, embed); got shape {x_BxSxD.shape}")
     params = dict(params)
@@ -461,12 +461,14 @@ def _moe(x_BxSxD, params, *, config, mesh, rules, mode, keep_tags, sparse):
         in_specs=(plan.token_spec, param_in_specs),
         out_specs=(plan.token_spec, stats_specs),
     )
-    # Inside the body a weight meets the (varying) tokens through a cast to
-    # varying. Autodiff would save that cast's output for the backward pass: a
-    # per-device copy of every weight the layer reads, stacked over layers by a
-    # layer scan. Recomputing the (free) casts instead saves the weights as they
-    # came in, which a scan re-slices from its input: no copy.
-    y, shard_stats = jax.checkpoint(layer, policy=_save_all_but_casts)(x_BxSxD, params)
+    if recompute_casts:
+        # Inside the body a weight meets the (varying) tokens through a cast to
+        # varying. Autodiff would save that cast's output for the backward pass: a
+        # per-device copy of every weight the layer reads, stacked over layers by
+        # a layer scan. Recomputing the (free) casts instead saves the weights as
+        # they came in, which a scan re-slices from its input: no copy.
+        layer = jax.checkpoint(layer, policy=_save_all_but_casts)
+    y, shard_stats = layer(x_BxSxD, params)
     if mode == "explicit" and x_spec is not None:
         # Hand the output back in the caller's sharding (a no-op when equal).
         y = shard(y, x_spec, mode)
@@ -510,6 +512,7 @@ def sparse_moe(
     rules: Any = None,
     mode: str | None = None,
     keep_tags: bool = True,
+    recompute_casts: bool = True,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Routed (+ shared) experts with ragged grouped matmuls; returns `(y_BxSxD, stats)`.
 
@@ -521,7 +524,10 @@ def sparse_moe(
     mesh's axis types. Explicit: inputs are resharded onto the in_specs, whose
     parameter specs carry each value's `reduced` axes (`keep_tags=False`
     reproduces the untagged, psum-in-the-body behaviour for comparison). Auto:
-    tags are stripped and shard_map reshards.
+    tags are stripped and shard_map reshards. `recompute_casts` (default) keeps
+    autodiff from saving a per-device copy of every weight for the backward
+    pass; turn it off when the caller rematerializes the layer anyway (then the
+    extra checkpoint only costs a little memory).
 
     stats: `tokens_per_expert` (E,) int32 over all tokens (feed it to
     `update_routing_bias`), `tokens_per_expert_by_shard` (token shards, E),
@@ -531,7 +537,7 @@ def sparse_moe(
     """
     return _moe(
         x_BxSxD, params, config=config, mesh=mesh, rules=rules, mode=mode,
-        keep_tags=keep_tags, sparse=True,
+        keep_tags=keep_tags, sparse=True, recompute_casts=recompute_casts,
     )  # fmt: skip
 
 
@@ -544,10 +550,11 @@ def dense_moe(
     rules: Any = None,
     mode: str | None = None,
     keep_tags: bool = True,
+    recompute_casts: bool = True,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Reference: every token through every expert, masked combine; same contract
     as `sparse_moe` (expert weights are gathered whole on every shard)."""
     return _moe(
         x_BxSxD, params, config=config, mesh=mesh, rules=rules, mode=mode,
-        keep_tags=keep_tags, sparse=False,
+        keep_tags=keep_tags, sparse=False, recompute_casts=recompute_casts,
     )  # fmt: skip

@@ -162,6 +162,7 @@ def report_lines(result: AotResult) -> list[str]:
     """What `train compile_topology=...` prints."""
     import hlo_tools
     from trainer import flops, report
+    from trainer import run as run_lib
 
     run, topo, mem = result.run, result.topology, result.memory
     config = run.config
@@ -188,8 +189,10 @@ def report_lines(result: AotResult) -> list[str]:
         f"({share * 100:.1f}%, {fits})"
     )
     text = result.compiled.as_text()
-    lines += report.collective_summary(text, config)
-    lines += hlo_tools.format_table(hlo_tools.parse(text)).splitlines()
+    lines += report.collective_summary(text, config, *run_lib.summary_axes(run))
+    # The table without hlo_tools' generic verdict: the summary above knows which
+    # mesh axes may reduce per iteration (FSDP's) and which may not.
+    lines += hlo_tools.format_table(hlo_tools.parse(text), verdict_line=False).splitlines()
     lines.append(f"wrote compiled HLO to {result.hlo_path} (inspect with: hlo-report FILE)")
     return lines
 

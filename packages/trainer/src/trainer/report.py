@@ -28,8 +28,18 @@ def deferral_line(config: Config, axes: tuple[str, ...]) -> str:
     return f"gradient reduction: deferred to once per step over {axes} (grads stay unreduced)"
 
 
-def collective_summary(text: str, config: Config) -> list[str]:
-    """Gradient reductions inside vs outside the loops, and bytes per step by kind."""
+def collective_summary(
+    text: str,
+    config: Config,
+    mesh_shape: dict[str, int] | None = None,
+    strict_axes: tuple[str, ...] = (),
+) -> list[str]:
+    """Gradient reductions inside vs outside the loops, and bytes per step by kind.
+
+    `strict_axes` (with `mesh_shape`): the axes no in-loop reduction may span
+    (`sharding.fully_deferred_axes`). In-loop reductions over other axes only
+    (FSDP's reduce-scatters, say) are reported as expected, not as a failure.
+    """
     module = hlo_tools.parse(text)
     inside = hlo_tools.in_loop_reductions(module)
     outside = hlo_tools.gradient_reductions_outside(module)
@@ -41,16 +51,40 @@ def collective_summary(text: str, config: Config) -> list[str]:
                 f"  {where:8s} {kind:18s} {row['count']:4d} ops  "
                 f"{row['bytes_per_step'] / MIB:10.3f} MiB/step"
             )
-    inside_mib = sum(c.bytes_per_step or c.bytes for c in inside) / MIB
     outside_mib = sum(c.bytes for c in outside) / MIB
-    verdict = (
-        "OK: every gradient reduced once per step"
-        if not inside
-        else f"{len(inside)} gradient-sized reductions run inside loops ({inside_mib:.3f} MiB/step)"
-    )
     head = (
         f"collectives per step (GA={config.gradient_accumulation_steps}, "
         f"defer_gradient_reduction={str(config.defer_gradient_reduction).lower()}): "
-        f"{len(outside)} gradient reductions after the loops ({outside_mib:.3f} MiB); {verdict}"
+        f"{len(outside)} gradient reductions after the loops ({outside_mib:.3f} MiB); "
+        + _verdict(inside, mesh_shape, strict_axes)
     )
     return [head, *lines]
+
+
+def _mib_per_step(records) -> float:
+    return sum(c.bytes_per_step or c.bytes for c in records) / MIB
+
+
+def _verdict(inside, mesh_shape, strict_axes) -> str:
+    if not inside:
+        return "OK: every gradient reduced once per step"
+    if not mesh_shape:
+        mib = _mib_per_step(inside)
+        return f"{len(inside)} gradient-sized reductions run inside loops ({mib:.3f} MiB/step)"
+    bad = [
+        c for c in inside if any(hlo_tools.spans_mesh_axis(c, mesh_shape, a) for a in strict_axes)
+    ]
+    if bad:
+        return (
+            f"FAIL: {len(bad)} gradient-sized reductions over {', '.join(strict_axes)} run inside "
+            f"loops ({_mib_per_step(bad):.3f} MiB/step): deferral is lost somewhere"
+        )
+    spanned = sorted(
+        {a for c in inside for a in mesh_shape if hlo_tools.spans_mesh_axis(c, mesh_shape, a)},
+        key=list(mesh_shape).index,
+    )
+    none_over = f"none over {', '.join(strict_axes)}; " if strict_axes else ""
+    return (
+        f"{none_over}{len(inside)} gradient-sized reductions per loop iteration over "
+        f"{', '.join(spanned)} ({_mib_per_step(inside):.3f} MiB/step)"
+    )

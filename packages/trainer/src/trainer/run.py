@@ -19,7 +19,13 @@ from trainer import checkpoint, data, flops, input_pipeline, report
 from trainer import model as model_lib
 from trainer.config import Config
 from trainer.optimizer import make_optimizer
-from trainer.sharding import ShardCtx, deferral_axes, logical_rules, make_mesh
+from trainer.sharding import (
+    ShardCtx,
+    deferral_axes,
+    fully_deferred_axes,
+    logical_rules,
+    make_mesh,
+)
 from trainer.train_step import make_step
 from trainer.validate import global_batch_size, validate
 
@@ -243,7 +249,19 @@ def startup_lines(run: Run) -> list[str]:
     ]
     lines.append(report.deferral_line(config, run.deferral_axes))
     lines += data_lines(run)
-    return lines + report.collective_summary(run.compiled.as_text(), config)
+    return lines + report.collective_summary(run.compiled.as_text(), config, *summary_axes(run))
+
+
+def summary_axes(run: Run) -> tuple[dict[str, int], tuple[str, ...]]:
+    """(mesh shape, axes no in-loop gradient reduction may span) for the summary."""
+    strict = ()
+    if config_defers(run.config):
+        strict = fully_deferred_axes(run.ctx, run.model.param_logical)
+    return dict(run.ctx.mesh.shape), strict
+
+
+def config_defers(config: Config) -> bool:
+    return config.shard_mode == "explicit" and config.defer_gradient_reduction
 
 
 def data_lines(run: Run) -> list[str]:

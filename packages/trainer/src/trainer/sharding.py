@@ -185,13 +185,12 @@ def _einsum_out_shape(equation: str, operands: Sequence[jax.Array]) -> tuple[int
     return tuple(dims[letter] for letter in output)
 
 
-def _param_mesh_axes(ctx: ShardCtx, param_logical: dict, *, experts: bool) -> set[str]:
-    """Mesh axes sharding the expert weights (`experts`) or every other weight."""
+def param_mesh_axes(ctx: ShardCtx, param_logical: dict) -> set[str]:
+    """Mesh axes that shard some parameter as the model computes with it."""
     is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
     return {
         axis
         for axes in jax.tree.leaves(param_logical, is_leaf=is_axes)
-        if ("exp" in axes) == experts
         for axis in pt.mesh_axes_used(ctx.spec(axes))
     }
 
@@ -215,10 +214,12 @@ def deferral_per_parameter(ctx: ShardCtx, param_logical: dict) -> bool:
 
     Then each parameter defers only the token axes that do not shard it.
     """
-    is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
-    used = {
-        axis
-        for axes in jax.tree.leaves(param_logical, is_leaf=is_axes)
-        for axis in pt.mesh_axes_used(ctx.spec(axes))
-    }
-    return bool(used & set(deferral_axes(ctx)))
+    return bool(param_mesh_axes(ctx, param_logical) & set(deferral_axes(ctx)))
+
+
+def fully_deferred_axes(ctx: ShardCtx, param_logical: dict) -> tuple[str, ...]:
+    """Deferred axes that shard no parameter: no gradient reduction over them may
+    run inside a loop. (Over the others, FSDP's or the experts', weights sharded
+    over them reduce per use, by design.)"""
+    sharding = param_mesh_axes(ctx, param_logical)
+    return tuple(a for a in deferral_axes(ctx) if a not in sharding)
