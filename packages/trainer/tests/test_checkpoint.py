@@ -204,19 +204,20 @@ def _wait_for_step(proc, step):
     raise AssertionError("".join(lines) + proc.stderr.read())
 
 
-def test_sigterm_saves_and_exits_cleanly(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_signal_saves_and_exits_cleanly(tmp_path, sig):
     args = [*(f"{k}={v}" for k, v in TINY.items()), "steps=1000", "checkpoint_period=0"]
     proc = _popen(*args, f"base_output_directory={tmp_path}", cwd=tmp_path)
     try:
         lines = _wait_for_step(proc, 2)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         out, err = proc.communicate(timeout=300)
     finally:
         proc.kill()
     stdout = "".join(lines) + out
     assert proc.returncode == 0, stdout + err
     last = max(int(line.split()[1]) for line in stdout.splitlines() if line.startswith("step "))
-    assert f"SIGTERM: stopped after step {last}; checkpoint saved in" in stdout
+    assert f"{sig.name}: stopped after step {last}; checkpoint saved in" in stdout
     ckpt = tmp_path / "deepseek3-tiny" / "checkpoints"
     assert [p.name for p in ckpt.iterdir()] == [str(last)]
     assert checkpoint.is_complete(str(ckpt / str(last)))
@@ -262,3 +263,24 @@ def test_sigkill_after_step_3_then_restart_gives_identical_losses(tmp_path):
     for step in got:
         assert got[step] == expected[step], (step, got, expected)  # bitwise
     assert np.isfinite(list(got.values())).all()
+
+
+def test_unwritable_metrics_file_binary_exits_2_before_compiling(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    metrics_file = tmp_path / "a-file" / "metrics.jsonl"
+    proc = _popen("steps=2", f"--metrics_file={metrics_file}", cwd=tmp_path)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2
+    assert "config error: --metrics_file:" in err and "not writable" in err
+    assert "collectives" not in out  # nothing compiled
+
+
+def test_second_ctrl_c_aborts():
+    before = signal.getsignal(signal.SIGINT)
+    with checkpoint.stop_on_signals() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested and stop.signal_name == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    # Outside, the previous handler is back.
+    assert signal.getsignal(signal.SIGINT) == before

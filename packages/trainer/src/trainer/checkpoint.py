@@ -306,18 +306,27 @@ class StopFlag:
 
 
 @contextlib.contextmanager
-def stop_on_sigterm() -> Iterator[StopFlag]:
-    """While inside, SIGTERM sets a flag (the loop saves and stops) instead of killing."""
+def stop_on_signals() -> Iterator[StopFlag]:
+    """While inside, SIGTERM and a first Ctrl-C (SIGINT) set a flag: the loop
+    finishes its step, saves and stops, instead of dying mid-step. A second
+    Ctrl-C aborts at once (KeyboardInterrupt), as usual."""
     flag = StopFlag()
     if threading.current_thread() is not threading.main_thread():
         yield flag
         return
 
     def handler(signum, frame):
+        if signum == signal.SIGINT and flag.requested:
+            raise KeyboardInterrupt
         flag.requested, flag.signal_name = True, signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            print(
+                "\nCtrl-C: stopping after this step (again to abort)", file=sys.stderr, flush=True
+            )
 
-    previous = signal.signal(signal.SIGTERM, handler)
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield flag
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, old_handler in previous.items():
+            signal.signal(sig, old_handler)

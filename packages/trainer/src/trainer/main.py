@@ -55,9 +55,15 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    from trainer import aot, distributed, profiling
+    from trainer import aot, checkpoint, distributed, profiling
 
     try:
+        # Metrics (and AOT's HLO) land here: find out now, not after compiling.
+        if FLAGS.metrics_file:
+            metrics_dir = os.path.dirname(os.path.abspath(FLAGS.metrics_file))
+            checkpoint.check_writable(metrics_dir, key="--metrics_file")
+        else:
+            checkpoint.check_writable(config.run_dir, key="base_output_directory")
         profiling.check(config)
         if config.compile_topology:
             aot.resolve(config)

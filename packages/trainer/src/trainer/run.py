@@ -190,7 +190,7 @@ def train(run: Run, on_step: Callable[[int, dict], None] | None = None) -> list[
     peak = flops.peak_tflops(config, jax.devices()[0].device_kind)
     history = []
     checkpoints = run.checkpoints
-    with jax.set_mesh(run.ctx.mesh), checkpoint.stop_on_sigterm() as stop:
+    with jax.set_mesh(run.ctx.mesh), checkpoint.stop_on_signals() as stop:
         try:
             for step in range(run.start_step, config.steps):
                 batch = batch_for(run, step)
