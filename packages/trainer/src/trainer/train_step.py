@@ -93,6 +93,7 @@ def make_step(
     """
     batch_axes = deferral_axes(ctx)
     per_parameter = deferral_per_parameter(ctx, model.param_logical)
+    compute_dtype = jnp.dtype(config.dtype)
 
     def step(state: dict, batch: dict) -> tuple[dict, dict]:
         grad_shardings, params = None, state["params"]
@@ -100,9 +101,16 @@ def make_step(
             compute_shardings, grad_shardings = zero1
             # One gather per step, before the loop. Its target is untagged on
             # purpose: accum then tags the gathered copies reduced over the batch
-            # axes, so the loop carries unreduced partial sums as usual.
+            # axes, so the loop carries unreduced partial sums as usual. Weights
+            # the model casts to the compute dtype at use are cast before the
+            # gather: the same values in half the bytes, held through the loop.
             params = jax.tree.map(
-                lambda p, s: pt.shard(p, s.spec, ctx.mode), params, compute_shardings
+                lambda p, s, cast: pt.shard(
+                    p.astype(compute_dtype) if cast else p, s.spec, ctx.mode
+                ),
+                params,
+                compute_shardings,
+                model.param_cast_at_use,
             )
         loss, aux, grads = accum.accumulate_gradients(
             make_loss_fn(config, model, state["router"]),

@@ -15,7 +15,7 @@ from flax import nnx
 from trainer.config import Config
 from trainer.model.decoder import Decoder
 from trainer.model.moe_block import RouterBias
-from trainer.model.params import host_value, logical_axes_of
+from trainer.model.params import cast_at_use_of, host_value, logical_axes_of
 from trainer.sharding import ShardCtx
 
 STACKS = ("dense_layers", "moe_layers")
@@ -31,17 +31,19 @@ class ModelDef:
     param_logical: dict
     router_logical: dict
     weight_dtype: str = "float32"  # parameters' storage dtype (router biases stay f32)
+    param_cast_at_use: dict | None = None  # params.CAST_AT_USE per parameter
 
 
-def _logical_tree(state: nnx.State) -> dict:
-    """Logical axes of every variable; stacked layers get a leading 'layers' axis."""
+def _logical_tree(state: nnx.State, read=logical_axes_of) -> dict:
+    """`read(variable, stacked)` of every variable, as a nested dict: by default its
+    logical axes (stacked layers get a leading 'layers' axis)."""
     out: dict = {}
     for path, variable in nnx.to_flat_state(state):
         stacked = path[0] in STACKS
         node = out
         for key in path[:-1]:
             node = node.setdefault(key, {})
-        node[path[-1]] = logical_axes_of(variable, stacked)
+        node[path[-1]] = read(variable, stacked)
     return out
 
 
@@ -56,6 +58,7 @@ def define(config: Config, ctx: ShardCtx) -> ModelDef:
         _logical_tree(params),
         _logical_tree(router),
         weight_dtype=config.weight_dtype,
+        param_cast_at_use=_logical_tree(params, cast_at_use_of),
     )
 
 

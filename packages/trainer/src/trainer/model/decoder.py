@@ -108,7 +108,10 @@ class Decoder(nnx.Module):
 
     def __init__(self, config: Config, ctx: ShardCtx, *, rngs: nnx.Rngs):
         d = config.emb_dim
-        self.embedding_VxD = param(rngs, (config.vocab_size, d), NAMES.embedding, fan_in=1)
+        # Rows are cast after the lookup (f32 scatter-add in the backward).
+        self.embedding_VxD = param(
+            rngs, (config.vocab_size, d), NAMES.embedding, fan_in=1, cast_at_use=False
+        )
         if config.first_num_dense_layers:
             self.dense_layers = _stack(config, ctx, False, config.first_num_dense_layers, rngs)
         if config.num_moe_layers:

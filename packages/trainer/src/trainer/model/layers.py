@@ -33,7 +33,8 @@ class RMSNorm(nnx.Module):
     """Root-mean-square norm with a learned scale (computed in f32)."""
 
     def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs, logical=NORM_SCALE):
-        self.scale = param(rngs, (dim,), logical, init="ones")
+        # Used in f32 (normed * scale), never cast: see params.CAST_AT_USE.
+        self.scale = param(rngs, (dim,), logical, init="ones", cast_at_use=False)
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -16,6 +16,12 @@ from flax import nnx
 LOGICAL = "logical_axes"
 # How `host_values` draws the parameter: ("normal", stddev) | ("ones",) | ("zeros",).
 INIT = "init"
+# Whether the model's one use of the parameter starts by casting it to the
+# compute dtype (matmul weights). Such a parameter may be cast before it is
+# gathered (ZeRO-1): same values, half the memory. Not so for norm scales (used
+# in f32) or the embedding table (rows are cast after the lookup, so its
+# gradient's scatter-add runs in f32).
+CAST_AT_USE = "cast_at_use"
 
 
 def param(
@@ -26,6 +32,7 @@ def param(
     fan_in: int | None = None,
     init: str = "normal",
     dtype: str = "float32",
+    cast_at_use: bool = True,
 ) -> nnx.Param:
     """A parameter of `shape` named by `logical`; 'normal' is scaled by 1/sqrt(fan_in)."""
     if len(shape) != len(logical):
@@ -43,7 +50,7 @@ def param(
                 scale,
             ),
         )
-    return nnx.Param(value, **{LOGICAL: tuple(logical), INIT: recipe})
+    return nnx.Param(value, **{LOGICAL: tuple(logical), INIT: recipe, CAST_AT_USE: cast_at_use})
 
 
 def host_value(variable: nnx.Variable, path: tuple, seed: int) -> np.ndarray:
@@ -63,6 +70,12 @@ def host_value(variable: nnx.Variable, path: tuple, seed: int) -> np.ndarray:
     name = "/".join(str(k) for k in path).encode()
     rng = np.random.default_rng([seed, zlib.crc32(name)])
     return (rng.standard_normal(shape, dtype=np.float32) * recipe[1]).astype(dtype)
+
+
+def cast_at_use_of(variable: nnx.Variable, stacked: bool = False) -> bool:
+    """The parameter's CAST_AT_USE flag (False when unset)."""
+    del stacked  # same signature as logical_axes_of
+    return bool(variable.get_metadata().get(CAST_AT_USE, False))
 
 
 def logical_axes_of(variable: nnx.Variable, stacked: bool = False) -> tuple[str | None, ...]:
