@@ -1,6 +1,6 @@
 """The seed's collective placement at scale, from TPU v5e-8 compiles on this CPU host.
 
-deepseek3-test and the seed's 24-layer / 16-expert shape (deepseek3-small, ~1.3B)
+deepseek3-test and the seed's 24-layer / 16-expert shape (deepseek3-small, 0.76B params)
 with ZeRO-1 and GA=4 (the seed's configuration), data parallel over 8 v5e chips,
 compiled tagged (defer_gradient_reduction=true), untagged (false) and in auto mode.
 Reports the gradient reductions (all-reduce + reduce-scatter over > 8 floating
@@ -9,7 +9,7 @@ execution of the reductions inside the layer scan), beside the seed's figures
 (v6e 2x2, its own trainer): untagged 34 MiB in-loop per layer-microbatch plus 509 MiB
 outside; tagged 0.0 MiB in-loop plus 2809 MiB outside.
 
-Writes benchmarks/results/aot_scale.md and .csv. Needs libtpu (the `tpu` extra):
+Writes benchmarks/results/aot_scale.md, .csv and .png. Needs libtpu (the `tpu` extra):
 
     JAX_PLATFORMS=cpu uv run --extra tpu python benchmarks/bench_aot_scale.py
 """
@@ -163,8 +163,21 @@ def main() -> int:
     lines += [
         "",
         "Target: 0 gradient bytes in the loop on every tagged configuration.",
+        "",
+        "![gradient reduction bytes, 24L/16E](aot_scale.png)",
     ]
     bl.write("aot_scale", lines, rows)
+    big = [r for r in rows if r["shape"].startswith("24L") and "error" not in r]
+    bl.plot_bars(
+        os.path.join(bl.RESULTS, "aot_scale.png"),
+        "24L/16E ZeRO-1 GA=4 on v5e-8: gradient reduction bytes per step",
+        [r["variant"] for r in big],
+        {
+            "in the loop": [r["in_loop_bytes_per_step"] / bl.MIB for r in big],
+            "after the loop": [r["outside_bytes"] / bl.MIB for r in big],
+        },
+        "MiB per step per device",
+    )
     return 0
 
 

@@ -10,7 +10,7 @@ GA 1 and 4. All compiled steps are timed in one run, interleaved; reported is th
 median of the rounds after warm-up, with collective counts and bytes from the
 compiled HLO and the compiled memory per device.
 
-Writes benchmarks/results/floor.md and .csv:
+Writes benchmarks/results/floor.md, .csv and floor.png:
 
     JAX_PLATFORMS=cpu uv run python benchmarks/bench_floor.py
 """
@@ -29,7 +29,7 @@ import hlo_tools  # noqa: E402
 
 COMMAND = "JAX_PLATFORMS=cpu uv run python benchmarks/bench_floor.py"
 WARMUP = 2
-ROUNDS = int(os.environ.get("BENCH_ROUNDS", "9"))
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "25"))
 GA_STEPS = (1, 4)
 MODEL = {
     "model_name": "deepseek3-tiny",
@@ -148,7 +148,19 @@ def write(rows) -> None:
             f"- GA={r['ga']}: explicit / floor = {r['over_floor']:.3f}, {verdict} the "
             f"{TARGET:.2f} target."
         )
+    lines += ["", "![explicit vs the floor](floor.png)"]
     bl.write("floor", lines, rows)
+    bl.plot_bars(
+        os.path.join(bl.RESULTS, "floor.png"),
+        "data=8, 8 CPU devices: step time (lower is better)",
+        [f"GA={ga}" for ga in GA_STEPS],
+        {
+            name: [r["step_s"] * 1e3 for ga in GA_STEPS for r in rows
+                   if r["ga"] == ga and r["variant"] == name]
+            for name in VARIANTS
+        },
+        "ms per step",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration
 
 GIB = 1024**3
 MIN_DEVICES = 4
-MIN_DEVICE_GIB = 24  # the ~1.3B scale test's per-device budget
+MIN_DEVICE_GIB = 24  # the 0.76B-parameter scale test's per-device budget
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def test_tiny_model_trains_and_reduces_once_per_step(accelerators):
 
 
 # The seed's scale test, generalized to any accelerator platform: deepseek3-small
-# (24 layers, 16 experts, ~1.3B parameters), data parallel over every device with
+# (24 layers, 16 experts, 0.76B parameters), data parallel over every device with
 # ZeRO-1, GA=4, two 1024-token sequences per device per microbatch, bf16.
 SCALE = {
     "model_name": "deepseek3-small",
