@@ -315,3 +315,43 @@ def test_spans_mesh_axis_reads_the_groups():
     assert [ht.axis_index(d, mesh, "fsdp") for d in range(8)] == [0, 1, 2, 3] * 2
     with pytest.raises(KeyError, match="'tensor'"):
         ht.axis_index(0, mesh, "tensor")
+
+
+def _fsdp_loops() -> str:
+    """`_loops` with the big in-loop all-reduce over device pairs {0,1},{2,3}: on a
+    data=2 x fsdp=2 mesh that is a reduction over 'fsdp' only (FSDP's own)."""
+    text = _loops(KNOWN % 5, KNOWN % 7)
+    return text.replace("%r = f32[8,4]{1,0} all-reduce(%v), replica_groups={}",
+                        "%r = f32[8,4]{1,0} all-reduce(%v), replica_groups={{0,1},{2,3}}")  # fmt: skip
+
+
+def test_verdict_over_mesh_axes():
+    text = _fsdp_loops()
+    mesh = {"data": 2, "fsdp": 2}
+    assert ht.parse(text).num_devices == 4 and "replica_groups={{0,1},{2,3}}" in text
+    plain = ht.verdict(ht.parse(text))
+    assert plain["status"] == "FAIL"  # without the mesh every in-loop reduction counts
+    judged = ht.verdict(ht.parse(text), mesh_shape=mesh, over=["data"])
+    assert judged["status"] == "OK" and judged["allowed_in_loop"] == 1
+    assert "over fsdp only, allowed" in judged["message"]
+    strict = ht.verdict(ht.parse(text), mesh_shape=mesh, over=["fsdp"])
+    assert strict["status"] == "FAIL" and "over fsdp inside loops" in strict["message"]
+    with pytest.raises(ValueError, match="needs mesh_shape"):
+        ht.verdict(ht.parse(text), over=["data"])
+    with pytest.raises(ValueError, match=r"\['tensor'\]"):
+        ht.verdict(ht.parse(text), mesh_shape=mesh, over=["tensor"])
+
+
+def test_cli_mesh_and_over(tmp_path, capsys):
+    from hlo_tools.cli import main
+
+    path = tmp_path / "fsdp.hlo"
+    path.write_text(_fsdp_loops())
+    assert main([str(path), "--check"]) == 1
+    assert main([str(path), "--mesh", "data=2,fsdp=2", "--over", "data", "--check"]) == 0
+    assert "OK: no reduction > 8 elements over data" in capsys.readouterr().out
+    assert main([str(path), "--mesh", "data=3,fsdp=2", "--over", "data"]) == 2
+    assert "has 6 devices; the program has 4" in capsys.readouterr().err
+    assert main([str(path), "--mesh", "data=2,fsdp", "--over", "data"]) == 2
+    assert "--mesh entry 'fsdp'" in capsys.readouterr().err
+    assert main([str(path), "--over", "data"]) == 2

@@ -13,10 +13,10 @@ from hlo_tools.collectives import KINDS, REDUCTION_KINDS, Collective, collective
 from hlo_tools.errors import HloParseError
 from hlo_tools.jitted import assert_jitted_reduced_once_per_step, compiled_text, report_jitted
 from hlo_tools.lines import cross_replica_all_reduce_sizes, split_by_entry_loop
-from hlo_tools.mesh_axes import axis_index, spans_mesh_axis
+from hlo_tools.mesh_axes import axis_index, spanned_axes, spans_mesh_axis
 from hlo_tools.module import Computation, HloModule, Instruction
 from hlo_tools.parser import parse, parse_instruction
-from hlo_tools.report import format_table, to_json
+from hlo_tools.report import format_table, to_json, verdict
 from hlo_tools.shapes import ArrayType, TupleType
 from hlo_tools.traffic import traffic
 
@@ -46,8 +46,10 @@ __all__ = [
     "parse",
     "parse_instruction",
     "report_jitted",
+    "spanned_axes",
     "spans_mesh_axis",
     "split_by_entry_loop",
     "to_json",
     "traffic",
+    "verdict",
 ]

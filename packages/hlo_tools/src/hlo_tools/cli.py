@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from hlo_tools.collectives import KINDS
@@ -31,6 +32,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=8,
         help="in-loop reductions up to this size are allowed by the verdict (default 8)",
     )
+    p.add_argument(
+        "--mesh",
+        help="the mesh's axes in order, e.g. data=4,fsdp=2 (device ids are mesh positions); "
+        "with --over, the verdict judges only reductions across those axes",
+    )
+    p.add_argument(
+        "--over",
+        action="append",
+        default=[],
+        help="a mesh axis no in-loop reduction may span, e.g. data (repeatable; needs --mesh). "
+        "Reductions over other axes only (FSDP's own reduce-scatters) are allowed",
+    )
     p.add_argument("--details", action="store_true", help="also list every collective")
     p.add_argument("--check", action="store_true", help="exit 1 unless the verdict is OK")
     return p
@@ -49,16 +62,48 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, HloParseError) as e:
         print(f"hlo-report: {args.file}: {e}", file=sys.stderr)
         return 2
+    try:
+        mesh_shape = _mesh_shape(args.mesh, module.num_devices)
+        judged = verdict(module, args.max_in_loop_elements, mesh_shape, args.over)
+    except ValueError as e:
+        print(f"hlo-report: {e}", file=sys.stderr)
+        return 2
     if args.json:
-        data = to_json(module, args.kind, args.min_bytes, args.max_in_loop_elements)
+        data = to_json(
+            module, args.kind, args.min_bytes, args.max_in_loop_elements, mesh_shape, args.over
+        )
         print(json.dumps(data, indent=2))
     else:
         print(
-            format_table(module, args.kind, args.min_bytes, args.max_in_loop_elements, args.details)
+            format_table(
+                module,
+                args.kind,
+                args.min_bytes,
+                args.max_in_loop_elements,
+                args.details,
+                mesh_shape=mesh_shape,
+                over=args.over,
+            )
         )
-    if args.check and verdict(module, args.max_in_loop_elements)["status"] != "OK":
+    if args.check and judged["status"] != "OK":
         return 1
     return 0
+
+
+def _mesh_shape(text: str | None, num_devices: int | None) -> dict[str, int] | None:
+    """``data=4,fsdp=2`` -> {"data": 4, "fsdp": 2}; ValueError naming a bad entry."""
+    if not text:
+        return None
+    shape: dict[str, int] = {}
+    for entry in text.split(","):
+        name, _, size = entry.partition("=")
+        if not name or not size.isdigit() or int(size) < 1 or name in shape:
+            raise ValueError(f"--mesh entry {entry!r}: expected AXIS=SIZE, each axis once")
+        shape[name] = int(size)
+    total = math.prod(shape.values())
+    if num_devices and total != num_devices:
+        raise ValueError(f"--mesh {text} has {total} devices; the program has {num_devices}")
+    return shape
 
 
 if __name__ == "__main__":

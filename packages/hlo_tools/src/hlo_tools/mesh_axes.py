@@ -33,3 +33,8 @@ def spans_mesh_axis(collective: Collective, mesh_shape: Mapping[str, int], axis:
     devices = math.prod(mesh_shape.values())
     groups = collective.replica_groups or (tuple(range(devices)),)
     return any(len({axis_index(d, mesh_shape, axis) for d in group}) > 1 for group in groups)
+
+
+def spanned_axes(records, mesh_shape: Mapping[str, int]) -> tuple[str, ...]:
+    """The mesh axes (in mesh order) that some record's replica groups span."""
+    return tuple(a for a in mesh_shape if any(spans_mesh_axis(c, mesh_shape, a) for c in records))

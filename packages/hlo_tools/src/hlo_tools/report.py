@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from hlo_tools.assertions import gradient_reductions_outside, in_loop_reductions
 from hlo_tools.collectives import Collective, collectives
+from hlo_tools.mesh_axes import spanned_axes, spans_mesh_axis
 from hlo_tools.module import HloModule
 from hlo_tools.traffic import traffic
 
@@ -15,24 +18,50 @@ def select(
     return [c for c in records if (not kinds or c.kind in kinds) and c.bytes >= min_bytes]
 
 
-def verdict(module: HloModule, max_in_loop_elements: int = 8) -> dict:
-    """``{"status": "OK"|"FAIL"|"VACUOUS", "message": str, ...}`` on in-loop reductions."""
-    offenders = in_loop_reductions(module, max_in_loop_elements)
+def verdict(
+    module: HloModule,
+    max_in_loop_elements: int = 8,
+    mesh_shape: Mapping[str, int] | None = None,
+    over: Sequence[str] = (),
+) -> dict:
+    """``{"status": "OK"|"FAIL"|"VACUOUS", "message": str, ...}`` on in-loop reductions.
+
+    With `mesh_shape` (the mesh's ordered axis -> size) and `over`, only in-loop
+    reductions whose replica groups span one of the `over` axes fail; the others
+    (FSDP's per-iteration reduce-scatters over its own axis, say) are counted as
+    allowed and named by the axes they span.
+    """
+    inside = in_loop_reductions(module, max_in_loop_elements)
     outside = gradient_reductions_outside(module, max_in_loop_elements)
+    if over and not mesh_shape:
+        raise ValueError(f"over={tuple(over)} needs mesh_shape (the mesh's axis sizes)")
+    unknown = [a for a in over if a not in (mesh_shape or {})]
+    if unknown:
+        raise ValueError(f"axes {unknown} are not in the mesh {dict(mesh_shape)}")
+    if over:
+        offenders = [c for c in inside if any(spans_mesh_axis(c, mesh_shape, a) for a in over)]
+    else:
+        offenders = inside
+    allowed = [c for c in inside if c not in offenders]
     limit = f"> {max_in_loop_elements} elements"
+    over_text = f" over {', '.join(over)}" if over else ""
     if offenders:
         per_step = [c.bytes_per_step for c in offenders]
         known = sum(b for b in per_step if b is not None)
         status = "FAIL"
         message = (
-            f"FAIL: {len(offenders)} reduction(s) {limit} inside loops "
+            f"FAIL: {len(offenders)} reduction(s) {limit}{over_text} inside loops "
             f"({human_bytes(known)}/step{'+' if None in per_step else ''}): "
             "gradients are reduced per iteration, not once per step"
         )
     elif outside:
         status = "OK"
+        also = ""
+        if allowed:
+            axes = ", ".join(spanned_axes(allowed, mesh_shape))
+            also = f" ({len(allowed)} per iteration over {axes} only, allowed)"
         message = (
-            f"OK: no reduction {limit} inside loops; "
+            f"OK: no reduction {limit}{over_text} inside loops{also}; "
             f"{len(outside)} gradient-sized reduction(s) outside"
         )
     else:
@@ -42,6 +71,7 @@ def verdict(module: HloModule, max_in_loop_elements: int = 8) -> dict:
         "status": status,
         "message": message,
         "in_loop": len(offenders),
+        "allowed_in_loop": len(allowed),
         "outside": len(outside),
         "max_in_loop_elements": max_in_loop_elements,
     }
@@ -91,13 +121,15 @@ def format_table(
     max_in_loop_elements: int = 8,
     details: bool = False,
     verdict_line: bool = True,
+    mesh_shape: Mapping[str, int] | None = None,
+    over: Sequence[str] = (),
 ) -> str:
     """The ``hlo-report`` table: collectives grouped by loop nesting and kind, totals, verdict.
 
     Counts marked ``+`` sit under a loop of unknown trip count: counted once,
     so the figure is a lower bound. The verdict always looks at the whole module,
-    not the filtered rows; `verdict_line=False` leaves it out (for callers that
-    know the mesh and judge the reductions themselves).
+    not the filtered rows; `mesh_shape` and `over` as in `verdict`;
+    `verdict_line=False` leaves it out.
     """
     records = select(collectives(module), kinds, min_bytes)
     table = rows(records)
@@ -151,7 +183,7 @@ def format_table(
                 f"{c.loop_path}  {c.op_name or '<no op_name>'}"
             )
     if verdict_line:
-        out.append(verdict(module, max_in_loop_elements)["message"])
+        out.append(verdict(module, max_in_loop_elements, mesh_shape, over)["message"])
     return "\n".join(out)
 
 
@@ -160,6 +192,8 @@ def to_json(
     kinds: list[str] | None = None,
     min_bytes: int = 0,
     max_in_loop_elements: int = 8,
+    mesh_shape: Mapping[str, int] | None = None,
+    over: Sequence[str] = (),
 ) -> dict:
     """Everything the table shows, per collective and per row, as JSON-ready data."""
     records = select(collectives(module), kinds, min_bytes)
@@ -192,5 +226,5 @@ def to_json(
         ],
         "rows": rows(records),
         "traffic": traffic(records),
-        "verdict": verdict(module, max_in_loop_elements),
+        "verdict": verdict(module, max_in_loop_elements, mesh_shape, over),
     }
