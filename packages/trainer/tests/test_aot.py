@@ -41,10 +41,11 @@ def zero1_v5e8(tmp_path_factory):
 
 def test_v5e8_zero1_no_gradient_reduction_in_the_loop(zero1_v5e8):
     text = zero1_v5e8.compiled.as_text()
-    # Nothing over 8 elements is reduced inside the loop: not the gradients, and
-    # not the router's per-expert token counts (accumulated per token shard and
-    # summed once after the loop).
-    outside = hlo_tools.assert_reduced_once_per_step(text)
+    # Nothing is reduced inside the loop, not even a scalar (threshold 0): not the
+    # gradients, not the loss sums (kept unreduced), not the router's per-expert
+    # token counts (accumulated per token shard and summed once after the loop).
+    outside = hlo_tools.assert_reduced_once_per_step(text, max_in_loop_elements=0)
+    assert hlo_tools.traffic(hlo_tools.parse(text))["in_loop"] == {}
     params = sum(x.size for x in jax.tree.leaves(zero1_v5e8.run.state["params"]))
     assert sum(c.elements for c in outside) >= params
 

@@ -53,15 +53,20 @@ def test_one_line_per_step_with_finite_loss(output):
     assert len(metrics.read_text().splitlines()) == 3
 
 
-def test_dumped_hlo_reads_back_with_hlo_report(output):
-    _, hlo, _ = output
+def test_dumped_hlo_reads_back_with_the_printed_hlo_report_command(output):
+    stdout, hlo, _ = output
+    command = re.search(r"inspect with: (hlo-report .*)\)$", stdout, re.MULTILINE).group(1)
+    assert command == f"hlo-report {hlo} --mesh data=8 --over data"
+    args = command.split()[1:]
     report = subprocess.run(
-        [str(Path(sys.executable).parent / "hlo-report"), str(hlo), "--check"],
+        [str(Path(sys.executable).parent / "hlo-report"), *args, "--check"],
         capture_output=True,
         text=True,
     )
     assert report.returncode == 0, report.stdout + report.stderr
-    assert "all-reduce" in report.stdout
+    assert (
+        "all-reduce" in report.stdout and "OK: no reduction > 8 elements over data" in report.stdout
+    )
 
 
 def test_bad_override_fails_fast_naming_the_key(tmp_path):

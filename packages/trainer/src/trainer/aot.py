@@ -193,7 +193,8 @@ def report_lines(result: AotResult) -> list[str]:
     # The table without hlo_tools' generic verdict: the summary above knows which
     # mesh axes may reduce per iteration (FSDP's) and which may not.
     lines += hlo_tools.format_table(hlo_tools.parse(text), verdict_line=False).splitlines()
-    lines.append(f"wrote compiled HLO to {result.hlo_path} (inspect with: hlo-report FILE)")
+    command = run_lib.hlo_report_command(run, result.hlo_path)
+    lines.append(f"wrote compiled HLO to {result.hlo_path} (inspect with: {command})")
     return lines
 
 

@@ -93,7 +93,8 @@ def main(argv: list[str]) -> int:
     if FLAGS.dump_hlo:
         with open(FLAGS.dump_hlo, "w") as f:
             f.write(run.compiled.as_text())
-        print(f"wrote compiled HLO to {FLAGS.dump_hlo} (inspect with: hlo-report {FLAGS.dump_hlo})")
+        command = run_lib.hlo_report_command(run, FLAGS.dump_hlo)
+        print(f"wrote compiled HLO to {FLAGS.dump_hlo} (inspect with: {command})")
     for line in run_lib.startup_lines(run):
         print(line, flush=True)
     if launch.multi_process:

@@ -260,6 +260,16 @@ def summary_axes(run: Run) -> tuple[dict[str, int], tuple[str, ...]]:
     return dict(run.ctx.mesh.shape), strict
 
 
+def hlo_report_command(run: Run, path: str) -> str:
+    """The `hlo-report` command line that judges a dump of this run's step as the
+    startup summary does (mesh axes of size one left out: they move no device)."""
+    mesh_shape, strict = summary_axes(run)
+    mesh = ",".join(f"{a}={n}" for a, n in mesh_shape.items() if n > 1)
+    args = [f"--mesh {mesh}"] if mesh else []
+    args += [f"--over {a}" for a in strict]
+    return " ".join(["hlo-report", path, *args])
+
+
 def config_defers(config: Config) -> bool:
     return config.shard_mode == "explicit" and config.defer_gradient_reduction
 
