@@ -151,3 +151,32 @@ def test_zero1_bf16_compute_gathers_once_and_reduces_once(get_setup):
     (ref_loss, _), _ = setup.reference()
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=2e-2)
     assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(new_master))
+
+
+def test_zero1_reduction_is_a_reduce_scatter_into_the_shards():
+    """8 CPU devices: the one reduction lands in the shards as a reduce-scatter
+    (each device receives 1/8 of the sum), not as an all-reduce then a slice."""
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        w = jax.device_put(jnp.ones((64, 32)), NamedSharding(mesh, P()))
+        x = jax.device_put(jnp.ones((32, 64)), NamedSharding(mesh, P("data")))
+
+        def loss_fn(params, mb):
+            y = jnp.einsum("bd,de->be", mb, params["w"], out_sharding=P("data"))
+            return jnp.sum(y * y), {"weight": jnp.float32(mb.shape[0])}
+
+        def step(params, batch):
+            return accum.accumulate_gradients(
+                loss_fn, params, batch, num_microbatches=2, grad_shardings={"w": P("data")}
+            )
+
+        text = jax.jit(step).lower({"w": w}, x).compile().as_text()
+        loss, _, grads = jax.jit(step)({"w": w}, x)
+    (scatter,) = [c for c in ht.collectives(text) if c.kind == "reduce-scatter"]
+    assert scatter.shape == (8, 32) and not scatter.in_loop
+    assert tuple(grads["w"].sharding.spec)[:1] == ("data",)
+    want = jax.grad(lambda w: jnp.sum((jnp.ones((32, 64)) @ w) ** 2))(jnp.ones((64, 32))) / 32
+    np.testing.assert_allclose(np.asarray(grads["w"]), np.asarray(want), rtol=1e-6)

@@ -133,14 +133,66 @@ def place(x: jax.Array, target: Any, mode: str) -> jax.Array:
         own = spec_of(x)
         if own is None:
             return x
+        destination = untagged(spec if spec is not None else own)
+        scatter = _scatter_dims(own, destination)
+        if scatter:
+            return _reduce_scatter(x, own, destination, scatter)
         # Untagged destination: dropping `unreduced` here is the point (the
         # reduction), and a reduced tag could not coexist with the unreduced source.
-        return jax.reshard(x, _named(x, untagged(spec if spec is not None else own)))
+        return jax.reshard(x, _named(x, destination))
     if spec is None:
         return x
     if isinstance(target, NamedSharding):
         return lax.with_sharding_constraint(x, NamedSharding(target.mesh, untagged(spec)))
     return lax.with_sharding_constraint(x, untagged(spec))
+
+
+def _scatter_dims(own: P, destination: P) -> dict[int, tuple[str, ...]]:
+    """{dim: axes} when `destination` only adds unreduced axes of `own` on dims
+    `own` leaves unsharded (ZeRO-1's shards); {} for any other move."""
+    unreduced = set(unreduced_axes(own))
+    if not unreduced:
+        return {}
+    source_parts = partitions(own)
+    target_parts = partitions(destination)
+    width = max(len(source_parts), len(target_parts))
+    source_parts += (None,) * (width - len(source_parts))
+    target_parts += (None,) * (width - len(target_parts))
+    scatter = {}
+    for dim, (src, dst) in enumerate(zip(source_parts, target_parts, strict=True)):
+        if src == dst:
+            continue
+        axes = mesh_axes_used(P(dst))
+        if src is not None or not axes or not set(axes) <= unreduced:
+            return {}
+        scatter[dim] = axes
+    return scatter
+
+
+def _reduce_scatter(x: jax.Array, own: P, destination: P, scatter: dict) -> jax.Array:
+    """The reduction as a reduce-scatter: each device keeps only its shard of the sum.
+
+    `jax.reshard` from unreduced onto a spec sharded over the unreduced axis
+    compiles to a full all-reduce then a slice (XLA:CPU and TPU alike): twice
+    the traffic of a reduce-scatter and a full-size temporary. A shard_map
+    taking the value with its own (unreduced) spec does it with psum_scatter;
+    unreduced axes that shard nothing in the destination are psummed.
+    """
+    scattered = {a for axes in scatter.values() for a in axes}
+    rest = tuple(a for a in unreduced_axes(own) if a not in scattered)
+
+    def body(block):
+        for dim, axes in scatter.items():
+            axis = axes[0] if len(axes) == 1 else axes
+            block = lax.psum_scatter(block, axis, scatter_dimension=dim, tiled=True)
+        if rest:
+            block = lax.psum(block, rest)
+        return block
+
+    mesh = jax.typeof(x).sharding.mesh
+    # TAG: the in_spec is the value's own spec, unreduced tag included: it
+    # tells shard_map the blocks are partial sums still to be added up.
+    return jax.shard_map(body, mesh=mesh, in_specs=own, out_specs=destination)(x)
 
 
 def _is_target_leaf(t: Any) -> bool:
