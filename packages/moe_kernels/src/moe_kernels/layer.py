@@ -45,6 +45,7 @@ from pspec_tags import (
     partitions,
     shard,
     spec_of,
+    to_varying,
     untagged,
 )
 
@@ -271,25 +272,15 @@ def _inverse(perm: jax.Array) -> jax.Array:
     return jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype))
 
 
-def _to_varying(x: jax.Array, axis: str) -> jax.Array:
-    """Mark a shard_map-invariant value as varying over `axis` (a no-op on values).
-
-    JAX 0.10.2 transposes a gather wrongly when the operand is invariant over a
-    mesh axis and the indices vary over it (the cotangent comes back garbled,
-    not just unsummed); making the operand varying first gives the right
-    transpose: a scatter-add followed by a psum over `axis`.
-    """
-    cast = getattr(lax, "pcast", None)
-    if cast is not None:
-        return cast(x, axis, to="varying")
-    return lax.pvary(x, axis)  # older JAX
-
-
 def _routed_local(x_TxD, ids_A, k, kernels, e_start, e_local, precision, vary_axis=None):
     """Run the assignments whose expert lives on this shard; others give zero rows."""
     if vary_axis is not None:
-        # The row gather below has indices that differ per expert shard.
-        x_TxD = _to_varying(x_TxD, vary_axis)
+        # The row gather below has indices that differ per expert shard. JAX
+        # 0.10.2 transposes a gather wrongly when the operand is invariant over a
+        # mesh axis and the indices vary over it (the cotangent comes back
+        # garbled, not just unsummed); a varying operand gives the right
+        # transpose: a scatter-add followed by a psum over `vary_axis`.
+        x_TxD = to_varying(x_TxD, vary_axis)
     local_A = ids_A - e_start
     mine_A = (local_A >= 0) & (local_A < e_local)
     # Foreign assignments sort last under key e_local and fall past sum(sizes).

@@ -3,7 +3,14 @@
 from pspec_tags.carry import carry_reduced_axes
 from pspec_tags.guards import TagLostError, check_unreduced, find_untagged
 from pspec_tags.logical import batch_mesh_axes, logical_to_spec
-from pspec_tags.ops import MODES, broadcast_param, embed_lookup, shard, unreduced_sum
+from pspec_tags.ops import (
+    MODES,
+    broadcast_param,
+    embed_lookup,
+    shard,
+    to_varying,
+    unreduced_sum,
+)
 from pspec_tags.specs import (
     check_spec,
     fit_to_shape,
@@ -40,6 +47,7 @@ __all__ = [
     "remove_size_one_mesh_axes",
     "shard",
     "spec_of",
+    "to_varying",
     "truncate",
     "unreduced_axes",
     "unreduced_sum",

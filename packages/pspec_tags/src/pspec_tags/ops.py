@@ -114,3 +114,16 @@ def unreduced_sum(x: jax.Array) -> jax.Array:
     # TAG: a contraction over sharded dims may name an unreduced output; jnp.sum
     # takes no out_sharding and would reduce here.
     return jnp.einsum(f"{letters}->", x, out_sharding=with_unreduced(P(), axes))
+
+
+def to_varying(x: jax.Array, axis: str) -> jax.Array:
+    """Inside `jax.shard_map`: mark an invariant value as varying over `axis`.
+
+    A no-op on values; it changes the transpose. The gradient of an invariant
+    value used with varying data is psummed where it arises, the gradient of a
+    varying one stays per device. `lax.pcast` where JAX has it, else `lax.pvary`.
+    """
+    cast = getattr(lax, "pcast", None)
+    if cast is not None:
+        return cast(x, axis, to="varying")
+    return lax.pvary(x, axis)  # older JAX

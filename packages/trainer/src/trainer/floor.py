@@ -24,6 +24,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import accum
+import pspec_tags as pt
 from trainer import model as model_lib
 from trainer.config import Config
 from trainer.sharding import ShardCtx
@@ -47,13 +48,6 @@ def _sum_dtype(dtype):
     return jnp.float32 if dtype == jnp.bfloat16 else dtype
 
 
-def _varying(x: jax.Array) -> jax.Array:
-    cast = getattr(lax, "pcast", None)
-    if cast is not None:
-        return cast(x, AXIS, to="varying")
-    return lax.pvary(x, AXIS)  # older JAX
-
-
 def make_floor_step(config: Config, ctx: ShardCtx, tx: optax.GradientTransformation) -> StepFns:
     """`step(state, batch)` with the trainer's contract, as one manual shard_map."""
     check_floor_layout(config, dict(ctx.mesh.shape))
@@ -72,12 +66,12 @@ def make_floor_step(config: Config, ctx: ShardCtx, tx: optax.GradientTransformat
         # (the transpose of the implicit invariant-to-varying cast), which would
         # put an all-reduce in every microbatch. A varying copy keeps each
         # device's gradient local until the psum after the loop.
-        params = jax.tree.map(_varying, state["params"])
+        params = jax.tree.map(lambda p: pt.to_varying(p, AXIS), state["params"])
 
         # The sums differ per device (each sees its own rows): the scan carry
         # must be typed varying over 'data' from the start.
         zeros = jax.tree.map(
-            lambda s: _varying(jnp.zeros(s.shape, _sum_dtype(s.dtype))),
+            lambda s: pt.to_varying(jnp.zeros(s.shape, _sum_dtype(s.dtype)), AXIS),
             jax.eval_shape(grad_fn, params, first),
         )
 
