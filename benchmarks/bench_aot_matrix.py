@@ -1,8 +1,8 @@
 """Issue 7's matrix compiled for TPU v5e-8 and v5p-16 on this CPU host: explicit beside auto.
 
 For every layout of packages/trainer/tests/test_aot_matrix.py (the aot test that
-asserts placement on the same compiles), deepseek3-test with GA=4 and
-per_device_batch_size=4: per-device memory from the compiled memory analysis,
+asserts placement on the same compiles), tagtrain-test with GA=4 and
+per_device_batch_size=1: per-device memory from the compiled memory analysis,
 collective bytes per optimizer step inside loops and outside them (weighted by
 trip counts), and the floating-point gradient reductions over 'data' in the loop
 vs after it. Compiled, never run: no timings here.
@@ -128,8 +128,8 @@ def page(m, topologies, cases) -> list[str]:
         "Issue 7 matrix on TPU topologies (AOT, compiled on a CPU host)",
         COMMAND,
         [
-            "model: deepseek3-test (4 layers, 16 experts, top-4, emb 256, seq 128), "
-            "GA=4, per_device_batch_size=4, bf16 compute, f32 weights",
+            "model: tagtrain-test (4 layers, 16 experts, top-4, emb 256, seq 128), "
+            "GA=4, per_device_batch_size=1, bf16 compute, f32 weights",
             "memory: per device, `compiled.memory_analysis()` (arguments + outputs - aliased "
             "+ temporaries + code); bytes: collective payload per device per optimizer step, "
             "weighted by loop trip counts (hlo_tools.traffic)",

@@ -1,6 +1,6 @@
 """The seed's collective placement at scale, from TPU v5e-8 compiles on this CPU host.
 
-deepseek3-test and the seed's 24-layer / 16-expert shape (deepseek3-small, 0.76B params)
+tagtrain-test and the seed's 24-layer / 16-expert shape (deepseek3-small, 0.76B params)
 with ZeRO-1 and GA=4 (the seed's configuration), data parallel over 8 v5e chips,
 compiled tagged (defer_gradient_reduction=true), untagged (false) and in auto mode.
 Reports the gradient reductions (all-reduce + reduce-scatter over > 8 floating
@@ -32,10 +32,10 @@ import benchlib as bl  # noqa: E402
 
 COMMAND = "JAX_PLATFORMS=cpu uv run --extra tpu python benchmarks/bench_aot_scale.py"
 SHAPES = {
-    "deepseek3-test (4L/16E)": {"model_name": "deepseek3-test", "per_device_batch_size": "8"},
+    "tagtrain-test (4L/16E)": {"model_name": "tagtrain-test", "per_device_batch_size": "2"},
     "24L/16E (deepseek3-small)": {
         "model_name": "deepseek3-small",
-        "per_device_batch_size": "4",  # one 1024-token sequence per device per microbatch
+        "per_device_batch_size": "1",  # one 1024-token sequence per device per microbatch
         "remat_policy": "full",
     },
 }
@@ -118,7 +118,7 @@ def main() -> int:
         COMMAND,
         [
             "data=8 over v5e:2x4, ZeRO-1 (shard_optimizer_over_data), GA=4, bf16 compute, "
-            "f32 weights; deepseek3-test: 2 x 128-token sequences per device per "
+            "f32 weights; tagtrain-test: 2 x 128-token sequences per device per "
             "microbatch; 24L/16E: 1 x 1024 tokens, remat full",
             "gradient reductions: all-reduce/reduce-scatter over > 8 floating elements "
             "(the router's s32 token counts are excluded); per layer-microbatch: one "

@@ -1,7 +1,7 @@
 """Deferred vs per-microbatch gradient reduction in the trainer, one factor at a time.
 
 The seed's "when the fix pays off" table on 8 virtual CPU devices (mesh data=8,
-explicit): a deepseek3-tiny-derived base (6 layers, 16 experts, f32, one
+explicit): a tagtrain-tiny-derived base (6 layers, 16 experts, f32, one
 32-token sequence per device per microbatch, GA=4), varying one factor at a time:
 GA steps 1/2/4/8, sequences per device per microbatch 1/2/4, experts 8/16/32,
 depth 3/6/12 layers. Every configuration is compiled twice (deferred and
@@ -50,11 +50,11 @@ LABEL = {
 
 def overrides(ga, rows, experts, layers, defer) -> dict[str, str]:
     return {
-        "model_name": "deepseek3-tiny",
+        "model_name": "tagtrain-tiny",
         "dtype": "float32",
         "ici_data_parallelism": "8",
         "gradient_accumulation_steps": str(ga),
-        "per_device_batch_size": str(ga * rows),
+        "per_device_batch_size": str(rows),
         "num_experts": str(experts),
         "base_num_decoder_layers": str(layers),
         "defer_gradient_reduction": str(defer).lower(),
@@ -162,7 +162,7 @@ def write(rows, fit) -> None:
         "Deferred vs per-microbatch gradient reduction (trainer, 8 CPU devices)",
         COMMAND,
         [
-            "mesh data=8, shard_mode=explicit; base: deepseek3-tiny with 6 layers "
+            "mesh data=8, shard_mode=explicit; base: tagtrain-tiny with 6 layers "
             "(1 dense + 5 MoE), 16 experts (top-2), f32, 1 sequence x 32 tokens per device "
             "per microbatch, GA=4; one factor varied at a time",
             f"median of {ROUNDS} steady steps after {WARMUP} warm-up rounds, all "

@@ -3,7 +3,7 @@
 The layouts of packages/trainer/tests/test_aot_matrix.py (data, fsdp, fsdp+tensor,
 fsdp+tensor_transpose, fsdp+context, fsdp+expert with the fsdp and context
 options, data+expert, data+ZeRO-1, data+fsdp), each in shard_mode=explicit and
-auto, on a deepseek3-tiny-derived model (6 layers, 16 experts, f32) with GA=4 and
+auto, on a tagtrain-tiny-derived model (6 layers, 16 experts, f32) with GA=4 and
 one 32-token sequence per device per microbatch. All compiled steps are timed in
 one run, interleaved (each round steps every configuration once); reported is
 the median of the rounds after warm-up. Also per device: compiled memory and
@@ -30,12 +30,12 @@ COMMAND = "JAX_PLATFORMS=cpu uv run python benchmarks/bench_explicit_auto.py"
 WARMUP = 2
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "7"))
 MODEL = {
-    "model_name": "deepseek3-tiny",
+    "model_name": "tagtrain-tiny",
     "dtype": "float32",
     "base_num_decoder_layers": "6",
     "num_experts": "16",
     "gradient_accumulation_steps": "4",
-    "per_device_batch_size": "4",
+    "per_device_batch_size": "1",
 }
 MODES = ("explicit", "auto")
 
@@ -117,7 +117,7 @@ def write(rows) -> None:
         "Explicit vs auto sharding on the parallelism layouts (8 CPU devices)",
         COMMAND,
         [
-            "model: deepseek3-tiny with 6 layers (1 dense + 5 MoE), 16 experts (top-2), "
+            "model: tagtrain-tiny with 6 layers (1 dense + 5 MoE), 16 experts (top-2), "
             "emb 64, f32; GA=4, one sequence x 32 tokens per device per microbatch",
             f"median of {ROUNDS} steady steps after {WARMUP} warm-up rounds, all "
             "configurations interleaved in each round",

@@ -5,7 +5,7 @@ sharding annotations and one psum of every partial sum after the microbatch
 loop: the least traffic data parallelism can have. Beside it, on the same
 data=8 layout of 8 virtual CPU devices: the trainer's explicit path (deferred
 reduction), the same with defer_gradient_reduction=false, and auto mode. The
-model is bench_explicit_auto's (deepseek3-tiny, 6 layers, 16 experts, f32), at
+model is bench_explicit_auto's (tagtrain-tiny, 6 layers, 16 experts, f32), at
 GA 1 and 4. All compiled steps are timed in one run, interleaved; reported is the
 median of the rounds after warm-up, with collective counts and bytes from the
 compiled HLO and the compiled memory per device.
@@ -32,7 +32,7 @@ WARMUP = 2
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "25"))
 GA_STEPS = (1, 4)
 MODEL = {
-    "model_name": "deepseek3-tiny",
+    "model_name": "tagtrain-tiny",
     "dtype": "float32",
     "base_num_decoder_layers": "6",
     "num_experts": "16",
@@ -56,7 +56,7 @@ def _config(ga: int, overrides: dict) -> dict:
         **MODEL,
         **overrides,
         "gradient_accumulation_steps": str(ga),
-        "per_device_batch_size": str(ga),
+        "per_device_batch_size": "1",
     }
 
 
@@ -106,7 +106,7 @@ def write(rows) -> None:
         "The floor: explicit sharding vs a hand-written shard_map data-parallel step",
         COMMAND,
         [
-            "model: deepseek3-tiny with 6 layers (1 dense + 5 MoE), 16 experts (top-2), "
+            "model: tagtrain-tiny with 6 layers (1 dense + 5 MoE), 16 experts (top-2), "
             "emb 64, f32; data=8, one sequence x 32 tokens per device per microbatch",
             f"median of {ROUNDS} steady steps after {WARMUP} warm-up rounds, all "
             "configurations interleaved in each round",

@@ -68,3 +68,18 @@ def test_expert_dim_only_on_expert_axis(mesh_factory):
     params = init_params(jax.random.key(0), cfg, 16)
     with pytest.raises(ValueError, match=r"sharded over \('fsdp',\); only the expert axis"):
         sparse_moe(jnp.zeros((8, 2, 16)), params, config=cfg, mesh=mesh, rules=rules)
+
+
+def test_numpy_activations_closed_over_by_jit():
+    # A host array closed over by jit: the sparse path indexes it with traced
+    # routing indices, which a numpy array refuses (TracerArrayConversionError).
+    import numpy as np
+
+    from moe_kernels import dense_moe
+
+    cfg = MoEConfig(num_experts=4, num_experts_per_tok=2, mlp_dim=8)
+    params = init_params(jax.random.key(0), cfg, 16)
+    x = np.asarray(jax.random.normal(jax.random.key(1), (2, 3, 16)), dtype=np.float32)
+    sparse_y, _ = jax.jit(lambda p: sparse_moe(x, p, config=cfg))(params)
+    dense_y, _ = jax.jit(lambda p: dense_moe(x, p, config=cfg))(params)
+    np.testing.assert_allclose(np.asarray(sparse_y), np.asarray(dense_y), rtol=1e-5, atol=1e-6)

@@ -13,7 +13,11 @@ from trainer.config import make_config
 from trainer.layouts import EIGHT_DEVICE_LAYOUTS
 
 # f32 compute so sharded and single-device runs can be compared at rtol 1e-4.
-BASE = {"model_name": "deepseek3-tiny", "dtype": "float32", "per_device_batch_size": "4"}
+# STEP_ROWS_PER_DEVICE: sequences per device per optimizer step; `_run` turns it into
+# per_device_batch_size (MaxText's meaning: per microbatch), so every run compared
+# here trains on the same 32 sequences per step whatever its GA or device count.
+BASE = {"model_name": "tagtrain-tiny", "dtype": "float32"}
+STEP_ROWS_PER_DEVICE = 4
 
 
 # Gradient leaves spot-checked across shardings (paths into the params dict).
@@ -38,9 +42,9 @@ def _adam_mu(opt_state):
 @functools.cache
 def _run(steps: int, devices: int, overrides: tuple) -> tuple[list[dict], str, dict]:
     values = {**BASE, **dict(overrides), "steps": str(steps)}
-    if devices != 8:
-        # Same global batch on fewer devices.
-        values["per_device_batch_size"] = str(float(values["per_device_batch_size"]) * 8 / devices)
+    ga = int(values.get("gradient_accumulation_steps", "1"))
+    # Same global batch on fewer devices and at any GA.
+    values["per_device_batch_size"] = str(STEP_ROWS_PER_DEVICE * 8 / devices / ga)
     run = run_lib.setup(make_config(values), jax.devices()[:devices])
     run_lib.compile_step(run)
     history = run_lib.train(run)

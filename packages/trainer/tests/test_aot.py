@@ -14,12 +14,12 @@ pytestmark = pytest.mark.aot
 pytest.importorskip("libtpu", reason="needs the tpu extra (libtpu): uv run --extra tpu")
 
 
-# deepseek3-test, GA=4 on v5e-8 (the seed's AOT case).
+# tagtrain-test, GA=4 on v5e-8 (the seed's AOT case).
 TEST_V5E8 = dict(
-    model_name="deepseek3-test",
+    model_name="tagtrain-test",
     compile_topology="v5e-8",
     gradient_accumulation_steps="4",
-    per_device_batch_size="4",
+    per_device_batch_size="1",
 )
 
 
@@ -29,7 +29,7 @@ def _config(tmp_path, **overrides):
 
 @pytest.fixture(scope="module")
 def zero1_v5e8(tmp_path_factory):
-    """deepseek3-test, explicit, ZeRO-1, GA=4 on v5e-8."""
+    """tagtrain-test, explicit, ZeRO-1, GA=4 on v5e-8."""
     config = _config(
         tmp_path_factory.mktemp("aot"),
         **TEST_V5E8,
@@ -66,13 +66,13 @@ def test_v5e8_memory_report_and_hlo_file(zero1_v5e8):
     assert any(line.startswith("loops (outermost first)") for line in lines)  # the table
     with open(zero1_v5e8.hlo_path) as f:
         assert f.read() == zero1_v5e8.compiled.as_text()
-    assert zero1_v5e8.hlo_path.endswith("deepseek3-test/aot_v5e-8.hlo")
+    assert zero1_v5e8.hlo_path.endswith("tagtrain-test/aot_v5e-8.hlo")
 
 
 def test_two_slices_of_v6e4(tmp_path):
     config = _config(
         tmp_path,
-        model_name="deepseek3-tiny",
+        model_name="tagtrain-tiny",
         compile_topology="v6e-4",
         compile_topology_num_slices="2",
         per_device_batch_size="2",

@@ -1,6 +1,6 @@
 """Issue 7's parallelism matrix compiled for TPU topologies on this CPU host (aot tier).
 
-deepseek3-test, GA=4, per_device_batch_size=4, compiled (never run) for v5e-8
+tagtrain-test, GA=4, per_device_batch_size=1 (per microbatch), compiled (never run) for v5e-8
 (`v5e:2x4`) and v5p-16 (`v5p:2x2x2`, 8 chips) in explicit and in auto mode. What is
 asserted is placement only: in explicit mode, wherever the mesh has a `data` axis
 (data+expert, data+zero1, data+fsdp), no floating-point gradient reduction whose
@@ -36,9 +36,9 @@ DATA_LAYOUTS = [name for name, o in LAYOUTS.items() if int(o["ici_data_paralleli
 TOPOLOGIES = ("v5e-8", "v5p-16")
 MODES = ("explicit", "auto")
 BASE = {
-    "model_name": "deepseek3-test",
+    "model_name": "tagtrain-test",
     "gradient_accumulation_steps": "4",
-    "per_device_batch_size": "4",
+    "per_device_batch_size": "1",
 }
 
 
@@ -95,7 +95,7 @@ def gradient_reductions(module, mesh_shape: dict) -> tuple[list, list]:
 
 @functools.cache
 def compile_case(topology: str, layout: str, mode: str, defer: bool = True, **extra) -> Case:
-    """Compile deepseek3-test for `topology` with one layout; summarize memory and traffic."""
+    """Compile tagtrain-test for `topology` with one layout; summarize memory and traffic."""
     from trainer import aot
     from trainer.config import make_config
 

@@ -1,5 +1,6 @@
 """The `train` console script end to end, in a subprocess, output parsed."""
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -12,8 +13,16 @@ TRAIN = Path(sys.executable).parent / "train"
 STEP = re.compile(r"^step\s+(\d+)\s+loss ([\d.]+)\s+grad_norm ([\d.]+)\s+lr ([\d.e+-]+)")
 
 
-def _train(*args, tmp_path):
+# Without libtpu (the cpu tier), the main run leaves JAX_PLATFORMS unset, as a user
+# does: JAX then probes the accelerator backends, and the INFO lines it logs for the
+# ones it does not find must not reach the terminal.
+PROBES_BACKENDS = importlib.util.find_spec("libtpu") is None
+
+
+def _train(*args, tmp_path, probe_backends=False):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    if probe_backends:
+        env.pop("JAX_PLATFORMS")
     return subprocess.run(
         [str(TRAIN), *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600
     )
@@ -25,20 +34,43 @@ def output(tmp_path_factory):
     hlo = tmp / "step.hlo"
     metrics = tmp / "metrics.jsonl"
     done = _train(
-        "model_name=deepseek3-tiny",
+        "model_name=tagtrain-tiny",
         "steps=3",
-        "per_device_batch_size=2",
+        "per_device_batch_size=1",
         "gradient_accumulation_steps=2",
         f"--dump_hlo={hlo}",
         f"--metrics_file={metrics}",
         tmp_path=tmp,
+        probe_backends=PROBES_BACKENDS,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout, hlo, metrics
+    return done.stdout, hlo, metrics, done.stderr
+
+
+def test_states_the_global_batch_in_maxtexts_meaning(output):
+    # per_device_batch_size is per microbatch: 1 x 8 devices x GA 2 = 16 sequences.
+    stdout = output[0]
+    assert (
+        "batch: 16 sequences x 32 tokens = 512 tokens per step "
+        "(2 microbatches of 8; per_device_batch_size=1 per microbatch)"
+    ) in stdout
+
+
+def test_no_backend_probe_noise_on_the_terminal(output):
+    stdout, stderr = output[0], output[3]
+    assert "Unable to initialize backend" not in stderr + stdout
+    assert stdout.splitlines()[0] == "model: tagtrain-tiny"
+
+
+def test_zero_cpu_devices_is_a_one_line_flag_error(tmp_path):
+    done = _train("steps=1", "--num_cpu_devices=0", tmp_path=tmp_path)
+    assert done.returncode != 0
+    assert "--num_cpu_devices=0" in done.stderr
+    assert "Traceback" not in done.stderr and "mesh:" not in done.stdout
 
 
 def test_prints_mesh_params_and_collective_verdict(output):
-    stdout, _, _ = output
+    stdout = output[0]
     assert "mesh: data=8 (explicit)" in stdout
     assert re.search(r"params: [\d.]+M total, [\d.]+M active per token", stdout)
     assert "gradient reduction: deferred to once per step over ('data',)" in stdout
@@ -46,7 +78,7 @@ def test_prints_mesh_params_and_collective_verdict(output):
 
 
 def test_one_line_per_step_with_finite_loss(output):
-    stdout, _, metrics = output
+    stdout, _, metrics, _ = output
     steps = [STEP.match(line) for line in stdout.splitlines() if line.startswith("step ")]
     assert [int(m.group(1)) for m in steps] == [1, 2, 3]
     assert all(0 < float(m.group(2)) < 20 for m in steps)
@@ -54,7 +86,7 @@ def test_one_line_per_step_with_finite_loss(output):
 
 
 def test_dumped_hlo_reads_back_with_the_printed_hlo_report_command(output):
-    stdout, hlo, _ = output
+    stdout, hlo, _, _ = output
     command = re.search(r"inspect with: (hlo-report .*)\)$", stdout, re.MULTILINE).group(1)
     assert command == f"hlo-report {hlo} --mesh data=8 --over data"
     args = command.split()[1:]

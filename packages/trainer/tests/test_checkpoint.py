@@ -17,7 +17,7 @@ from trainer import run as run_lib
 from trainer.config import ConfigError, make_config
 
 TRAIN = Path(sys.executable).parent / "train"
-TINY = {"model_name": "deepseek3-tiny", "per_device_batch_size": "1", "steps": "6"}
+TINY = {"model_name": "tagtrain-tiny", "per_device_batch_size": "1", "steps": "6"}
 
 
 class Killed(Exception):
@@ -218,7 +218,7 @@ def test_signal_saves_and_exits_cleanly(tmp_path, sig):
     assert proc.returncode == 0, stdout + err
     last = max(int(line.split()[1]) for line in stdout.splitlines() if line.startswith("step "))
     assert f"{sig.name}: stopped after step {last}; checkpoint saved in" in stdout
-    ckpt = tmp_path / "deepseek3-tiny" / "checkpoints"
+    ckpt = tmp_path / "tagtrain-tiny" / "checkpoints"
     assert [p.name for p in ckpt.iterdir()] == [str(last)]
     assert checkpoint.is_complete(str(ckpt / str(last)))
 

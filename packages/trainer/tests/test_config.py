@@ -16,7 +16,11 @@ BAD = [
     ({"scan_layers": "maybe"}, r"scan_layers='maybe' is not a boolean"),
     ({"shard_mode": "manual"}, r"shard_mode='manual' is not one of \('explicit', 'auto'\)"),
     ({"model_name": "deepseek4"}, r"model_name='deepseek4' is not one of"),
-    ({"ici_data_parallelism": "3"}, r"mesh product 3 \(data=3\) != device count 8"),
+    (
+        {"ici_data_parallelism": "3"},
+        r"ici_\*_parallelism keys multiply to 3 \(ici_data_parallelism=3\) but there are 8 "
+        r"devices: change them so their product is 8, or set one of them to -1",
+    ),
     (
         {"ici_data_parallelism": "-1", "ici_fsdp_parallelism": "-1"},
         r"only one ici_\*_parallelism may be -1",
@@ -24,12 +28,9 @@ BAD = [
     ({"ici_fsdp_parallelism": "3"}, r"ici_data_parallelism=-1 cannot fill 8 devices.*3"),
     ({"ici_tensor_parallelism": "0"}, r"ici_tensor_parallelism=0 must be a positive size or -1"),
     (
-        {"gradient_accumulation_steps": "3"},
-        r"global batch 8 .* not divisible by gradient_accumulation_steps=3",
-    ),
-    (
-        {"gradient_accumulation_steps": "2"},
-        r"microbatch of 4 sequences .* does not split over 8 batch shards",
+        {"per_device_batch_size": "0.5"},
+        r"microbatch of 4 sequences \(per_device_batch_size=0.5 x 8 devices\) does not split "
+        r"over 8 batch shards",
     ),
     (
         {"per_device_batch_size": "0.3"},
@@ -94,6 +95,31 @@ def test_presets_are_valid_configs(name):
     config = make_config({"model_name": name})
     assert isinstance(config, Config) and config.model_name == name
     assert config.num_moe_layers == config.base_num_decoder_layers - config.first_num_dense_layers
+
+
+def test_presets_with_maxtext_names_have_maxtexts_shapes():
+    # MaxText's configs/models/deepseek3-tiny.yml and deepseek3-test.yml.
+    tiny = make_config({"model_name": "deepseek3-tiny"})
+    assert (tiny.vocab_size, tiny.base_num_decoder_layers, tiny.first_num_dense_layers) == (
+        129_280,
+        61,
+        3,
+    )
+    assert (tiny.base_emb_dim, tiny.num_experts, tiny.num_experts_per_tok) == (64, 16, 8)
+    assert (tiny.kv_lora_rank, tiny.qk_nope_head_dim, tiny.qk_rope_head_dim) == (16, 128, 64)
+    assert tiny.v_head_dim == 128
+    test = make_config({"model_name": "deepseek3-test"})
+    assert (test.base_emb_dim, test.base_num_decoder_layers, test.num_experts) == (7168, 1, 256)
+    # The small CPU presets are tagtrain's own, under names MaxText does not use.
+    assert make_config({}).model_name == "tagtrain-tiny"
+
+
+def test_global_batch_is_per_device_batch_times_devices_times_ga():
+    from trainer.validate import global_batch_size
+
+    config = make_config({"per_device_batch_size": "2", "gradient_accumulation_steps": "4"})
+    assert global_batch_size(config, 8) == 2 * 8 * 4
+    assert validate(config, 8)["data"] == 8
 
 
 def test_preset_values_then_overrides():

@@ -12,9 +12,9 @@ from trainer.sharding import ShardCtx
 
 # data=8, GA=4, f32 so the two steps can be compared tightly.
 VALUES = {
-    "model_name": "deepseek3-tiny",
+    "model_name": "tagtrain-tiny",
     "dtype": "float32",
-    "per_device_batch_size": "4",
+    "per_device_batch_size": "1",
     "gradient_accumulation_steps": "4",
     "steps": "2",
     "enable_tensorboard": "false",

@@ -36,7 +36,7 @@ def accelerators():
 
 def test_tiny_model_trains_and_reduces_once_per_step(accelerators):
     config = make_config(
-        {"steps": "6", "per_device_batch_size": "4", "gradient_accumulation_steps": "4"}
+        {"steps": "6", "per_device_batch_size": "1", "gradient_accumulation_steps": "4"}
     )
     run = run_lib.setup(config, accelerators)
     compiled = run_lib.compile_step(run)
@@ -53,7 +53,7 @@ SCALE = {
     "ici_data_parallelism": "-1",
     "shard_optimizer_over_data": "true",
     "gradient_accumulation_steps": "4",
-    "per_device_batch_size": "8",
+    "per_device_batch_size": "2",
     "dtype": "bfloat16",
     "enable_tensorboard": "false",
 }

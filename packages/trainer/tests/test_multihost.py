@@ -26,7 +26,7 @@ def test_two_processes_match_one(runner, tmp_path):
     port = _free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     args = [
-        "model_name=deepseek3-tiny",
+        "model_name=tagtrain-tiny",
         "dtype=float32",
         "per_device_batch_size=4",
         "steps=3",
@@ -59,7 +59,7 @@ def test_two_processes_match_one(runner, tmp_path):
     assert "processes: 2 (this is 0), 8 devices, 4 local" in outputs[0]
     assert "processes: 2 (this is 1), 8 devices, 4 local" in outputs[1]
     # Process 0's metrics file holds full-precision values; process 1 prints the same.
-    lines = (tmp_path / "deepseek3-tiny" / "metrics.jsonl").read_text().splitlines()
+    lines = (tmp_path / "tagtrain-tiny" / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert STEP.findall(outputs[1]) == STEP.findall(outputs[0])

@@ -39,7 +39,7 @@ def run_dir(tmp_path_factory):
     """One 3-step tiny run with the profiler on step 2; its run directory."""
     tmp = tmp_path_factory.mktemp("outputs")
     done = _train(
-        "model_name=deepseek3-tiny",
+        "model_name=tagtrain-tiny",
         "steps=3",
         f"base_output_directory={tmp}",
         "run_name=tiny",
@@ -57,7 +57,7 @@ def run_dir(tmp_path_factory):
 def test_metrics_jsonl_one_record_per_step_with_every_field(run_dir):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
-    config = make_config({"model_name": "deepseek3-tiny"})
+    config = make_config({"model_name": "tagtrain-tiny"})
     for r in records:
         assert set(REQUIRED) <= set(r), set(REQUIRED) - set(r)
         assert r["perf/mfu"] is None  # no peak FLOP/s known for CPU devices

@@ -1,6 +1,6 @@
 """Issue 7's matrix, explicit mode: each parallelism layout equals one device.
 
-deepseek3-tiny in f32, one step: the loss and spot-checked gradient leaves (Adam's
+tagtrain-tiny in f32, one step: the loss and spot-checked gradient leaves (Adam's
 first moment after one step) match a single-device run; with GA=4 and a batch-only
 'data' axis, explicit mode keeps every gradient reduction out of the entry loop.
 """
@@ -84,6 +84,6 @@ def test_fully_deferred_axes_are_those_sharding_no_weight(name, strict):
     from trainer.layouts import EIGHT_DEVICE_LAYOUTS
     from trainer.sharding import fully_deferred_axes
 
-    config = make_config({"model_name": "deepseek3-tiny", **EIGHT_DEVICE_LAYOUTS[name]})
+    config = make_config({"model_name": "tagtrain-tiny", **EIGHT_DEVICE_LAYOUTS[name]})
     run = run_lib.abstract_setup(config, jax.devices())
     assert fully_deferred_axes(run.ctx, run.model.param_logical) == strict

@@ -1,4 +1,4 @@
-"""The train step on 8 virtual devices against a single-device run (deepseek3-tiny, f32)."""
+"""The train step on 8 virtual devices against a single-device run (tagtrain-tiny, f32)."""
 
 import numpy as np
 import pytest
@@ -92,9 +92,9 @@ def _bf16_run(**overrides):
     from trainer.config import make_config
 
     values = {
-        "model_name": "deepseek3-tiny",
+        "model_name": "tagtrain-tiny",
         "dtype": "bfloat16",
-        "per_device_batch_size": "4",
+        "per_device_batch_size": "1",
         "gradient_accumulation_steps": "4",
         "steps": "3",
         "enable_tensorboard": "false",

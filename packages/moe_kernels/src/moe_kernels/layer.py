@@ -412,10 +412,18 @@ def _layer_body(x_BxSxD, params, *, config: MoEConfig, plan: _Plan | None, spars
 # Public entry points
 
 
+def _as_device_array(x):
+    """`x` as a jax value; jax arrays and tracers (with their shardings and tags) pass as is."""
+    return x if isinstance(x, jax.Array) else jnp.asarray(x)
+
+
 def _moe(x_BxSxD, params, *, config, mesh, rules, mode, keep_tags, sparse, recompute_casts):
+    # Host (numpy) inputs become device arrays first: the sparse path indexes the
+    # activations with traced routing indices, which a numpy array cannot take.
+    x_BxSxD = _as_device_array(x_BxSxD)
     if x_BxSxD.ndim != 3:
         raise ValueError(f"x must be (batch, seq, embed); got shape {x_BxSxD.shape}")
-    params = dict(params)
+    params = {name: _as_device_array(w) for name, w in params.items()}
     _check_params(params, config, x_BxSxD.shape[-1])
     if mesh is None:
         y, shard_stats = _layer_body(x_BxSxD, params, config=config, plan=None, sparse=sparse)

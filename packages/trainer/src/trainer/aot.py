@@ -175,8 +175,7 @@ def report_lines(result: AotResult) -> list[str]:
         report.params_line(
             flops.count_params(run.state["params"]), flops.active_matmul_params(config)
         ),
-        f"batch: {run.batch_size} sequences x {config.max_target_length} tokens, "
-        f"{config.gradient_accumulation_steps} microbatches",
+        report.batch_line(config, run.batch_size),
         report.deferral_line(config, run.deferral_axes),
         "memory per device (compiled.memory_analysis()):",
     ]

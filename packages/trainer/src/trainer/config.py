@@ -28,7 +28,7 @@ class ConfigError(ValueError):
 class Config:
     """Everything a run needs. Build with `make_config(overrides)`, never by hand."""
 
-    model_name: str = "deepseek3-tiny"
+    model_name: str = "tagtrain-tiny"
     # Model shape.
     vocab_size: int = 256
     base_emb_dim: int = 64
@@ -142,11 +142,28 @@ class Config:
         return {axis: getattr(self, f"ici_{axis}_parallelism") for axis in MESH_AXES}
 
 
+# MaxText's DeepSeek-V3 test shapes, under MaxText's names (configs/models/*.yml), so a
+# command copied from MaxText trains the shape it names. MaxText leaves routing groups
+# off (-1) for both: one group here is the same routing.
+_MAXTEXT_DEEPSEEK3_ROUTING = dict(
+    vocab_size=129_280,
+    num_experts_per_tok=8,
+    shared_experts=1,
+    n_routing_groups=1,
+    topk_routing_group=1,
+    routed_scaling_factor=2.5,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    max_target_length=1024,
+)
+
 PRESETS: dict[str, dict[str, Any]] = {
     # Seconds per step on 8 CPU devices: every shape tiny, every feature on.
-    "deepseek3-tiny": {},
+    # The small presets carry tagtrain's own names: MaxText's deepseek3-tiny is another shape.
+    "tagtrain-tiny": {},
     # A few times the tiny shape: AOT compiles and CPU benchmarks.
-    "deepseek3-test": dict(
+    "tagtrain-test": dict(
         vocab_size=1024,
         base_emb_dim=256,
         base_num_decoder_layers=4,
@@ -184,6 +201,32 @@ PRESETS: dict[str, dict[str, Any]] = {
         v_head_dim=64,
         max_target_length=1024,
         routed_scaling_factor=2.5,
+    ),
+    # MaxText's deepseek3-tiny: 61 layers (3 dense) of emb 64, 16 experts top-8.
+    "deepseek3-tiny": dict(
+        _MAXTEXT_DEEPSEEK3_ROUTING,
+        base_emb_dim=64,
+        base_num_decoder_layers=61,
+        first_num_dense_layers=3,
+        base_mlp_dim=64,
+        base_moe_mlp_dim=64,
+        num_experts=16,
+        base_num_query_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+    ),
+    # MaxText's deepseek3-test: one MoE layer of the full DeepSeek-V3 width.
+    "deepseek3-test": dict(
+        _MAXTEXT_DEEPSEEK3_ROUTING,
+        base_emb_dim=7168,
+        base_num_decoder_layers=1,
+        first_num_dense_layers=0,
+        base_mlp_dim=2048,
+        base_moe_mlp_dim=2048,
+        num_experts=256,
+        base_num_query_heads=128,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
     ),
     # The DeepSeek-V3 shape (671B total, 37B active): for AOT compiles only.
     "deepseek3-671b": dict(
@@ -275,7 +318,7 @@ def _check_known(keys: list[str]) -> None:
 
 
 def make_config(overrides: dict[str, Any] | None = None) -> Config:
-    """Preset for `model_name` (default deepseek3-tiny) + `overrides`, type-checked.
+    """Preset for `model_name` (default tagtrain-tiny) + `overrides`, type-checked.
 
     Only structural checks happen here; `validate(config, num_devices)` checks
     what depends on the machine (mesh, batch sizes).
@@ -312,8 +355,10 @@ def mesh_shape(config: Config, num_devices: int) -> dict[str, int]:
         sizes[fill[0]] = num_devices // fixed
     product = math.prod(sizes.values())
     if product != num_devices:
-        listing = ", ".join(f"{a}={s}" for a, s in sizes.items() if s != 1)
+        listing = ", ".join(f"ici_{a}_parallelism={s}" for a, s in sizes.items() if s != 1)
         raise ConfigError(
-            f"mesh product {product} ({listing or 'all 1'}) != device count {num_devices}"
+            f"the ici_*_parallelism keys multiply to {product} ({listing or 'all 1'}) but there "
+            f"are {num_devices} devices: change them so their product is {num_devices}, or set "
+            "one of them to -1 to fill the devices"
         )
     return sizes

@@ -1,7 +1,7 @@
 """The `train` console script.
 
-    uv run train model_name=deepseek3-tiny steps=10
-    uv run train model_name=deepseek3-tiny gradient_accumulation_steps=4 --dump_hlo=/tmp/step.hlo
+    uv run train model_name=tagtrain-tiny steps=10
+    uv run train model_name=tagtrain-tiny gradient_accumulation_steps=4 --dump_hlo=/tmp/step.hlo
 
 Positional `key=value` arguments override the config (see trainer/config.py);
 `--flags` set process-level options.
@@ -17,7 +17,10 @@ from absl import app, flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer(
-    "num_cpu_devices", 8, "Virtual CPU devices when the run is on CPU (no accelerator)."
+    "num_cpu_devices",
+    8,
+    "Virtual CPU devices when the run is on CPU (no accelerator).",
+    lower_bound=1,  # absl rejects 0 with a one-line error naming the flag
 )
 flags.DEFINE_string("dump_hlo", None, "Write the compiled step's HLO text here (for hlo-report).")
 flags.DEFINE_string(
@@ -36,9 +39,15 @@ flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.")
 def _configure_jax() -> None:
     # Must happen before the first backend use. It shapes only the CPU backend, so
     # on a machine with accelerators it is harmless.
+    import logging
+
     import jax
 
     jax.config.update("jax_num_cpu_devices", FLAGS.num_cpu_devices)
+    # JAX logs at INFO each accelerator backend it probes and does not find ("Unable
+    # to initialize backend 'tpu'"), and absl shows INFO: on a CPU host that is noise
+    # before the run's own first line. Warnings and errors still show.
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
 
 
 def main(argv: list[str]) -> int:

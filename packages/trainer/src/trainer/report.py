@@ -17,6 +17,21 @@ def params_line(total: int, active: int) -> str:
     return f"params: {total / 1e6:.3f}M total, {active / 1e6:.3f}M active per token (matmuls)"
 
 
+def batch_line(config: Config, global_batch: int) -> str:
+    """Sequences and tokens per optimizer step, and how the microbatches split them.
+
+    per_device_batch_size is per microbatch, as in MaxText: the global batch is
+    per_device_batch_size x devices x gradient_accumulation_steps.
+    """
+    ga = config.gradient_accumulation_steps
+    tokens = global_batch * config.max_target_length
+    return (
+        f"batch: {global_batch} sequences x {config.max_target_length} tokens = {tokens:,} "
+        f"tokens per step ({ga} microbatch{'es' if ga > 1 else ''} of {global_batch // ga}; "
+        f"per_device_batch_size={config.per_device_batch_size:g} per microbatch)"
+    )
+
+
 def deferral_line(config: Config, axes: tuple[str, ...]) -> str:
     """Whether gradient reductions are deferred to once per step, and over which axes."""
     if config.shard_mode != "explicit":

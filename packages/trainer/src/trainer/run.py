@@ -244,8 +244,7 @@ def startup_lines(run: Run) -> list[str]:
     lines = [
         report.mesh_line(sizes, config.shard_mode),
         report.params_line(total, flops.active_matmul_params(config)),
-        f"batch: {run.batch_size} sequences x {config.max_target_length} tokens, "
-        f"{config.gradient_accumulation_steps} microbatches",
+        report.batch_line(config, run.batch_size),
     ]
     lines.append(report.deferral_line(config, run.deferral_axes))
     lines += data_lines(run)

@@ -18,15 +18,25 @@ def batch_shard_count(config: Config, sizes: dict[str, int]) -> int:
     return count
 
 
-def global_batch_size(config: Config, num_devices: int) -> int:
-    """per_device_batch_size x devices, which must come out a whole number."""
+def microbatch_size(config: Config, num_devices: int) -> int:
+    """Sequences per microbatch: per_device_batch_size x devices (MaxText's meaning).
+
+    Must come out a whole number.
+    """
     total = config.per_device_batch_size * num_devices
     _require(
         total >= 1 and total == int(total),
         f"per_device_batch_size={config.per_device_batch_size} x {num_devices} devices = "
-        f"{total} is not a whole, positive global batch",
+        f"{total} is not a whole, positive number of sequences per microbatch",
     )
     return int(total)
+
+
+def global_batch_size(config: Config, num_devices: int) -> int:
+    """Sequences per optimizer step: per_device_batch_size x devices x
+    gradient_accumulation_steps, as in MaxText (each microbatch holds
+    per_device_batch_size sequences per device)."""
+    return microbatch_size(config, num_devices) * config.gradient_accumulation_steps
 
 
 def validate(config: Config, num_devices: int) -> dict[str, int]:
@@ -35,18 +45,13 @@ def validate(config: Config, num_devices: int) -> dict[str, int]:
     _check_training(config)
     _check_model(config)
     _check_parallelism(config, sizes)
-    batch = global_batch_size(config, num_devices)
-    ga = config.gradient_accumulation_steps
-    _require(
-        batch % ga == 0,
-        f"global batch {batch} (per_device_batch_size={config.per_device_batch_size} x "
-        f"{num_devices} devices) is not divisible by gradient_accumulation_steps={ga}",
-    )
+    microbatch = microbatch_size(config, num_devices)
     shards = batch_shard_count(config, sizes)
     _require(
-        (batch // ga) % shards == 0,
-        f"microbatch of {batch // ga} sequences (global batch {batch} / "
-        f"gradient_accumulation_steps={ga}) does not split over {shards} batch shards "
+        microbatch % shards == 0,
+        f"microbatch of {microbatch} sequences (per_device_batch_size="
+        f"{config.per_device_batch_size} x {num_devices} devices) does not split over "
+        f"{shards} batch shards "
         f"(data x fsdp{' x expert' if config.expert_shard_attention_option == 'fsdp' else ''})",
     )
     return sizes
