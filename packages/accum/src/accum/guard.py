@@ -33,6 +33,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -106,8 +107,8 @@ def _spec(var: Any) -> P | None:
 def _manual(var: Any, field: str) -> frozenset[str]:
     """`field` (varying/unreduced/reduced) of the manual-axis type inside shard_map.
 
-    JAX 0.10+ keeps it in `aval.manual_axis_type`; older releases only had
-    `aval.vma` (varying). Missing everywhere: nothing manual.
+    JAX 0.10+ keeps it in `aval.manual_axis_type`; earlier releases kept only
+    the varying axes, in `aval.vma`. Neither: nothing manual.
     """
     aval = _aval(var)
     mat = getattr(aval, "manual_axis_type", None)
@@ -144,9 +145,10 @@ def _is_literal(var: Any) -> bool:
 
 # ---------------------------------------------------------------- source lines
 
+# Frames in these directories are library plumbing, not the model's lines.
 _SKIP_DIRS = tuple(
     os.path.dirname(os.path.abspath(path)) + os.sep
-    for path in (jax.__file__, getattr(__import__("jaxlib"), "__file__", jax.__file__), __file__)
+    for path in (jax.__file__, jaxlib.__file__, __file__)
 )
 
 
