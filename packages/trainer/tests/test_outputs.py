@@ -3,7 +3,6 @@ on the profiler / topology / multi-host keys that run before anything compiles."
 
 import json
 import os
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -71,26 +70,10 @@ def test_metrics_jsonl_one_record_per_step_with_every_field(run_dir):
         assert r["learning/loss"] > 0 and r["perf/tokens_per_s"] > 0
 
 
-def _event_tags(path: Path) -> dict[str, list[int]]:
-    """Scalar tag -> steps, read straight from TFRecord-framed Event protos."""
-    from tensorboardX.proto import event_pb2
-
-    tags: dict[str, list[int]] = {}
-    data = path.read_bytes()
-    offset = 0
-    while offset < len(data):
-        (length,) = struct.unpack("<Q", data[offset : offset + 8])
-        event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
-        offset += 12 + length + 4
-        for value in event.summary.value:
-            tags.setdefault(value.tag, []).append(event.step)
-    return tags
-
-
-def test_tensorboard_event_files_hold_the_scalars(run_dir):
+def test_tensorboard_event_files_hold_the_scalars(run_dir, event_tags):
     files = list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert len(files) == 1
-    tags = _event_tags(files[0])
+    tags = event_tags(files[0])
     for tag in ("learning/loss", "learning/lr", "perf/tokens_per_s", "moe/load_imbalance"):
         assert tags.get(tag) == [1, 2, 3], (tag, sorted(tags))
     assert "moe/load_imbalance/layer_1" in tags
