@@ -7,6 +7,7 @@ other run here reuses those executables.
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -175,17 +176,31 @@ def test_eval_step_runs_no_collective_and_one_reduction_per_evaluation(evaluated
     assert "all-reduce" in final
 
 
-def test_zero1_evaluates_its_sharded_master_parameters_like_the_plain_layout(evaluated, corpus):
-    # Initial states (same seed): ZeRO-1's data-sharded masters, gathered for the forward.
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"shard_optimizer_over_data": "true"},  # ZeRO-1: data-sharded masters, gathered
+        {"ici_fsdp_parallelism": "2"},
+        {"shard_mode": "auto"},
+    ],
+    ids=["zero1", "fsdp", "auto"],
+)
+def test_other_layouts_evaluate_to_the_same_loss(evaluated, corpus, layout):
+    # Initial states (same seed) on the plain data-parallel layout and on `layout`.
     plain = run_lib.setup(_config(corpus))
     plain.evaluator.compiled = evaluated["run"].evaluator.compiled
-    zero1 = run_lib.setup(_config(corpus, shard_optimizer_over_data="true"))
+    other = run_lib.setup(_config(corpus, **layout))
     want = plain.evaluator.evaluate(plain.state)["eval_loss"]
-    np.testing.assert_allclose(zero1.evaluator.evaluate(zero1.state)["eval_loss"], want, rtol=1e-6)
+    np.testing.assert_allclose(other.evaluator.evaluate(other.state)["eval_loss"], want, rtol=1e-5)
 
 
 def _on_step(writer):
     return lambda step, step_metrics: writer.write(step_metrics)
+
+
+def _reuse_executables(run, compiled):
+    """The module's compiled train and eval steps: a restored state must fit them as is."""
+    run.compiled, run.evaluator.compiled = compiled.compiled, compiled.evaluator.compiled
 
 
 def _evals(evals):
@@ -197,7 +212,7 @@ def test_a_run_killed_during_evaluation_resumes_and_evaluates_again(evaluated, c
     config = _config(corpus, tmp_path)
 
     def start(run):
-        run.compiled, run.evaluator.compiled = reference.compiled, reference.evaluator.compiled
+        _reuse_executables(run, reference)
         return metrics.MetricsWriter(config.run_dir, start_step=run.start_step, tensorboard=False)
 
     first = run_lib.setup(config)
@@ -230,6 +245,27 @@ def test_a_run_killed_during_evaluation_resumes_and_evaluates_again(evaluated, c
     written = [(r["step"], r["eval_loss"], r["eval_tokens"]) for r in lines if "eval_loss" in r]
     assert written == _evals(reference.evals)
     assert [r["step"] for r in lines if "learning/loss" in r] == [1, 2, 3, 4]
+
+
+def test_a_stop_request_skips_the_evaluation_and_the_resumed_run_does_it(
+    evaluated, corpus, tmp_path
+):
+    reference = evaluated["run"]
+    config = _config(corpus, tmp_path)
+    first = run_lib.setup(config)
+    _reuse_executables(first, reference)
+
+    def sigterm_at_2(step, step_metrics):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    run_lib.train(first, sigterm_at_2)
+    assert first.stop_reason.startswith("SIGTERM: stopped after step 2") and first.evals == []
+    resumed = run_lib.setup(config)
+    _reuse_executables(resumed, reference)
+    assert resumed.start_step == 2
+    run_lib.train(resumed)
+    assert _evals(resumed.evals) == _evals(reference.evals)
 
 
 def test_synthetic_runs_evaluate_a_held_out_stream():

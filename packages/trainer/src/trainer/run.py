@@ -243,8 +243,10 @@ def train(
                 if on_step:
                     on_step(step + 1, metrics)
                 # After the step's checkpoint: a kill during evaluation resumes at
-                # this step and evaluates again (above).
-                maybe_evaluate(step + 1)
+                # this step and evaluates again (above). A stop request skips it: the
+                # checkpoint saved below is of this step, so the resumed run evaluates.
+                if not stop.requested:
+                    maybe_evaluate(step + 1)
                 if stop.requested:
                     if checkpoints:
                         checkpoints.save(step + 1, run.state)  # no-op when just saved
