@@ -2,14 +2,13 @@
 state untouched, training unchanged, resume during evaluation, records, bad keys.
 
 One configuration, its train and eval steps compiled once for the module; every
-other run here reuses those executables.
+other run here reuses those executables. The binary's eval line, records,
+TensorBoard scalars and plot are checked on test_outputs.py's run.
 """
 
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -22,7 +21,6 @@ from trainer import run as run_lib
 from trainer.config import ConfigError, make_config
 from trainer.data import synthetic_batch
 
-BIN = Path(sys.executable).parent
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 WORDS = [
     "the",
@@ -315,58 +313,6 @@ def test_evaluation_off_needs_no_eval_data(corpus):
     config = _config(corpus, eval_interval="0", eval_dataset_path="")
     assert eval_data.make_eval_set(config, 8, {"data": 8, "fsdp": 1, "expert": 1}) is None
     assert not eval_data.due(config, config.steps)
-
-
-# The binary: console line, metrics.jsonl, TensorBoard, plot-metrics.
-
-
-@pytest.fixture(scope="module")
-def binary_run(tmp_path_factory):
-    """`train` with synthetic data, evaluating 2 held-out batches after steps 2 and 3."""
-    tmp = tmp_path_factory.mktemp("binary")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    args = ["steps=3", "eval_interval=2", "eval_steps=2", f"base_output_directory={tmp}"]
-    done = subprocess.run(
-        [str(BIN / "train"), *args], capture_output=True, text=True, env=env, cwd=tmp, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout, tmp / "tagtrain-tiny"
-
-
-def test_binary_prints_an_eval_line_after_each_eval_step(binary_run):
-    stdout, _ = binary_run
-    assert (
-        "eval: every 2 steps and at the end, 2 batches of 8 sequences (<= 512 tokens) from "
-        "synthetic, held-out stream 1 of seed 0"
-    ) in stdout
-    lines = [line for line in stdout.splitlines() if line.startswith(("step ", "eval "))]
-    assert [line.split()[:3] for line in lines] == [
-        ["step", "1", "loss"],
-        ["step", "2", "loss"],
-        ["eval", "step", "2"],
-        ["step", "3", "loss"],
-        ["eval", "step", "3"],
-    ]
-    fields = lines[2].split()
-    assert fields[3] == "loss" and fields[5] == "perplexity" and fields[7] == "tokens"
-    assert fields[8] == "512"  # 2 batches x 8 sequences x 32 tokens, no padding
-    assert float(fields[6]) == pytest.approx(np.exp(float(fields[4])), rel=1e-3)
-
-
-def test_binary_writes_eval_records_and_scalars_and_plots_them(binary_run, event_tags, tmp_path):
-    _, run_dir = binary_run
-    records = metrics.read(str(run_dir / "metrics.jsonl"))
-    assert [r["step"] for r in records] == [1, 2, 3]
-    assert [r["step"] for r in records if "eval_loss" in r] == [2, 3]
-    for r in records[1:]:
-        assert r["eval_perplexity"] == pytest.approx(np.exp(r["eval_loss"]))
-        assert r["eval_tokens"] == 512 and "learning/loss" in r  # merged with the step's
-    (events,) = (run_dir / "tensorboard").glob("events.out.tfevents.*")
-    tags = event_tags(events)
-    assert tags["eval_loss"] == [2, 3] and tags["eval_perplexity"] == [2, 3]
-    assert plots.main([str(run_dir), "--output_dir", str(tmp_path)]) == 0
-    png = (tmp_path / "loss.png").read_bytes()
-    assert png.startswith(b"\x89PNG") and len(png) > 5000
 
 
 def test_plot_draws_the_eval_curve_beside_the_training_loss(tmp_path):
