@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import struct
 
 import jax
 import numpy as np
@@ -120,3 +121,25 @@ def check_layout(runner, grads_runner):
             )
 
     return check
+
+
+def _event_tags(path) -> dict[str, list[int]]:
+    """Scalar tag -> steps, read straight from TFRecord-framed Event protos."""
+    from tensorboardX.proto import event_pb2
+
+    tags: dict[str, list[int]] = {}
+    data = path.read_bytes()
+    offset = 0
+    while offset < len(data):
+        (length,) = struct.unpack("<Q", data[offset : offset + 8])
+        event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
+        offset += 12 + length + 4
+        for value in event.summary.value:
+            tags.setdefault(value.tag, []).append(event.step)
+    return tags
+
+
+@pytest.fixture(scope="session")
+def event_tags():
+    """`event_tags(path)`: scalar tag -> steps of one TensorBoard event file."""
+    return _event_tags

@@ -2,8 +2,8 @@
 on the profiler / topology / multi-host keys that run before anything compiles."""
 
 import json
+import math
 import os
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -35,8 +35,9 @@ def _train(*args, cwd):
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    """One 3-step tiny run with the profiler on step 2; its run directory."""
+def run_output(tmp_path_factory):
+    """One 3-step tiny run with the profiler on step 2, evaluating 2 held-out synthetic
+    batches after steps 2 and 3 (test_eval.py); (stdout, run directory)."""
     tmp = tmp_path_factory.mktemp("outputs")
     done = _train(
         "model_name=tagtrain-tiny",
@@ -46,16 +47,24 @@ def run_dir(tmp_path_factory):
         "profiler=xplane",
         "profiler_start_step=2",
         "profiler_steps=1",
+        "eval_interval=2",
+        "eval_steps=2",
         cwd=tmp,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"metrics: {tmp / 'tiny' / 'metrics.jsonl'}" in done.stdout
     assert "profiler: xplane trace of steps 2-2" in done.stdout
-    return tmp / "tiny"
+    return done.stdout, tmp / "tiny"
+
+
+@pytest.fixture(scope="module")
+def run_dir(run_output):
+    return run_output[1]
 
 
 def test_metrics_jsonl_one_record_per_step_with_every_field(run_dir):
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    records = [r for r in map(json.loads, lines) if "eval_loss" not in r]
     assert [r["step"] for r in records] == [1, 2, 3]
     config = make_config({"model_name": "tagtrain-tiny"})
     for r in records:
@@ -71,26 +80,10 @@ def test_metrics_jsonl_one_record_per_step_with_every_field(run_dir):
         assert r["learning/loss"] > 0 and r["perf/tokens_per_s"] > 0
 
 
-def _event_tags(path: Path) -> dict[str, list[int]]:
-    """Scalar tag -> steps, read straight from TFRecord-framed Event protos."""
-    from tensorboardX.proto import event_pb2
-
-    tags: dict[str, list[int]] = {}
-    data = path.read_bytes()
-    offset = 0
-    while offset < len(data):
-        (length,) = struct.unpack("<Q", data[offset : offset + 8])
-        event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
-        offset += 12 + length + 4
-        for value in event.summary.value:
-            tags.setdefault(value.tag, []).append(event.step)
-    return tags
-
-
-def test_tensorboard_event_files_hold_the_scalars(run_dir):
+def test_tensorboard_event_files_hold_the_scalars(run_dir, event_tags):
     files = list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert len(files) == 1
-    tags = _event_tags(files[0])
+    tags = event_tags(files[0])
     for tag in ("learning/loss", "learning/lr", "perf/tokens_per_s", "moe/load_imbalance"):
         assert tags.get(tag) == [1, 2, 3], (tag, sorted(tags))
     assert "moe/load_imbalance/layer_1" in tags
@@ -234,3 +227,42 @@ def test_multi_process_flags_and_environment(monkeypatch):
         "10.0.0.1:8476",
         4,
     )
+
+
+# Evaluation through the binary (test_eval.py has the rest).
+
+
+def test_binary_prints_an_eval_line_after_each_eval_step(run_output):
+    stdout, _ = run_output
+    assert (
+        "eval: every 2 steps and at the end, 2 batches of 8 sequences (<= 512 tokens) from "
+        "synthetic, held-out stream 1 of seed 0"
+    ) in stdout
+    lines = [line for line in stdout.splitlines() if line.startswith(("step ", "eval "))]
+    assert [line.split()[:3] for line in lines] == [
+        ["step", "1", "loss"],
+        ["step", "2", "loss"],
+        ["eval", "step", "2"],
+        ["step", "3", "loss"],
+        ["eval", "step", "3"],
+    ]
+    fields = lines[2].split()
+    assert fields[3] == "loss" and fields[5] == "perplexity" and fields[7] == "tokens"
+    assert fields[8] == "512"  # 2 batches x 8 sequences x 32 tokens, no padding
+    assert float(fields[6]) == pytest.approx(math.exp(float(fields[4])), rel=1e-3)
+
+
+def test_binary_writes_eval_records_and_scalars_and_plots_them(run_output, event_tags, tmp_path):
+    _, run_dir = run_output
+    records = metrics.read(str(run_dir / "metrics.jsonl"))
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["step"] for r in records if "eval_loss" in r] == [2, 3]
+    for r in records[1:]:
+        assert r["eval_perplexity"] == pytest.approx(math.exp(r["eval_loss"]))
+        assert r["eval_tokens"] == 512 and "learning/loss" in r  # merged with the step's
+    (events,) = (run_dir / "tensorboard").glob("events.out.tfevents.*")
+    tags = event_tags(events)
+    assert tags["eval_loss"] == [2, 3] and tags["eval_perplexity"] == [2, 3]
+    assert plots.main([str(run_dir), "--output_dir", str(tmp_path)]) == 0
+    png = (tmp_path / "loss.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 5000

@@ -92,6 +92,16 @@ class Config:
     dataset_path: str = ""
     jsonl_field: str = "text"
     tokenizer_path: str = ""
+    # Evaluation (eval_data.py, evaluate.py), under MaxText's names: a held-out loss
+    # every eval_interval steps and at the end (<= 0: never), over the first eval_steps
+    # batches of the eval set (<= 0: all of it, text only) of eval_per_device_batch_size
+    # sequences per device (0: per_device_batch_size). Text runs read eval_dataset_path
+    # (MaxText names it per data type: grain_eval_files, hf_eval_files); synthetic runs
+    # get a held-out stream drawn from the same seed.
+    eval_interval: int = -1
+    eval_steps: int = -1
+    eval_per_device_batch_size: float = 0.0
+    eval_dataset_path: str = ""
     # Checkpoints (checkpoint.py): on when base_output_directory is set; they go to
     # run_dir/checkpoints, every checkpoint_period steps (0: only at the end) and at
     # the end, async; a restart resumes from the newest complete one.

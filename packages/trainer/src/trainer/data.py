@@ -11,14 +11,18 @@ BATCH_KEYS = ("inputs", "targets", "positions", "segments", "weights")
 TOKENS = ("activation_batch", "activation_length")
 
 
-def synthetic_batch(config: Config, batch_size: int, step: int) -> dict[str, np.ndarray]:
+def synthetic_batch(
+    config: Config, batch_size: int, step: int, stream: int = 0
+) -> dict[str, np.ndarray]:
     """Learnable synthetic text: each row counts up from a random start by a random stride.
 
     The next token is a function of the current one and the row's stride, so
     the loss falls quickly and a broken train step shows. Deterministic in
-    (seed, step): a resumed run sees the same stream.
+    (seed, step): a resumed run sees the same stream. `stream` > 0 draws another,
+    independent stream from the same seed (the held-out eval stream); stream 0 is
+    the training stream, unchanged.
     """
-    rng = np.random.default_rng([config.seed, step])
+    rng = np.random.default_rng([config.seed, step, stream] if stream else [config.seed, step])
     length, vocab = config.max_target_length, config.vocab_size
     start_B = rng.integers(0, vocab, size=(batch_size, 1))
     stride_B = rng.integers(1, 4, size=(batch_size, 1))

@@ -28,15 +28,15 @@ class Source(Protocol):
 class SyntheticSource:
     """`data.synthetic_batch`, the whole global batch per step, sliced."""
 
-    def __init__(self, config: Config, global_batch: int):
-        self.config, self.global_batch = config, global_batch
+    def __init__(self, config: Config, global_batch: int, stream: int = 0):
+        self.config, self.global_batch, self.stream = config, global_batch, stream
         self._step, self._batch = None, None
 
     def rows(self, step: int, start: int, stop: int) -> dict[str, np.ndarray]:
         if self._step != step:
             self._step, self._batch = (
                 step,
-                data.synthetic_batch(self.config, self.global_batch, step),
+                data.synthetic_batch(self.config, self.global_batch, step, self.stream),
             )
         return {key: value[start:stop] for key, value in self._batch.items()}
 

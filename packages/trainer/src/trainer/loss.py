@@ -9,6 +9,23 @@ from jax import lax
 import pspec_tags as pt
 
 
+def token_cross_entropy(logits_BxSxV: jax.Array, targets_BxS: jax.Array) -> jax.Array:
+    """-log p(target) per token, laid out like the tokens (unweighted)."""
+    lse_BxS = jax.nn.logsumexp(logits_BxSxV, axis=-1)
+    # A vocab index per logit, laid out exactly like the logits: comparing it with
+    # the targets is then a plain elementwise op even when the vocab is sharded.
+    spec = pt.spec_of(logits_BxSxV)
+    vocab_BxSxV = lax.broadcasted_iota(
+        jnp.int32,
+        logits_BxSxV.shape,
+        2,
+        out_sharding=jax.typeof(logits_BxSxV).sharding if spec is not None else None,
+    )
+    hit_BxSxV = vocab_BxSxV == targets_BxS[..., None]
+    target_BxS = jnp.sum(jnp.where(hit_BxSxV, logits_BxSxV, 0.0), axis=-1)
+    return lse_BxS - target_BxS
+
+
 def cross_entropy_sum(
     logits_BxSxV: jax.Array,
     targets_BxS: jax.Array,
@@ -23,20 +40,9 @@ def cross_entropy_sum(
     so a microbatch loop adds them up with no collective and accum reduces
     them once after it; elsewhere they are plain sums.
     """
-    lse_BxS = jax.nn.logsumexp(logits_BxSxV, axis=-1)
-    # A vocab index per logit, laid out exactly like the logits: comparing it with
-    # the targets is then a plain elementwise op even when the vocab is sharded.
-    spec = pt.spec_of(logits_BxSxV)
-    vocab_BxSxV = lax.broadcasted_iota(
-        jnp.int32,
-        logits_BxSxV.shape,
-        2,
-        out_sharding=jax.typeof(logits_BxSxV).sharding if spec is not None else None,
-    )
-    hit_BxSxV = vocab_BxSxV == targets_BxS[..., None]
-    target_BxS = jnp.sum(jnp.where(hit_BxSxV, logits_BxSxV, 0.0), axis=-1)
+    nll_BxS = token_cross_entropy(logits_BxSxV, targets_BxS)
     weights_BxS = weights_BxS.astype(jnp.float32)
     # TAG: jnp.sum over token-sharded rows all-reduces each scalar right here,
     # once per microbatch; unreduced_sum leaves that to the end of the step.
     total = pt.unreduced_sum if keep_unreduced else jnp.sum
-    return total((lse_BxS - target_BxS) * weights_BxS), total(weights_BxS)
+    return total(nll_BxS * weights_BxS), total(weights_BxS)

@@ -111,6 +111,7 @@ def main(argv: list[str]) -> int:
     with contextlib.ExitStack() as stack:
         import jax
 
+        from trainer import evaluate
         from trainer import metrics as metrics_lib
 
         writer = stack.enter_context(
@@ -135,10 +136,14 @@ def main(argv: list[str]) -> int:
                 print(run_lib.step_line(step, metrics), flush=True)
             writer.write(metrics)
 
+        def on_eval(step: int, result: dict) -> None:
+            print(evaluate.eval_line(step, result), flush=True)
+            writer.write_eval(step, result)
+
         if run.start_step >= config.steps:
             print(f"nothing to do: resumed at step {run.start_step}, steps={config.steps}")
         try:
-            run_lib.train(run, on_step)
+            run_lib.train(run, on_step, on_eval)
         except FloatingPointError as error:
             kept = run.checkpoints.last_saved if run.checkpoints else None
             where = f" (newest checkpoint: step {kept})" if kept else ""

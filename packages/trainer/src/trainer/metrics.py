@@ -9,10 +9,16 @@ Record keys (`record(step_metrics)`):
     moe/load_imbalance_per_layer     [MoE layer] max / mean expert load
     moe/load_imbalance               the worst layer's max / mean (1.0 = perfectly balanced)
 
+and after each evaluation (`write_eval`) a record of its own for the same step:
+
+    step, eval_loss, eval_perplexity, eval_tokens, eval_time_s
+
 Only process 0 writes. A run that starts at step N (a resumed run) keeps the
 records of steps 1..N already in the file and drops later ones, so a restart
 after a crash does not leave duplicate steps; a fresh run (N = 0) starts the
-file over. TensorBoard gets `purge_step=N + 1` for the same reason.
+file over. An eval record of step N is dropped too: a run resumed at an eval
+step evaluates again (run.train). TensorBoard gets `purge_step=N + 1` for the
+same reason. `read` merges the records of one step into one.
 """
 
 from __future__ import annotations
@@ -79,15 +85,27 @@ def scalars(rec: dict) -> dict[str, float]:
     return out
 
 
+EVAL_KEYS = ("eval_loss", "eval_perplexity", "eval_tokens", "eval_time_s")
+
+
+def _keep(rec: dict, last_step: int) -> bool:
+    """Records a run resumed at `last_step` keeps: earlier steps, and step
+    `last_step`'s training record (its evaluation, if any, is redone)."""
+    if "eval_loss" in rec:
+        return rec["step"] < last_step
+    return rec["step"] <= last_step
+
+
 def _keep_until(path: str, last_step: int) -> None:
-    """Rewrite `path` keeping only records with step <= last_step (none when 0)."""
+    """Rewrite `path` keeping only records with step <= last_step (none when 0),
+    less an eval record of step last_step."""
     if not os.path.exists(path):
         return
     kept = []
     with open(path) as f:
         for line in f:
             try:
-                if json.loads(line)["step"] <= last_step:
+                if _keep(json.loads(line), last_step):
                     kept.append(line)
             except (ValueError, KeyError, TypeError):
                 continue  # a line cut short by a killed process
@@ -128,7 +146,13 @@ class MetricsWriter:
 
     def write(self, metrics: dict) -> dict:
         """Write one step (run.train's host metrics); returns the record."""
-        rec = record(metrics)
+        return self._emit(record(metrics))
+
+    def write_eval(self, step: int, result: dict) -> dict:
+        """Write one complete evaluation (`Evaluator.evaluate`'s result) at `step`."""
+        return self._emit({"step": int(step), **{k: result[k] for k in EVAL_KEYS}})
+
+    def _emit(self, rec: dict) -> dict:
         if self._jsonl:
             self._jsonl.write(json.dumps(rec, sort_keys=True) + "\n")
             self._jsonl.flush()
@@ -154,7 +178,8 @@ class MetricsWriter:
 
 
 def read(path: str) -> list[dict]:
-    """Records of a metrics file, one per step (a later record for a step wins)."""
+    """Records of a metrics file, one per step: a step's training and eval records
+    merged (for a key written twice, the later record wins)."""
     by_step: dict[int, dict] = {}
     with open(path) as f:
         for line in f:
@@ -163,7 +188,8 @@ def read(path: str) -> list[dict]:
                 continue
             try:
                 rec = json.loads(line)
-                by_step[int(rec["step"])] = rec
+                step = int(rec["step"])
+                by_step[step] = {**by_step.get(step, {}), **rec}
             except (ValueError, KeyError, TypeError):
                 continue  # a line cut short by a killed process
     return [by_step[s] for s in sorted(by_step)]

@@ -3,7 +3,8 @@
 Each FILE is a metrics.jsonl written by `train` (or a run directory holding
 one); every run is one line on each chart, labelled by its run directory name
 (or `--labels`). Writes loss.png, throughput.png and, when any run has MoE
-layers, load_balance.png.
+layers, load_balance.png. A run with evaluations gets its eval loss on the loss
+chart too, beside its training loss: same colour, dashed, a point per evaluation.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import sys
 
 from trainer.metrics import METRICS_FILE, read
 
+# Drawn on the same chart as a key, per run: the eval curve beside the training loss.
+COMPANIONS = {"learning/loss": ("eval_loss", "eval")}
 # chart file -> (title, y label, record key)
 CHARTS = {
-    "loss.png": ("Training loss", "loss", "learning/loss"),
+    "loss.png": ("Training and eval loss", "loss", "learning/loss"),
     "throughput.png": ("Throughput", "tokens / s", "perf/tokens_per_s"),
     "load_balance.png": (
         "MoE load imbalance (max / mean expert load, worst layer)",
@@ -51,6 +54,17 @@ def load_runs(paths: list[str], labels: list[str] | None = None) -> list[tuple[s
     return runs
 
 
+def _points(records: list[dict], key: str) -> list[tuple[int, float]]:
+    return [(r["step"], r[key]) for r in records if r.get(key) is not None]
+
+
+def _draw_companion(ax, records: list[dict], key: str, suffix: str, label: str, color) -> None:
+    points = _points(records, key)
+    if points:
+        steps, values = zip(*points, strict=True)
+        ax.plot(steps, values, linestyle="--", marker="o", color=color, label=f"{label} {suffix}")
+
+
 def plot(runs: list[tuple[str, list[dict]]], output_dir: str) -> list[str]:
     """Draw every chart some run has data for; returns the PNG paths written."""
     import matplotlib
@@ -65,11 +79,15 @@ def plot(runs: list[tuple[str, list[dict]]], output_dir: str) -> list[str]:
         fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
         drawn = 0
         for label, records in runs:
-            points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+            points = _points(records, key)
             if points:
                 steps, values = zip(*points, strict=True)
-                ax.plot(steps, values, marker="." if len(points) < 50 else None, label=label)
+                line = ax.plot(
+                    steps, values, marker="." if len(points) < 50 else None, label=label
+                )[0]
                 drawn += 1
+                if key in COMPANIONS:
+                    _draw_companion(ax, records, *COMPANIONS[key], label, line.get_color())
         if drawn:
             ax.set_title(title)
             ax.set_xlabel("step")

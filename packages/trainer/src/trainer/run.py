@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import accum
-from trainer import checkpoint, data, flops, input_pipeline, report
+from trainer import checkpoint, data, eval_data, evaluate, flops, input_pipeline, report
 from trainer import model as model_lib
 from trainer.config import Config
 from trainer.optimizer import make_optimizer
@@ -47,6 +47,8 @@ class Run:
     start_step: int = 0  # > 0 when resumed from a checkpoint
     restored_from: str = ""
     stop_reason: str = ""  # set when a signal stopped the loop early
+    evaluator: evaluate.Evaluator | None = None  # eval_interval > 0
+    evals: list = dataclasses.field(default_factory=list)  # (step, eval result) per evaluation
 
 
 def setup(config: Config, devices: list | None = None) -> Run:
@@ -56,6 +58,7 @@ def setup(config: Config, devices: list | None = None) -> Run:
     # Inputs and the output directory, before building or compiling anything.
     batch = global_batch_size(config, len(devices))
     source = input_pipeline.make_source(config, batch)
+    eval_set = eval_data.make_eval_set(config, len(devices), sizes)
     checkpoints = checkpoint.open_checkpointer(config, batch)
     mesh = make_mesh(sizes, config.shard_mode, devices)
     ctx = ShardCtx(mesh, logical_rules(config), config.shard_mode)
@@ -77,6 +80,7 @@ def setup(config: Config, devices: list | None = None) -> Run:
     step_fn = jit_step(fns.step, state)
     run = Run(config, ctx, model, state, step_fn, batch, deferral_axes(ctx))
     run.source, run.checkpoints = source, checkpoints
+    run.evaluator = evaluate.make_evaluator(config, ctx, model, eval_set)
     restored = checkpoints.restore_latest(state, mesh) if checkpoints else None
     if restored:
         run.state, run.start_step, run.restored_from = restored.state, restored.step, restored.path
@@ -170,6 +174,8 @@ def compile_step(run: Run) -> Any:
     """Lower and compile the step once (the same executable the loop runs)."""
     with jax.set_mesh(run.ctx.mesh):
         run.compiled = run.step_fn.lower(run.state, batch_for(run, 0)).compile()
+    if run.evaluator:
+        run.evaluator.compile(run.state)
     return run.compiled
 
 
@@ -181,8 +187,19 @@ def to_host(metrics: dict) -> dict:
     return out
 
 
-def train(run: Run, on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
-    """Run `config.steps` steps; returns one host-side metrics dict per step."""
+def train(
+    run: Run,
+    on_step: Callable[[int, dict], None] | None = None,
+    on_eval: Callable[[int, dict], None] | None = None,
+) -> list[dict]:
+    """Run `config.steps` steps; returns one host-side metrics dict per step.
+
+    With evaluation on, `run.evals` gets (step, result) after every eval step,
+    and `on_eval(step, result)` is called once the evaluation is complete (never
+    for half of one). A run resumed at an eval step evaluates again first: a kill
+    during that evaluation left no record of it, and the same parameters give the
+    same result.
+    """
     config = run.config
     compiled = run.compiled or compile_step(run)
     tokens_per_step = run.batch_size * config.max_target_length
@@ -190,8 +207,18 @@ def train(run: Run, on_step: Callable[[int, dict], None] | None = None) -> list[
     peak = flops.peak_tflops(config, jax.devices()[0].device_kind)
     history = []
     checkpoints = run.checkpoints
+
+    def maybe_evaluate(step: int) -> None:
+        if run.evaluator and eval_data.due(config, step):
+            result = run.evaluator.evaluate(run.state)
+            run.evals.append((step, result))
+            if on_eval:
+                on_eval(step, result)
+
     with jax.set_mesh(run.ctx.mesh), checkpoint.stop_on_signals() as stop:
         try:
+            if run.start_step:
+                maybe_evaluate(run.start_step)
             for step in range(run.start_step, config.steps):
                 batch = batch_for(run, step)
                 start = time.perf_counter()
@@ -215,6 +242,11 @@ def train(run: Run, on_step: Callable[[int, dict], None] | None = None) -> list[
                     checkpoints.save(step + 1, run.state)
                 if on_step:
                     on_step(step + 1, metrics)
+                # After the step's checkpoint: a kill during evaluation resumes at
+                # this step and evaluates again (above). A stop request skips it: the
+                # checkpoint saved below is of this step, so the resumed run evaluates.
+                if not stop.requested:
+                    maybe_evaluate(step + 1)
                 if stop.requested:
                     if checkpoints:
                         checkpoints.save(step + 1, run.state)  # no-op when just saved
@@ -276,6 +308,8 @@ def config_defers(config: Config) -> bool:
 def data_lines(run: Run) -> list[str]:
     """Where batches come from, where checkpoints go, and where the run resumes."""
     lines = [run.source.describe()] if run.source else []
+    if run.evaluator:
+        lines.append(run.evaluator.describe())
     if run.checkpoints:
         lines.append(run.checkpoints.describe())
         if run.restored_from:

@@ -73,25 +73,29 @@ def load_tokenizer(path: str) -> Tokenizer:
     )
 
 
-def find_files(dataset_path: str) -> list[Path]:
-    """A directory (searched recursively), a glob, or one file; only .txt / .jsonl."""
+def find_files(dataset_path: str, key: str = "dataset_path") -> list[Path]:
+    """A directory (searched recursively), a glob, or one file; only .txt / .jsonl.
+
+    `key` is the config key that named the path (dataset_path, eval_dataset_path):
+    every error names it.
+    """
     if not dataset_path:
-        raise ConfigError("dataset_type=text needs dataset_path=DIR_OR_GLOB (.txt / .jsonl files)")
+        raise ConfigError(f"dataset_type=text needs {key}=DIR_OR_GLOB (.txt / .jsonl files)")
     path = Path(dataset_path)
     if path.is_dir():
         found = [p for p in path.rglob("*") if p.suffix in SUFFIXES and p.is_file()]
-        where = f"directory dataset_path={dataset_path!r}"
+        where = f"directory {key}={dataset_path!r}"
     elif glob.has_magic(dataset_path):
         matches = [Path(p) for p in glob.glob(dataset_path, recursive=True)]
         found = [p for p in matches if p.suffix in SUFFIXES and p.is_file()]
-        where = f"dataset_path={dataset_path!r} (matched {len(matches)} paths)"
+        where = f"{key}={dataset_path!r} (matched {len(matches)} paths)"
     elif path.is_file():
         if path.suffix not in SUFFIXES:
-            raise ConfigError(f"dataset_path={dataset_path!r} is not a .txt or .jsonl file")
+            raise ConfigError(f"{key}={dataset_path!r} is not a .txt or .jsonl file")
         found = [path]
         where = ""
     else:
-        raise ConfigError(f"dataset_path={dataset_path!r} does not exist")
+        raise ConfigError(f"{key}={dataset_path!r} does not exist")
     if not found:
         raise ConfigError(f"{where} holds no .txt or .jsonl files")
     return sorted(found)
@@ -219,13 +223,8 @@ class TextSource:
         return self.rows(step, start, stop)
 
     def describe(self) -> str:
-        tokens = int(self.packed.piece_len.sum())
-        fill = tokens / max(1, len(self.packed) * self.packed.length)
-        return (
-            f"data: text, {len(self.files)} files, {self.documents} documents, "
-            f"{self.tokenizer.name} tokens: {tokens:,} targets in {len(self.packed):,} "
-            f"packed rows of {self.packed.length} ({fill:.0%} filled)"
-        )
+        text = PackedText(self.packed, self.tokenizer, self.files, self.documents)
+        return f"data: text, {text.describe()}"
 
 
 def process_row_range(global_batch: int, process_index: int, process_count: int) -> tuple[int, int]:
@@ -238,9 +237,29 @@ def process_row_range(global_batch: int, process_index: int, process_count: int)
     return process_index * share, (process_index + 1) * share
 
 
-def make_text_source(config: Config, global_batch: int) -> TextSource:
-    """Read, tokenize and pack everything once; raise ConfigError on any bad input."""
-    files = find_files(config.dataset_path)
+@dataclasses.dataclass(frozen=True)
+class PackedText:
+    """Files read, tokenized and packed (what a training or an eval source is built on)."""
+
+    packed: PackedRows
+    tokenizer: Tokenizer
+    files: list[Path]
+    documents: int
+
+    def describe(self) -> str:
+        tokens = int(self.packed.piece_len.sum())
+        fill = tokens / max(1, len(self.packed) * self.packed.length)
+        return (
+            f"{len(self.files)} files, {self.documents} documents, "
+            f"{self.tokenizer.name} tokens: {tokens:,} targets in {len(self.packed):,} "
+            f"packed rows of {self.packed.length} ({fill:.0%} filled)"
+        )
+
+
+def load_packed(config: Config, path: str, key: str = "dataset_path") -> PackedText:
+    """Read, tokenize and pack the files under `path` (named by config key `key`) once,
+    with the run's tokenizer and `max_target_length`; ConfigError on any bad input."""
+    files = find_files(path, key)
     tokenizer = load_tokenizer(config.tokenizer_path) if config.tokenizer_path else byte_tokenizer()
     if tokenizer.vocab_size > config.vocab_size:
         raise ConfigError(
@@ -258,12 +277,20 @@ def make_text_source(config: Config, global_batch: int) -> TextSource:
     packed = pack(documents, config.max_target_length)
     if not len(packed):
         raise ConfigError(
-            f"dataset_path={config.dataset_path!r}: {len(files)} files hold no text "
+            f"{key}={path!r}: {len(files)} files hold no text "
             f"(every document is empty or a single token)"
         )
+    return PackedText(packed, tokenizer, files, len(documents))
+
+
+def make_text_source(config: Config, global_batch: int) -> TextSource:
+    """The training stream over `dataset_path`; raise ConfigError on any bad input."""
+    text = load_packed(config, config.dataset_path)
     dataset = (
-        grain.MapDataset.source(packed)
+        grain.MapDataset.source(text.packed)
         .shuffle(seed=config.seed % 2**32)
         .repeat(reseed_each_epoch=True)
     )
-    return TextSource(dataset, packed, global_batch, tokenizer, files, len(documents))
+    return TextSource(
+        dataset, text.packed, global_batch, text.tokenizer, text.files, text.documents
+    )

@@ -1,0 +1,136 @@
+"""The eval set: which batches an evaluation reads, and every check on the eval keys.
+
+Every evaluation reads the same batches — the first `eval_steps` of the eval
+set, in order — so eval losses at different steps are comparable.
+
+- `dataset_type=text`: the files under `eval_dataset_path`, tokenized and packed
+  exactly as the training files are (same tokenizer, `max_target_length`,
+  segments), read in file order without shuffling; rows past the end of the set
+  are padding (weight 0), so no row is counted twice. `eval_steps <= 0` reads the
+  whole set once; a larger `eval_steps` than the set holds is capped to it.
+- `dataset_type=synthetic`: the same counting generator on another stream of the
+  same seed (`data.synthetic_batch(..., stream=EVAL_STREAM)`): held out from
+  every training batch, and `eval_steps` must be >= 1 (the stream has no end).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from trainer import text_data
+from trainer.config import Config, ConfigError
+from trainer.input_pipeline import Source, SyntheticSource
+from trainer.validate import batch_shard_count
+
+EVAL_STREAM = 1
+
+
+def enabled(config: Config) -> bool:
+    """Evaluation is on when `eval_interval` is positive (MaxText: -1 = never)."""
+    return config.eval_interval > 0
+
+
+def due(config: Config, step: int) -> bool:
+    """Evaluate after `step`: every `eval_interval` steps and after the last one."""
+    return enabled(config) and (step % config.eval_interval == 0 or step == config.steps)
+
+
+def eval_batch_size(config: Config, num_devices: int, sizes: dict[str, int]) -> int:
+    """Sequences per eval batch: eval_per_device_batch_size (0: per_device_batch_size)
+    x devices; a whole number that splits over the batch shards, as a microbatch must."""
+    per_device = config.eval_per_device_batch_size
+    if per_device < 0:
+        raise ConfigError(
+            f"eval_per_device_batch_size={per_device} must be >= 0 (0: per_device_batch_size)"
+        )
+    key = "eval_per_device_batch_size" if per_device else "per_device_batch_size"
+    per_device = per_device or config.per_device_batch_size
+    total = per_device * num_devices
+    if total < 1 or total != int(total):
+        raise ConfigError(
+            f"{key}={per_device} x {num_devices} devices = {total} is not a whole, positive "
+            "number of sequences per eval batch"
+        )
+    shards = batch_shard_count(config, sizes)
+    if int(total) % shards:
+        raise ConfigError(
+            f"eval batch of {int(total)} sequences ({key}={per_device} x {num_devices} devices) "
+            f"does not split over the {shards} batch shards; set eval_per_device_batch_size so "
+            f"that it does"
+        )
+    return int(total)
+
+
+class TextEvalSource:
+    """The packed eval rows in order; row i of eval batch b is row b * batch + i of the set."""
+
+    def __init__(self, text: text_data.PackedText, global_batch: int):
+        self.text, self.global_batch = text, global_batch
+        self._padding = {
+            key: np.zeros(text.packed.length, np.float32 if key == "weights" else np.int32)
+            for key in text_data.KEYS
+        }
+
+    @property
+    def num_batches(self) -> int:
+        """Batches in one pass over the set (the last one padded)."""
+        return math.ceil(len(self.text.packed) / self.global_batch)
+
+    def rows(self, step: int, start: int, stop: int) -> dict[str, np.ndarray]:
+        base, packed = step * self.global_batch, self.text.packed
+        examples = [
+            packed[base + r] if base + r < len(packed) else self._padding
+            for r in range(start, stop)
+        ]
+        return {key: np.stack([e[key] for e in examples]) for key in text_data.KEYS}
+
+    def describe(self) -> str:
+        return f"text, {self.text.describe()}"
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSet:
+    """What one evaluation reads: `steps` batches of `source` (batch index 0..steps-1)."""
+
+    source: Source
+    steps: int
+    batch_size: int
+    note: str  # where the batches come from, for the startup line
+
+
+def make_eval_set(config: Config, num_devices: int, sizes: dict[str, int]) -> EvalSet | None:
+    """Check the eval keys and open the eval data (before anything compiles); None when off."""
+    if not enabled(config):
+        return None
+    batch = eval_batch_size(config, num_devices, sizes)
+    if config.dataset_type == "synthetic":
+        if config.eval_dataset_path:
+            raise ConfigError(
+                f"eval_dataset_path={config.eval_dataset_path!r} is set but "
+                "dataset_type=synthetic; add dataset_type=text to evaluate on it"
+            )
+        if config.eval_steps <= 0:
+            raise ConfigError(
+                f"eval_steps={config.eval_steps} means the whole eval set, but the synthetic "
+                "eval stream has no end; set eval_steps=N (batches per evaluation)"
+            )
+        source = SyntheticSource(config, batch, stream=EVAL_STREAM)
+        note = f"synthetic, held-out stream {EVAL_STREAM} of seed {config.seed}"
+        return EvalSet(source, config.eval_steps, batch, note)
+    if not config.eval_dataset_path:
+        raise ConfigError(
+            f"eval_interval={config.eval_interval} with dataset_type=text needs "
+            "eval_dataset_path=DIR_OR_GLOB (.txt / .jsonl files held out from training)"
+        )
+    text = text_data.load_packed(config, config.eval_dataset_path, key="eval_dataset_path")
+    source = TextEvalSource(text, batch)
+    steps = source.num_batches
+    note = source.describe()
+    if 0 < config.eval_steps < steps:
+        steps = config.eval_steps
+    elif config.eval_steps > steps:
+        note += f"; eval_steps={config.eval_steps} capped to the set's {steps} batches"
+    return EvalSet(source, steps, batch, note)

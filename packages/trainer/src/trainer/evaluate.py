@@ -1,0 +1,143 @@
+"""Held-out evaluation: a forward-only eval step, compiled once, summed over the eval set.
+
+The eval step runs the training model's forward (`model.apply`, the same
+segments, positions and loss mask as training) on one eval batch under the
+run's mesh, shardings and shard_mode, and adds each token's weighted
+-log p(target) into per-token accumulators laid out like the tokens. Adding
+elementwise into arrays sharded like the batch needs no collective, so the
+host loop over eval batches runs only what the forward itself needs; the one
+reduction of the loss and token sums happens once per evaluation, in
+`finalize`, and the mean is taken once from the two totals.
+
+The train state is only read: the eval step takes the parameters and router
+biases without donating them (only its own accumulators are donated) and
+returns nothing of the state, so an evaluation changes no parameter and no
+optimizer state, and the training steps around it are the same with or
+without evaluation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import pspec_tags as pt
+from trainer import data, input_pipeline
+from trainer import model as model_lib
+from trainer.config import Config
+from trainer.eval_data import EvalSet
+from trainer.loss import token_cross_entropy
+from trainer.sharding import ShardCtx
+
+
+@dataclasses.dataclass
+class Evaluator:
+    """One run's eval step (compiled once) and the eval batches it reads."""
+
+    config: Config
+    ctx: ShardCtx
+    eval_set: EvalSet
+    step_fn: Any  # jitted (params, router, batch, acc) -> acc
+    finalize_fn: Any  # jitted acc -> (loss sum, token count), replicated
+    zeros_fn: Any  # jitted () -> acc
+    compiled: Any = None
+
+    def batch(self, index: int) -> dict:
+        """Eval batch `index` on the mesh, each process building only its rows."""
+        length = self.config.max_target_length
+        return input_pipeline.put_rows(self.eval_set.source, index, self.ctx, length)
+
+    def compile(self, state: dict) -> Any:
+        """Lower and compile the eval step once (the executable every evaluation runs)."""
+        if self.compiled is None:
+            with jax.set_mesh(self.ctx.mesh):
+                self.compiled = self.step_fn.lower(
+                    state["params"], state["router"], self.batch(0), self.zeros_fn()
+                ).compile()
+        return self.compiled
+
+    def evaluate(self, state: dict) -> dict:
+        """Loss over the eval set: {eval_loss, eval_perplexity, eval_tokens, eval_time_s}."""
+        start = time.perf_counter()
+        compiled = self.compile(state)
+        with jax.set_mesh(self.ctx.mesh):
+            acc = self.zeros_fn()
+            for index in range(self.eval_set.steps):
+                acc = compiled(state["params"], state["router"], self.batch(index), acc)
+            loss_sum, tokens = jax.device_get(self.finalize_fn(acc))
+        loss = float(loss_sum) / max(float(tokens), 1.0)
+        return {
+            "eval_loss": loss,
+            "eval_perplexity": math.exp(loss) if loss < 700 else math.inf,
+            "eval_tokens": int(tokens),
+            "eval_time_s": time.perf_counter() - start,
+        }
+
+    def describe(self) -> str:
+        """The startup line: when, how much, from where."""
+        config, steps = self.config, self.eval_set.steps
+        tokens = steps * self.eval_set.batch_size * config.max_target_length
+        return (
+            f"eval: every {config.eval_interval} steps and at the end, {steps} batches of "
+            f"{self.eval_set.batch_size} sequences (<= {tokens:,} tokens) from "
+            f"{self.eval_set.note}"
+        )
+
+
+def make_evaluator(
+    config: Config, ctx: ShardCtx, model: model_lib.ModelDef, eval_set: EvalSet | None
+) -> Evaluator | None:
+    """The jitted eval step for this run's model and mesh (None when evaluation is off)."""
+    if eval_set is None:
+        return None
+    shape = (eval_set.batch_size, config.max_target_length)
+    token_sharding = data.batch_shardings(ctx, *shape)["weights"]
+    acc_shardings = {"loss": token_sharding, "weight": token_sharding}
+    # ZeRO-1 keeps the master parameters sharded over 'data': the forward runs on
+    # them gathered to the layout the train step computes with (the parameters'
+    # own logical shardings), as the train step gathers them before its loop.
+    compute = None
+    if config.shard_optimizer_over_data:
+        params_abstract, _ = model_lib.abstract_state(model, ctx)
+        compute = jax.tree.map(lambda p: p.sharding.spec, params_abstract)
+
+    def eval_step(params: dict, router: dict, batch: dict, acc: dict) -> dict:
+        if compute is not None:
+            params = jax.tree.map(lambda p, spec: pt.shard(p, spec, ctx.mode), params, compute)
+        logits, _ = model_lib.apply(
+            model, params, router, batch["inputs"], batch["positions"], batch["segments"]
+        )
+        weights = batch["weights"].astype(jnp.float32)
+        nll = token_cross_entropy(logits, batch["targets"]) * weights
+        # Laid out like the tokens, so adding into the accumulators is elementwise.
+        nll = ctx.act(nll, data.TOKENS)
+        return {"loss": acc["loss"] + nll, "weight": acc["weight"] + weights}
+
+    def finalize(acc: dict) -> tuple[jax.Array, jax.Array]:
+        # The evaluation's one reduction: two scalars, once per evaluation.
+        return jnp.sum(acc["loss"]), jnp.sum(acc["weight"])
+
+    def zeros() -> dict:
+        return {key: jnp.zeros(shape, jnp.float32) for key in acc_shardings}
+
+    # Only the accumulators are donated: the parameters and router biases belong
+    # to the train state, which the next train step donates and must find intact.
+    step_fn = jax.jit(eval_step, donate_argnums=(3,), out_shardings=acc_shardings)
+    replicated = jax.sharding.NamedSharding(ctx.mesh, jax.sharding.PartitionSpec())
+    finalize_fn = jax.jit(finalize, out_shardings=(replicated, replicated))
+    zeros_fn = jax.jit(zeros, out_shardings=acc_shardings)
+    return Evaluator(config, ctx, eval_set, step_fn, finalize_fn, zeros_fn)
+
+
+def eval_line(step: int, result: dict) -> str:
+    """`eval  step N  loss X  perplexity Y  tokens T`, aligned with the step lines."""
+    return (
+        f"eval  step {step:5d}  loss {result['eval_loss']:.4f}  "
+        f"perplexity {result['eval_perplexity']:.2f}  tokens {result['eval_tokens']:,}  "
+        f"{result['eval_time_s'] * 1000:.0f} ms"
+    )
