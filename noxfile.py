@@ -1,18 +1,29 @@
-"""Test tiers for tagtrain. Every session runs in the locked uv environment.
+"""Test tiers for tagtrain. Every session but the two wheel sessions runs in the locked
+uv environment.
 
-uv run nox -s lint cpu aot     # what CI runs
+uv run nox -s lint cpu aot wheels_newest  # what CI runs
+uv run nox -s wheels_minimum   # the wheels at the declared minimum versions (Python 3.11)
 uv run nox -s slow             # longer CPU tests
 uv run nox -s tpu_integration  # real chips; skips below 4 devices
 uv run nox -s bench            # writes benchmarks/results/
 """
 
 import os
+import re
+import tomllib
+from pathlib import Path
 
 import nox
+from packaging.requirements import Requirement
+
+# The CPU preset the wheel sessions train for two steps (one place to rename it).
+TRAIN_PRESET = "deepseek3-tiny"
 
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["lint", "cpu", "aot"]
+# A wheel session whose Python (3.12, 3.11) is missing fails instead of skipping.
+nox.options.error_on_missing_interpreters = True
+nox.options.sessions = ["lint", "cpu", "aot", "wheels_newest"]
 
 # Two pytest workers (the CI machine has 2 cores; the tests are compile-bound and
 # JAX compiles on one thread). `loadfile` keeps a file's tests, and the compiled
@@ -97,3 +108,103 @@ def bench(session: nox.Session) -> None:
         scripts = [s for s in scripts if any(a in s for a in session.posargs)]
     for script in scripts:
         session.run("python", os.path.join("benchmarks", script), env=CPU_ENV)
+
+
+# The five wheels, built from the workspace, and the small packages whose tests run
+# against the installed wheels (the trainer gets a two-step `train` instead).
+ROOT = Path(__file__).parent
+WHEELS = ["pspec-tags", "hlo-tools", "accum", "moe-kernels", "tagtrain"]
+SMALL_PACKAGES = ["pspec_tags", "hlo_tools", "accum", "moe_kernels"]
+UNIT_TESTS = "not aot and not integration and not slow"
+
+
+def declared_minimums() -> dict[str, str]:
+    """{distribution: version} from every `name>=version` in the packages' pyproject files.
+
+    A dependency declared with different floors by two packages is an error: the
+    minimum session could not test both.
+    """
+    floors: dict[str, str] = {}
+    for pyproject in sorted(ROOT.glob("packages/*/pyproject.toml")):
+        for line in tomllib.loads(pyproject.read_text())["project"]["dependencies"]:
+            req = Requirement(line)
+            name = re.sub(r"[-_.]+", "-", req.name).lower()
+            for spec in req.specifier:
+                if spec.operator != ">=":
+                    continue
+                if floors.setdefault(name, spec.version) != spec.version:
+                    raise ValueError(
+                        f"{name}: floors {floors[name]} and {spec.version} in {pyproject}"
+                    )
+    return floors
+
+
+def _wheels_session(session: nox.Session, constraints: dict[str, str]) -> None:
+    """Build the five wheels, pip-install them into this fresh venv, test, train 2 steps.
+
+    No uv.lock here: pip resolves the wheels' declared requirements (newest releases,
+    or `constraints` pinned with ==), as a user's `pip install` would.
+    """
+    tmp = Path(session.create_tmp())
+    dist = tmp / "dist"
+    for old in dist.glob("*.whl"):
+        old.unlink()
+    for package in WHEELS:
+        session.run(
+            "uv", "build", "--quiet", "--package", package, "--wheel", "--out-dir", str(dist),
+            external=True,
+        )  # fmt: skip
+    args = [*sorted(map(str, dist.glob("*.whl"))), "pytest", "pytest-xdist"]
+    if constraints:
+        pins = tmp / "constraints.txt"
+        pins.write_text("".join(f"{n}=={v}\n" for n, v in sorted(constraints.items())))
+        args += ["--constraint", str(pins)]
+    session.install("pip")  # the venv is uv's; pip, not uv, resolves the wheels below
+    session.run("python", "-m", "pip", "install", "--quiet", *args)
+    session.run("python", "-m", "pip", "list", "--format=freeze")
+    # The tests run from this tree, so show (and check) that they import the
+    # installed wheels: with --import-mode=importlib nothing puts packages/*/src on
+    # sys.path.
+    session.run(
+        "python",
+        "-c",
+        "import sys, jax, flax, optax, orbax.checkpoint as ocp, pspec_tags, hlo_tools, accum,"
+        " moe_kernels, trainer\n"
+        "for m in (pspec_tags, hlo_tools, accum, moe_kernels, trainer):\n"
+        "    assert m.__file__.startswith(sys.prefix), m.__file__\n"
+        "print('python', sys.version.split()[0], 'jax', jax.__version__, 'flax',"
+        " flax.__version__, 'optax', optax.__version__, 'orbax-checkpoint',"
+        " ocp.__version__, 'from', pspec_tags.__file__)",
+    )
+    session.run(
+        "pytest",
+        *PARALLEL,
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        UNIT_TESTS,
+        *[f"packages/{p}" for p in SMALL_PACKAGES],
+        *session.posargs,
+        env=CPU_ENV,
+    )
+    with session.chdir(tmp):
+        session.run(
+            "train",
+            f"model_name={TRAIN_PRESET}",
+            "steps=2",
+            "per_device_batch_size=2",
+            "gradient_accumulation_steps=2",
+            env=CPU_ENV,
+        )
+
+
+@nox.session(python="3.12", venv_backend="uv", reuse_venv=False)
+def wheels_newest(session: nox.Session) -> None:
+    """The five wheels on Python 3.12 with the newest releases pip picks (JAX 0.12.x)."""
+    _wheels_session(session, {})
+
+
+@nox.session(python="3.11", venv_backend="uv", reuse_venv=False)
+def wheels_minimum(session: nox.Session) -> None:
+    """The five wheels on Python 3.11 with every dependency at its declared minimum."""
+    _wheels_session(session, declared_minimums())
