@@ -17,7 +17,7 @@ import nox
 from packaging.requirements import Requirement
 
 # The CPU preset the wheel sessions train for two steps (one place to rename it).
-TRAIN_PRESET = "deepseek3-tiny"
+TRAIN_PRESET = "tagtrain-tiny"
 
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_existing_virtualenvs = True
