@@ -334,7 +334,7 @@ def _routed_all_to_all(x_TxD, ids_A, k, kernels, plan, e_local, capacity, precis
 
 
 def _capacity(config: MoEConfig, n_assign: int, ep: int) -> int:
-    if config.capacity_factor is None:
+    if not config.capacity_factor:  # 0: no token dropped
         return n_assign
     return max(1, min(n_assign, math.ceil(n_assign / ep * config.capacity_factor)))
 
@@ -532,7 +532,7 @@ def sparse_moe(
     `update_routing_bias`), `tokens_per_expert_by_shard` (token shards, E),
     `balance_loss` (scalar, sequence-wise, unscaled; the mean of
     `balance_loss_by_shard`, one per token shard), `dropped` (assignments lost
-    to a finite `capacity_factor`).
+    to a positive `capacity_factor`).
     """
     return _moe(
         x_BxSxD, params, config=config, mesh=mesh, rules=rules, mode=mode,
