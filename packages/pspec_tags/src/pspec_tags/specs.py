@@ -176,7 +176,7 @@ def check_spec(spec: P | None, *, ndim: int | None = None, mesh: Any = None) -> 
     >>> pt.check_spec(P("model"), mesh=AbstractMesh((4, 2), ("data", "fsdp")))
     Traceback (most recent call last):
     ...
-    ValueError: spec P('model',) names mesh axis 'model', which is not in the mesh (axes: ('data', 'fsdp'))
+    ValueError: spec P('model',) names mesh axis 'model', which is not in the mesh ...
     """
     entries = partitions(spec)
     if ndim is not None and len(entries) > ndim:
