@@ -42,13 +42,13 @@ SCORE_FUNCS = ("sigmoid", "softmax")
 class MoEConfig:
     """Hyperparameters of one MoE layer (DeepSeek-V3 defaults where they exist).
 
-    num_experts, num_experts_per_tok: E routed experts, K picked per token.
+    num_experts, num_experts_per_tok: E routed experts, Z picked per token.
     n_groups, topk_groups: group-limited routing; experts split into `n_groups`
         equal groups, only the `topk_groups` best groups may be picked
         (1, 1 = no group limit).
     routed_scaling_factor: multiplies the (normalized) combine weights.
     score_func: 'sigmoid' (DeepSeek-V3) or 'softmax' (Mixtral).
-    norm_topk_prob: renormalize the K combine weights to sum to one.
+    norm_topk_prob: renormalize the Z combine weights to sum to one.
     mlp_dim: hidden size F of each routed expert.
     num_shared_experts, shared_mlp_dim: the always-on MLP; its hidden size is
         `shared_mlp_dim` (default `num_shared_experts * mlp_dim`); 0 experts = none.
@@ -60,7 +60,7 @@ class MoEConfig:
     capacity_factor: 0 (default) = no token is ever dropped (the all-to-all
         buffer holds every assignment), as MaxText's and the trainer's key; a
         positive float caps each (source, destination) block of the padded
-        all-to-all at ceil(T*K/EP * capacity_factor) rows and drops what
+        all-to-all at ceil(T*Z/EP * capacity_factor) rows and drops what
         overflows. None, the earlier spelling of 0, is stored as 0.0.
     precision: matmul precision (`jax.lax.Precision` name or None).
     """
