@@ -19,7 +19,7 @@ from moe_kernels import DEFAULT_RULES, MoEConfig, init_params, param_specs, spar
             r"num_experts_per_tok=4 .*topk_groups=1",
         ),
         (dict(score_func="relu"), r"score_func='relu'"),
-        (dict(capacity_factor=0.0), r"capacity_factor=0.0"),
+        (dict(capacity_factor=-1.0), r"capacity_factor=-1.0"),
         (dict(param_axes={"gate": ("embed", None)}), r"param_axes lacks"),
     ],
 )

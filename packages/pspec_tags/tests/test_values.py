@@ -58,10 +58,10 @@ def test_carry_reduced_axes_declines_without_explicit_sharding():
     assert pt.carry_reduced_axes(None, np.ones(3)) is None
 
 
-def _loss(params, x_BxLxD, ids_BxL):
-    bias_BxLxD = pt.broadcast_param(params["bias"], x_BxLxD)
-    emb_BxLxD = pt.embed_lookup(params["table"], ids_BxL)
-    return jnp.sum(jnp.tanh(x_BxLxD * bias_BxLxD + emb_BxLxD))
+def _loss(params, x_BxSxD, ids_BxS):
+    bias_BxSxD = pt.broadcast_param(params["bias"], x_BxSxD)
+    emb_BxSxD = pt.embed_lookup(params["table"], ids_BxS)
+    return jnp.sum(jnp.tanh(x_BxSxD * bias_BxSxD + emb_BxSxD))
 
 
 @pytest.fixture(scope="module")
@@ -146,21 +146,21 @@ def test_microbatch_scan_with_bias_and_lookup_reduces_once(mesh, inputs):
 
     params, x, ids = inputs
     n = 4  # microbatches, each a full (B, L) batch sharded over 'data'
-    x_NxBxLxD = _put(jnp.stack([x * (i + 1) for i in range(n)]), P(None, "data"), mesh)
-    ids_NxBxL = _put(jnp.stack([ids] * n), P(None, "data"), mesh)
+    x_MxBxSxD = _put(jnp.stack([x * (i + 1) for i in range(n)]), P(None, "data"), mesh)
+    ids_MxBxS = _put(jnp.stack([ids] * n), P(None, "data"), mesh)
 
-    def step(params, x_NxBxLxD, ids_NxBxL):
+    def step(params, x_MxBxSxD, ids_MxBxS):
         red = _reduced(params)
 
         def body(acc, mb):
             g = jax.grad(_loss)(red, *mb)
             return jax.tree.map(jnp.add, acc, g), None
 
-        g0 = jax.grad(_loss)(red, x_NxBxLxD[0], ids_NxBxL[0])
-        acc, _ = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, g0), (x_NxBxLxD, ids_NxBxL))
+        g0 = jax.grad(_loss)(red, x_MxBxSxD[0], ids_MxBxS[0])
+        acc, _ = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, g0), (x_MxBxSxD, ids_MxBxS))
         return jax.tree.map(lambda a: jax.reshard(a, pt.untagged(pt.spec_of(a))), acc)
 
-    text = jax.jit(step).lower(params, x_NxBxLxD, ids_NxBxL).compile().as_text()
+    text = jax.jit(step).lower(params, x_MxBxSxD, ids_MxBxS).compile().as_text()
     outside = hlo_tools.assert_reduced_once_per_step(text)
     # XLA may combine the two gradient reductions into one; together they cover both.
     assert sum(c.elements for c in outside) == V * D + D
@@ -171,27 +171,27 @@ def test_unreduced_sum_defers_the_reduction_of_a_scan_of_sums(mesh):
     import hlo_tools
 
     n = 4
-    x_NxBxL = _put(jnp.arange(n * B * L, dtype=jnp.float32).reshape(n, B, L), P(None, "data"), mesh)
+    x_MxBxS = _put(jnp.arange(n * B * L, dtype=jnp.float32).reshape(n, B, L), P(None, "data"), mesh)
     w = _put(jnp.ones(()), P(), mesh)
     seen = {}
 
-    def step(w, x_NxBxL):
-        def body(acc, x_BxL):
+    def step(w, x_MxBxS):
+        def body(acc, x_BxS):
             total, grad = jax.value_and_grad(
-                lambda w: pt.unreduced_sum(pt.broadcast_param(w, x_BxL) * x_BxL)
+                lambda w: pt.unreduced_sum(pt.broadcast_param(w, x_BxS) * x_BxS)
             )(jax.reshard(w, P(reduced={"data"})))
             seen["total"], seen["grad"] = str(jax.typeof(total)), str(jax.typeof(grad))
             return jax.tree.map(jnp.add, acc, (total, grad)), None
 
         zero = jax.lax.broadcast_in_dim(0.0, (), (), out_sharding=P(unreduced={"data"}))
-        (total, grad), _ = jax.lax.scan(body, (zero, zero), x_NxBxL)
+        (total, grad), _ = jax.lax.scan(body, (zero, zero), x_MxBxS)
         return jax.reshard(total, P()), jax.reshard(grad, P())
 
-    total, grad = jax.jit(step)(w, x_NxBxL)
+    total, grad = jax.jit(step)(w, x_MxBxS)
     assert seen == {"total": "float32[]{U:data}", "grad": "float32[]{U:data}"}
-    want = float(np.sum(np.asarray(x_NxBxL)))
+    want = float(np.sum(np.asarray(x_MxBxS)))
     assert float(total) == pytest.approx(want) and float(grad) == pytest.approx(want)
-    text = jax.jit(step).lower(w, x_NxBxL).compile().as_text()
+    text = jax.jit(step).lower(w, x_MxBxS).compile().as_text()
     # Scalars: a threshold of 0 elements, so even one in-loop scalar all-reduce fails.
     outside = hlo_tools.assert_reduced_once_per_step(text, max_in_loop_elements=0)
     assert sum(c.elements for c in outside) == 2

@@ -42,13 +42,13 @@ SCORE_FUNCS = ("sigmoid", "softmax")
 class MoEConfig:
     """Hyperparameters of one MoE layer (DeepSeek-V3 defaults where they exist).
 
-    num_experts, num_experts_per_tok: E routed experts, K picked per token.
+    num_experts, num_experts_per_tok: E routed experts, Z picked per token.
     n_groups, topk_groups: group-limited routing; experts split into `n_groups`
         equal groups, only the `topk_groups` best groups may be picked
         (1, 1 = no group limit).
     routed_scaling_factor: multiplies the (normalized) combine weights.
     score_func: 'sigmoid' (DeepSeek-V3) or 'softmax' (Mixtral).
-    norm_topk_prob: renormalize the K combine weights to sum to one.
+    norm_topk_prob: renormalize the Z combine weights to sum to one.
     mlp_dim: hidden size F of each routed expert.
     num_shared_experts, shared_mlp_dim: the always-on MLP; its hidden size is
         `shared_mlp_dim` (default `num_shared_experts * mlp_dim`); 0 experts = none.
@@ -57,10 +57,11 @@ class MoEConfig:
     param_axes: logical axis names per parameter, a mapping or (name, axes)
         pairs (see DEFAULT_PARAM_AXES); stored as sorted pairs so the config
         stays hashable (usable as a jit static argument).
-    capacity_factor: None = no token is ever dropped (the all-to-all buffer
-        holds every assignment); a float caps each (source, destination) block
-        of the padded all-to-all at ceil(T*K/EP * capacity_factor) rows and
-        drops what overflows.
+    capacity_factor: 0 (default) = no token is ever dropped (the all-to-all
+        buffer holds every assignment), as MaxText's and the trainer's key; a
+        positive float caps each (source, destination) block of the padded
+        all-to-all at ceil(T*Z/EP * capacity_factor) rows and drops what
+        overflows. None, the earlier spelling of 0, is stored as 0.0.
     precision: matmul precision (`jax.lax.Precision` name or None).
     """
 
@@ -78,7 +79,7 @@ class MoEConfig:
     batch_axis: str = "activation_batch"
     length_axis: str = "activation_length"
     param_axes: Any = DEFAULT_PARAM_AXES
-    capacity_factor: float | None = None
+    capacity_factor: float = 0.0
     precision: str | None = "highest"
 
     def __post_init__(self):
@@ -112,8 +113,13 @@ class MoEConfig:
             raise ValueError(f"mlp_dim={self.mlp_dim} must be positive")
         if self.num_shared_experts < 0:
             raise ValueError(f"num_shared_experts={self.num_shared_experts} must be >= 0")
-        if self.capacity_factor is not None and self.capacity_factor <= 0:
-            raise ValueError(f"capacity_factor={self.capacity_factor} must be positive or None")
+        if self.capacity_factor is None:
+            # One meaning of 'no token dropped' (0), whichever spelling came in.
+            object.__setattr__(self, "capacity_factor", 0.0)
+        if self.capacity_factor < 0:
+            raise ValueError(
+                f"capacity_factor={self.capacity_factor} must be >= 0 (0 = no token dropped)"
+            )
         missing = sorted(set(dict(DEFAULT_PARAM_AXES)) - set(self.logical_axes))
         if missing:
             raise ValueError(f"param_axes lacks logical axes for {missing}")

@@ -261,10 +261,10 @@ def _swiglu_dense(x_TxD, wi0_DxF, wi1_DxF, wo_FxD, precision):
     return jnp.dot(jax.nn.silu(h0) * h1, wo_FxD, precision=precision)
 
 
-def _swiglu_grouped(x_RxD, wi0_ExDxF, wi1_ExDxF, wo_ExFxD, sizes_E, precision):
+def _swiglu_grouped(rows_xD, wi0_ExDxF, wi1_ExDxF, wo_ExFxD, sizes_E, precision):
     """SwiGLU over rows sorted by expert; rows past `sum(sizes_E)` come out zero."""
-    h0 = lax.ragged_dot(x_RxD, wi0_ExDxF, sizes_E, precision=precision)
-    h1 = lax.ragged_dot(x_RxD, wi1_ExDxF, sizes_E, precision=precision)
+    h0 = lax.ragged_dot(rows_xD, wi0_ExDxF, sizes_E, precision=precision)
+    h1 = lax.ragged_dot(rows_xD, wi1_ExDxF, sizes_E, precision=precision)
     return lax.ragged_dot(jax.nn.silu(h0) * h1, wo_ExFxD, sizes_E, precision=precision)
 
 
@@ -296,7 +296,7 @@ def _routed_all_to_all(x_TxD, ids_A, k, kernels, plan, e_local, capacity, precis
     """Expert parallelism: dispatch rows to their expert's shard and bring them back.
 
     Padded all-to-all: block (source, destination) holds `capacity` rows; with
-    capacity = T*K (the default) nothing can overflow. Returns the output rows
+    capacity = T*Z (the default) nothing can overflow. Returns the output rows
     in assignment order and the number of assignments dropped on overflow.
     """
     ep, axis = plan.ep, plan.expert_axis
@@ -309,32 +309,32 @@ def _routed_all_to_all(x_TxD, ids_A, k, kernels, plan, e_local, capacity, precis
     slot_A = jnp.arange(n_assign) - starts[dest_A]
     dropped = jnp.sum(slot_A >= capacity).astype(jnp.int32)
     # mode="drop" discards rows past the capacity of their block.
-    send_PxCxD = (
+    send_WxYxD = (
         jnp.zeros((ep, capacity, d), x_TxD.dtype)
         .at[dest_A, slot_A]
         .set(x_TxD[order_A // k], mode="drop")
     )
-    send_ids_PxC = (
+    send_ids_WxY = (
         jnp.full((ep, capacity), e_local, jnp.int32)
         .at[dest_A, slot_A]
         .set(sorted_ids_A % e_local, mode="drop")
     )
-    recv_PxCxD = lax.all_to_all(send_PxCxD, axis, 0, 0, tiled=True)
-    recv_ids_R = lax.all_to_all(send_ids_PxC, axis, 0, 0, tiled=True).reshape(-1)
+    recv_WxYxD = lax.all_to_all(send_WxYxD, axis, 0, 0, tiled=True)
+    recv_ids_I = lax.all_to_all(send_ids_WxY, axis, 0, 0, tiled=True).reshape(-1)
     # Received blocks are grouped by source; regroup by local expert (padding,
     # id e_local, sorts last and past sum(sizes), so it computes to zero).
-    order_R = jnp.argsort(recv_ids_R, stable=True)
-    sizes_E = jnp.bincount(recv_ids_R, length=e_local).astype(jnp.int32)
-    out_RxD = _swiglu_grouped(recv_PxCxD.reshape(-1, d)[order_R], *kernels, sizes_E, precision)
-    back_PxCxD = lax.all_to_all(
-        out_RxD[_inverse(order_R)].reshape(ep, capacity, d), axis, 0, 0, tiled=True
+    order_I = jnp.argsort(recv_ids_I, stable=True)
+    sizes_E = jnp.bincount(recv_ids_I, length=e_local).astype(jnp.int32)
+    out_IxD = _swiglu_grouped(recv_WxYxD.reshape(-1, d)[order_I], *kernels, sizes_E, precision)
+    back_WxYxD = lax.all_to_all(
+        out_IxD[_inverse(order_I)].reshape(ep, capacity, d), axis, 0, 0, tiled=True
     )
-    out_sorted_AxD = back_PxCxD.at[dest_A, slot_A].get(mode="fill", fill_value=0)
+    out_sorted_AxD = back_WxYxD.at[dest_A, slot_A].get(mode="fill", fill_value=0)
     return out_sorted_AxD[_inverse(order_A)], dropped
 
 
 def _capacity(config: MoEConfig, n_assign: int, ep: int) -> int:
-    if config.capacity_factor is None:
+    if not config.capacity_factor:  # 0: no token dropped
         return n_assign
     return max(1, min(n_assign, math.ceil(n_assign / ep * config.capacity_factor)))
 
@@ -359,9 +359,9 @@ def _layer_body(x_BxSxD, params, *, config: MoEConfig, plan: _Plan | None, spars
         x_TxD.astype(jnp.float32), gathered("gate").astype(jnp.float32), precision=precision
     ).reshape(b, s, e)
     bias = gathered("bias") if "bias" in params else None
-    weights_BxSxK, ids_BxSxK, stats = route(logits_BxSxE, config=config, bias=bias)
-    weights_TxK = weights_BxSxK.reshape(b * s, k)
-    ids_A = ids_BxSxK.reshape(-1)
+    weights_BxSxZ, ids_BxSxZ, stats = route(logits_BxSxE, config=config, bias=bias)
+    weights_TxZ = weights_BxSxZ.reshape(b * s, k)
+    ids_A = ids_BxSxZ.reshape(-1)
 
     dtype = x_BxSxD.dtype
     if sparse:
@@ -380,7 +380,7 @@ def _layer_body(x_BxSxD, params, *, config: MoEConfig, plan: _Plan | None, spars
                 x_TxD, ids_A, k, kernels, start, e_local, precision, vary
             )
         routed_TxD = jnp.einsum(
-            "tkd,tk->td", out_AxD.reshape(b * s, k, d).astype(jnp.float32), weights_TxK
+            "tkd,tk->td", out_AxD.reshape(b * s, k, d).astype(jnp.float32), weights_TxZ
         )
         if ep > 1 and not (plan is not None and plan.a2a):
             # Tokens are replicated over the expert axis; each shard ran its own
@@ -392,7 +392,7 @@ def _layer_body(x_BxSxD, params, *, config: MoEConfig, plan: _Plan | None, spars
         h1 = jnp.einsum("td,edf->tef", x_TxD, wi1, precision=precision)
         out_TxExD = jnp.einsum("tef,efd->ted", jax.nn.silu(h0) * h1, wo, precision=precision)
         combine_TxE = jnp.einsum(
-            "tke,tk->te", jax.nn.one_hot(ids_A.reshape(b * s, k), e), weights_TxK
+            "tke,tk->te", jax.nn.one_hot(ids_A.reshape(b * s, k), e), weights_TxZ
         )
         routed_TxD = jnp.einsum("ted,te->td", out_TxExD.astype(jnp.float32), combine_TxE)
         dropped = jnp.zeros((), jnp.int32)
@@ -532,7 +532,7 @@ def sparse_moe(
     `update_routing_bias`), `tokens_per_expert_by_shard` (token shards, E),
     `balance_loss` (scalar, sequence-wise, unscaled; the mean of
     `balance_loss_by_shard`, one per token shard), `dropped` (assignments lost
-    to a finite `capacity_factor`).
+    to a positive `capacity_factor`).
     """
     return _moe(
         x_BxSxD, params, config=config, mesh=mesh, rules=rules, mode=mode,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -28,6 +29,12 @@ class MoE(nnx.Module):
     gives the names), or pass `mesh` (+ `rules`) here to place them with
     `param_specs`. `sparse` switches between `sparse_moe` and `dense_moe`.
     Calling it returns `(y_BxSxD, stats)`.
+
+    A framework with its own parameter bookkeeping (the trainer) passes
+    `metadata(name, shape, logical_axes) -> dict`: the metadata each variable
+    gets instead of `out_sharding`/`eager_sharding`; `place=False` keeps `mesh`
+    for the call only (parameters are placed by the caller); `dtype` casts the
+    weights to the compute dtype at use; `recompute_casts` goes to the layer.
     """
 
     def __init__(
@@ -41,14 +48,20 @@ class MoE(nnx.Module):
         rules: Any = None,
         mode: str | None = None,
         param_dtype: Any = jnp.float32,
+        dtype: Any = None,
+        metadata: Callable[[str, tuple, tuple], dict] | None = None,
+        place: bool = True,
+        recompute_casts: bool = True,
     ):
         self.config = config
         self.sparse = sparse
         self.mesh = mesh
         self.rules = DEFAULT_RULES if rules is None else rules
         self.mode = mode
+        self.dtype = None if dtype is None else jnp.dtype(dtype)
+        self.recompute_casts = recompute_casts
         values = init_params(rngs.params(), config, embed_dim, param_dtype)
-        if mesh is not None:
+        if mesh is not None and place:
             specs = param_specs(config, self.rules, mesh, {n: v.shape for n, v in values.items()})
             # Fresh parameters carry no tags; placement only decides partitions.
             values = {
@@ -57,21 +70,37 @@ class MoE(nnx.Module):
         axes = config.logical_axes
         for name, value in values.items():
             kind = RoutingBias if name == "bias" else nnx.Param
-            setattr(self, name, kind(value, out_sharding=axes[name], eager_sharding=False))
+            meta = (
+                dict(out_sharding=axes[name], eager_sharding=False)
+                if metadata is None
+                else metadata(name, tuple(value.shape), tuple(axes[name]))
+            )
+            setattr(self, name, kind(value, **meta))
 
     def params(self) -> dict[str, jax.Array]:
         """The current parameter values by name (what `sparse_moe` takes)."""
         return {n: getattr(self, n)[...] for n in self.config.logical_axes if hasattr(self, n)}
 
+    def _call_params(self) -> dict[str, jax.Array]:
+        out = {}
+        for name, value in self.params().items():
+            # The bias only selects experts; it must not receive a gradient.
+            if name == "bias":
+                out[name] = jax.lax.stop_gradient(value)
+            else:
+                out[name] = value if self.dtype is None else value.astype(self.dtype)
+        return out
+
     def __call__(self, x_BxSxD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         fn = sparse_moe if self.sparse else dense_moe
         return fn(
             x_BxSxD,
-            self.params(),
+            self._call_params(),
             config=self.config,
             mesh=self.mesh,
             rules=self.rules,
             mode=self.mode,
+            recompute_casts=self.recompute_casts,
         )
 
     def update_bias(self, tokens_per_expert_E: jax.Array, *, rate: float) -> None:

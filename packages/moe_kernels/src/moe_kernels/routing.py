@@ -16,8 +16,8 @@ def _group_mask(select_xE: jax.Array, config: MoEConfig) -> jax.Array:
     when a group holds a single expert).
     """
     g, per = config.n_groups, config.experts_per_group
-    grouped_xGxM = select_xE.reshape(*select_xE.shape[:-1], g, per)
-    best, _ = lax.top_k(grouped_xGxM, min(2, per))
+    grouped = select_xE.reshape(*select_xE.shape[:-1], g, per)  # (..., G, E/G)
+    best, _ = lax.top_k(grouped, min(2, per))
     group_score_xG = best.sum(-1)
     _, top_groups_xJ = lax.top_k(group_score_xG, config.topk_groups)
     keep_xG = jax.nn.one_hot(top_groups_xJ, g, dtype=jnp.int32).sum(-2) > 0
@@ -31,7 +31,7 @@ def route(
 
     `logits` is (..., E): router logits for each token; leading dims are batch
     dims and the one before E (if any) is the sequence, which only the
-    sequence-wise balance loss looks at. Returns `(weights_xK, expert_ids_xK,
+    sequence-wise balance loss looks at. Returns `(weights_xZ, expert_ids_xZ,
     stats)`:
 
     - scores are `sigmoid(logits)` or `softmax(logits)`;
@@ -67,21 +67,21 @@ def route(
         select_xE = select_xE + lax.stop_gradient(bias.astype(jnp.float32))
     if config.n_groups > 1 and config.topk_groups < config.n_groups:
         select_xE = jnp.where(_group_mask(select_xE, config), select_xE, -jnp.inf)
-    _, ids_xK = lax.top_k(select_xE, k)
-    weights_xK = jnp.take_along_axis(scores_xE, ids_xK, axis=-1)
+    _, ids_xZ = lax.top_k(select_xE, k)
+    weights_xZ = jnp.take_along_axis(scores_xE, ids_xZ, axis=-1)
     if config.norm_topk_prob:
-        weights_xK = weights_xK / (weights_xK.sum(-1, keepdims=True) + 1e-20)
-    weights_xK = weights_xK * config.routed_scaling_factor
+        weights_xZ = weights_xZ / (weights_xZ.sum(-1, keepdims=True) + 1e-20)
+    weights_xZ = weights_xZ * config.routed_scaling_factor
 
-    counts_E = jnp.bincount(ids_xK.reshape(-1), length=e).astype(jnp.int32)
+    counts_E = jnp.bincount(ids_xZ.reshape(-1), length=e).astype(jnp.int32)
     stats = {
         "tokens_per_expert": counts_E,
-        "balance_loss": _sequence_balance_loss(scores_xE, ids_xK, config),
+        "balance_loss": _sequence_balance_loss(scores_xE, ids_xZ, config),
     }
-    return weights_xK, ids_xK, stats
+    return weights_xZ, ids_xZ, stats
 
 
-def _sequence_balance_loss(scores_xE: jax.Array, ids_xK: jax.Array, config: MoEConfig):
+def _sequence_balance_loss(scores_xE: jax.Array, ids_xZ: jax.Array, config: MoEConfig):
     """DeepSeek-V3 sequence-wise balance loss, `mean_seq sum_i f_i P_i`.
 
     f_i = E / (K S) * (assignments to expert i in the sequence), P_i = mean over
@@ -89,18 +89,18 @@ def _sequence_balance_loss(scores_xE: jax.Array, ids_xK: jax.Array, config: MoEC
     """
     e, k = config.num_experts, config.num_experts_per_tok
     if scores_xE.ndim == 1:
-        scores_xE, ids_xK = scores_xE[None], ids_xK[None]
+        scores_xE, ids_xZ = scores_xE[None], ids_xZ[None]
     s = scores_xE.shape[-2]
-    scores_NxSxE = scores_xE.reshape(-1, s, e)
-    ids_NxSK = ids_xK.reshape(scores_NxSxE.shape[0], s * k)
-    n = scores_NxSxE.shape[0]
+    scores_BxSxE = scores_xE.reshape(-1, s, e)
+    ids_BxA = ids_xZ.reshape(scores_BxSxE.shape[0], s * k)
+    n = scores_BxSxE.shape[0]
     # Per-sequence counts with one bincount over (sequence, expert) pairs.
-    flat = (jnp.arange(n, dtype=jnp.int32)[:, None] * e + ids_NxSK).reshape(-1)
-    counts_NxE = jnp.bincount(flat, length=n * e).reshape(n, e)
-    f_NxE = counts_NxE.astype(jnp.float32) * (e / (k * s))
-    normalized = scores_NxSxE / (scores_NxSxE.sum(-1, keepdims=True) + 1e-20)
-    p_NxE = normalized.mean(axis=1)
-    return (f_NxE * p_NxE).sum(-1).mean()
+    flat = (jnp.arange(n, dtype=jnp.int32)[:, None] * e + ids_BxA).reshape(-1)
+    counts_BxE = jnp.bincount(flat, length=n * e).reshape(n, e)
+    f_BxE = counts_BxE.astype(jnp.float32) * (e / (k * s))
+    normalized = scores_BxSxE / (scores_BxSxE.sum(-1, keepdims=True) + 1e-20)
+    p_BxE = normalized.mean(axis=1)
+    return (f_BxE * p_BxE).sum(-1).mean()
 
 
 def update_routing_bias(

@@ -21,6 +21,16 @@ def carry_reduced_axes(spec: P | None, value: Any) -> P | None:
     Declines (returns `spec` unchanged) when `value` has no explicit sharding
     (auto mode: a no-op), carries no reduced axes, or when a reduced axis also
     partitions `spec` (PartitionSpec rejects that overlap).
+
+    Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    >>> import pspec_tags as pt
+    >>> mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    >>> w_D = jax.device_put(jnp.ones(4), NamedSharding(mesh, P(None, reduced={"data"})))
+    >>> pt.carry_reduced_axes(P(None), w_D)  # P(None) rebuilt from rules, say
+    P(None, reduced={'data'})
     """
     source = spec_of(value)
     if source is None:

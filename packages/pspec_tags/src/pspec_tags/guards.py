@@ -21,7 +21,19 @@ class TagLostError(RuntimeError):
 
 
 def find_untagged(tree: Any, axes: Iterable[str]) -> list[str]:
-    """Key paths (as `jax.tree_util.keystr`) of leaves not unreduced over all `axes`."""
+    """Key paths (as `jax.tree_util.keystr`) of leaves not unreduced over all `axes`.
+
+    Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    >>> import pspec_tags as pt
+    >>> mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    >>> with jax.set_mesh(mesh):
+    ...     g_D = jax.reshard(jnp.zeros(4), P(unreduced={"data"}))
+    >>> pt.find_untagged({"w": g_D, "b": jnp.zeros(2)}, {"data"})
+    ["['b']"]
+    """
     want = frozenset(axes)
     missing = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -36,6 +48,17 @@ def check_unreduced(tree: Any, axes: Iterable[str], *, warn_only: bool = False) 
 
     Call it at trace time on a microbatch's gradients. With `warn_only`, emit a
     RuntimeWarning instead of raising.
+
+    Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    >>> import pspec_tags as pt
+    >>> mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    >>> pt.check_unreduced({"b": jnp.zeros(2)}, {"data"})
+    Traceback (most recent call last):
+    ...
+    pspec_tags.guards.TagLostError: 1 gradient(s) lost their unreduced tag over ('data',); ...
     """
     axes = tuple(sorted(axes))
     missing = find_untagged(tree, axes)

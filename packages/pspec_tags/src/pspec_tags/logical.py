@@ -30,6 +30,16 @@ def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules, mesh: Any)
     with no rule at all raises ValueError (a typo would silently replicate).
     The result is untagged by construction: callers that need a value's tag
     back use `carry_reduced_axes`.
+
+    Example:
+
+    >>> from jax.sharding import AbstractMesh, PartitionSpec as P
+    >>> import pspec_tags as pt
+    >>> rules = [("batch", ("data", "fsdp")), ("embed", "fsdp"), ("mlp", "tensor")]
+    >>> pt.logical_to_spec(("batch", "embed"), rules, AbstractMesh((4, 2), ("data", "fsdp")))
+    P(('data', 'fsdp'), None)
+    >>> pt.logical_to_spec(("embed", "mlp"), rules, AbstractMesh((4, 2), ("data", "fsdp")))
+    P('fsdp', None)
     """
     sizes = dict(mesh.shape)
     rule_list = _rule_list(rules)
@@ -58,6 +68,15 @@ def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules, mesh: Any)
 
 
 def batch_mesh_axes(mesh: Any, rules: Rules, batch_axis: str = "activation_batch") -> tuple:
-    """Mesh axes (of size > 1) that shard the batch, per the logical rules."""
+    """Mesh axes (of size > 1) that shard the batch, per the logical rules.
+
+    Example:
+
+    >>> from jax.sharding import AbstractMesh, PartitionSpec as P
+    >>> import pspec_tags as pt
+    >>> rules = [("activation_batch", ("data", "fsdp"))]
+    >>> pt.batch_mesh_axes(AbstractMesh((4, 1), ("data", "fsdp")), rules)
+    ('data',)
+    """
     (entry,) = logical_to_spec((batch_axis,), rules, mesh).partitions
     return _as_axes(entry)

@@ -20,6 +20,17 @@ def shard(x: jax.Array, spec: P | None, mode: str) -> jax.Array:
     Auto mode cannot carry `reduced`/`unreduced`, so the tags are stripped there;
     in explicit mode they are kept (resharding an unreduced value onto an
     untagged spec is exactly where its all-reduce happens).
+
+    Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    >>> import pspec_tags as pt
+    >>> mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    >>> x_BxD = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("data")))
+    >>> with jax.set_mesh(mesh):
+    ...     jax.typeof(pt.shard(x_BxD, P(None, None), "explicit")).sharding.spec
+    P(None, None)
     """
     if mode not in MODES:
         raise ValueError(f"shard mode {mode!r} is not one of {MODES}")
@@ -48,6 +59,18 @@ def broadcast_param(param: jax.Array, like: jax.Array) -> jax.Array:
     the tagged spec. `lax.broadcast_in_dim` with an explicit `out_sharding`
     does neither, and its transpose leaves the cotangent of a reduced `param`
     unreduced, so the gradient all-reduce stays deferred.
+
+    Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    >>> import pspec_tags as pt
+    >>> mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    >>> x_BxD = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("data")))
+    >>> w_D = jax.device_put(jnp.ones(4), NamedSharding(mesh, P(None, reduced={"data"})))
+    >>> with jax.set_mesh(mesh):
+    ...     jax.typeof(pt.broadcast_param(w_D, x_BxD))  # w_D + x_BxD would raise
+    ShapedArray(float32[8@data,4])
     """
     if param.ndim > like.ndim:
         raise ValueError(f"param of rank {param.ndim} cannot broadcast to rank {like.ndim}")
@@ -67,6 +90,18 @@ def embed_lookup(table: jax.Array, ids: jax.Array, out_spec: P | None = None) ->
 
     The table's first (vocab) dim must be unsharded. The output is sharded like
     `ids`, plus the table's embedding-dim partition; `out_spec` reshards it after.
+
+    Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    >>> import pspec_tags as pt
+    >>> mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    >>> table_VxD = jax.device_put(jnp.ones((6, 2)), NamedSharding(mesh, P()))
+    >>> ids_BxS = jax.device_put(jnp.zeros((8, 3), jnp.int32), NamedSharding(mesh, P("data")))
+    >>> with jax.set_mesh(mesh):
+    ...     jax.typeof(pt.embed_lookup(table_VxD, ids_BxS))
+    ShapedArray(float32[8@data,3,2])
     """
     ids_spec, table_spec = spec_of(ids), spec_of(table)
     if ids_spec is None or table_spec is None:
@@ -105,6 +140,17 @@ def unreduced_sum(x: jax.Array) -> jax.Array:
 
     A plain `jnp.sum` where `x` is not sharded over an explicit axis (auto mode,
     one device, inside shard_map), so callers need no mode switch.
+
+    Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    >>> import pspec_tags as pt
+    >>> mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    >>> x_BxD = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("data")))
+    >>> with jax.set_mesh(mesh):
+    ...     jax.typeof(jax.jit(pt.unreduced_sum)(x_BxD))
+    ShapedArray(float32[]{U:data})
     """
     spec = spec_of(x)
     axes = set(mesh_axes_used(spec)) | set(unreduced_axes(spec)) if spec is not None else set()
@@ -122,6 +168,17 @@ def to_varying(x: jax.Array, axis: str) -> jax.Array:
     A no-op on values; it changes the transpose. The gradient of an invariant
     value used with varying data is psummed where it arises, the gradient of a
     varying one stays per device. `lax.pcast` where JAX has it, else `lax.pvary`.
+
+    Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    >>> import pspec_tags as pt
+    >>> mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    >>> def body(v_1):  # v_1 is the same on every device (in_specs=P())
+    ...     return pt.to_varying(v_1, "data") * 2  # without it out_specs=P("data") raises
+    >>> jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P("data"))(jnp.ones(1)).tolist()
+    [2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]
     """
     cast = getattr(lax, "pcast", None)
     if cast is not None:

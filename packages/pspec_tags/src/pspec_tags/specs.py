@@ -18,7 +18,15 @@ Entry = Any  # None | str | tuple[str, ...] | P.UNCONSTRAINED
 
 
 def partitions(spec: P | None) -> tuple[Entry, ...]:
-    """The spec's per-dimension entries, read through any tags; `None` -> `()`."""
+    """The spec's per-dimension entries, read through any tags; `None` -> `()`.
+
+    Example:
+
+    >>> from jax.sharding import AbstractMesh, PartitionSpec as P
+    >>> import pspec_tags as pt
+    >>> pt.partitions(P("fsdp", None, reduced={"data"}))
+    ('fsdp', None)
+    """
     if spec is None:
         return ()
     if isinstance(spec, P):
@@ -28,12 +36,28 @@ def partitions(spec: P | None) -> tuple[Entry, ...]:
 
 
 def reduced_axes(spec: P | None) -> frozenset[str]:
-    """Mesh axes over which the spec's value is `reduced` (already summed)."""
+    """Mesh axes over which the spec's value is `reduced` (already summed).
+
+    Example:
+
+    >>> from jax.sharding import AbstractMesh, PartitionSpec as P
+    >>> import pspec_tags as pt
+    >>> pt.reduced_axes(P("fsdp", reduced={"data"}))
+    frozenset({'data'})
+    """
     return frozenset(getattr(spec, "reduced", None) or ())
 
 
 def unreduced_axes(spec: P | None) -> frozenset[str]:
-    """Mesh axes over which the spec's value is `unreduced` (per-device partial sums)."""
+    """Mesh axes over which the spec's value is `unreduced` (per-device partial sums).
+
+    Example:
+
+    >>> from jax.sharding import AbstractMesh, PartitionSpec as P
+    >>> import pspec_tags as pt
+    >>> pt.unreduced_axes(P(unreduced={"data"}))
+    frozenset({'data'})
+    """
     return frozenset(getattr(spec, "unreduced", None) or ())
 
 
@@ -83,22 +107,54 @@ def _check_tags_disjoint(entries: tuple, red: frozenset, unred: frozenset) -> No
 
 
 def with_reduced(spec: P | None, axes: Iterable[str]) -> P:
-    """`spec` with `axes` added to its `reduced` set (ValueError on overlap)."""
+    """`spec` with `axes` added to its `reduced` set (ValueError on overlap).
+
+    Example:
+
+    >>> from jax.sharding import AbstractMesh, PartitionSpec as P
+    >>> import pspec_tags as pt
+    >>> pt.with_reduced(P("fsdp", None), {"data"})
+    P('fsdp', None, reduced={'data'})
+    """
     return _rebuild(spec, partitions(spec), reduced=reduced_axes(spec) | frozenset(axes))
 
 
 def with_unreduced(spec: P | None, axes: Iterable[str]) -> P:
-    """`spec` with `axes` added to its `unreduced` set (ValueError on overlap)."""
+    """`spec` with `axes` added to its `unreduced` set (ValueError on overlap).
+
+    Example:
+
+    >>> from jax.sharding import AbstractMesh, PartitionSpec as P
+    >>> import pspec_tags as pt
+    >>> pt.with_unreduced(P(), {"data"})
+    P(unreduced={'data'})
+    """
     return _rebuild(spec, partitions(spec), unreduced=unreduced_axes(spec) | frozenset(axes))
 
 
 def untagged(spec: P | None) -> P:
-    """`spec` without `reduced`/`unreduced` tags (what auto mode can carry)."""
+    """`spec` without `reduced`/`unreduced` tags (what auto mode can carry).
+
+    Example:
+
+    >>> from jax.sharding import AbstractMesh, PartitionSpec as P
+    >>> import pspec_tags as pt
+    >>> pt.untagged(P("fsdp", None, reduced={"data"}))
+    P('fsdp', None)
+    """
     return P(*partitions(spec))
 
 
 def mesh_axes_used(spec: P | None) -> tuple[str, ...]:
-    """Mesh axes that partition some dimension, in order of appearance (tags excluded)."""
+    """Mesh axes that partition some dimension, in order of appearance (tags excluded).
+
+    Example:
+
+    >>> from jax.sharding import AbstractMesh, PartitionSpec as P
+    >>> import pspec_tags as pt
+    >>> pt.mesh_axes_used(P(("data", "fsdp"), None, reduced={"expert"}))
+    ('data', 'fsdp')
+    """
     return tuple(a for e in partitions(spec) for a in _entry_axes(e))
 
 
@@ -112,6 +168,15 @@ def check_spec(spec: P | None, *, ndim: int | None = None, mesh: Any = None) -> 
 
     Checks: more entries than `ndim`; a mesh axis (in entries or tags) absent
     from `mesh`; a mesh axis used twice; a tag overlapping the partitions.
+
+    Example:
+
+    >>> from jax.sharding import AbstractMesh, PartitionSpec as P
+    >>> import pspec_tags as pt
+    >>> pt.check_spec(P("model"), mesh=AbstractMesh((4, 2), ("data", "fsdp")))
+    Traceback (most recent call last):
+    ...
+    ValueError: spec P('model',) names mesh axis 'model', which is not in the mesh ...
     """
     entries = partitions(spec)
     if ndim is not None and len(entries) > ndim:
@@ -134,7 +199,16 @@ def check_spec(spec: P | None, *, ndim: int | None = None, mesh: Any = None) -> 
 
 
 def remove_size_one_mesh_axes(spec: P | None, mesh: Any) -> P | None:
-    """Drop mesh axes of size one from every entry; tags are kept as they are."""
+    """Drop mesh axes of size one from every entry; tags are kept as they are.
+
+    Example:
+
+    >>> from jax.sharding import AbstractMesh, PartitionSpec as P
+    >>> import pspec_tags as pt
+    >>> mesh = AbstractMesh((4, 1), ("data", "fsdp"))
+    >>> pt.remove_size_one_mesh_axes(P(("data", "fsdp"), None), mesh)
+    P('data', None)
+    """
     if spec is None:
         return None
     check_spec(spec, mesh=mesh)
@@ -153,6 +227,14 @@ def fit_to_shape(spec: P | None, shape: Sequence[int], mesh: Any) -> P | None:
 
     A dimension of size 6 with entry ('data', 'fsdp') on data=2, fsdp=4 keeps
     'data' only; one that no axis divides becomes `None`. Tags are kept.
+
+    Example:
+
+    >>> from jax.sharding import AbstractMesh, PartitionSpec as P
+    >>> import pspec_tags as pt
+    >>> mesh = AbstractMesh((4, 2), ("data", "fsdp"))
+    >>> pt.fit_to_shape(P("data", "fsdp"), (6, 4), mesh)  # 4 does not divide 6
+    P(None, 'fsdp')
     """
     if spec is None:
         return None
@@ -173,7 +255,15 @@ def fit_to_shape(spec: P | None, shape: Sequence[int], mesh: Any) -> P | None:
 
 
 def truncate(spec: P | None, ndim: int) -> P | None:
-    """The first `ndim` entries of `spec` (for outputs of lower rank), tags kept."""
+    """The first `ndim` entries of `spec` (for outputs of lower rank), tags kept.
+
+    Example:
+
+    >>> from jax.sharding import AbstractMesh, PartitionSpec as P
+    >>> import pspec_tags as pt
+    >>> pt.truncate(P("fsdp", None, reduced={"data"}), 1)
+    P('fsdp', reduced={'data'})
+    """
     if spec is None:
         return None
     return _rebuild(spec, partitions(spec)[:ndim])

@@ -50,20 +50,14 @@ def _configure_jax() -> None:
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
 
 
-def main(argv: list[str]) -> int:
+def _checked_config(argv: list[str]):
+    """The config and the launch, every check that needs no backend done; a bad
+    key, value, flag or output directory raises ConfigError."""
     from trainer.config import ConfigError, make_config, parse_overrides
 
-    try:
-        config = make_config(parse_overrides(argv[1:]))
-    except ConfigError as error:
-        print(f"config error: {error}", file=sys.stderr)
-        return 2
+    config = make_config(parse_overrides(argv[1:]))
     if FLAGS.dump_hlo and not os.access(os.path.dirname(os.path.abspath(FLAGS.dump_hlo)), os.W_OK):
-        print(
-            f"config error: --dump_hlo directory of {FLAGS.dump_hlo!r} is not writable",
-            file=sys.stderr,
-        )
-        return 2
+        raise ConfigError(f"--dump_hlo directory of {FLAGS.dump_hlo!r} is not writable")
     from trainer import aot, checkpoint, distributed, profiling
 
     try:
@@ -79,20 +73,29 @@ def main(argv: list[str]) -> int:
         launch = distributed.resolve(
             FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id
         )
-    except ValueError as error:  # ConfigError included
-        print(f"config error: {error}", file=sys.stderr)
-        return 2
-    if config.compile_topology:
-        try:
-            return aot.main(config, FLAGS.dump_hlo)
-        except ConfigError as error:
-            print(f"config error: {error}", file=sys.stderr)
-            return 2
-    _configure_jax()
-    distributed.initialize(launch)
-    from trainer import run as run_lib
+    except ConfigError:
+        raise
+    except ValueError as error:  # these checks report bad values as plain ValueErrors
+        raise ConfigError(str(error)) from error
+    return config, launch
 
+
+def main(argv: list[str]) -> int:
+    from trainer.config import ConfigError
+
+    # The one config-error path: every check before compiling (and the AOT
+    # compile's own) ends here, with exit status 2. Modules are imported as late
+    # as before: a bad key is reported before jax and the model code load.
     try:
+        config, launch = _checked_config(argv)
+        from trainer import aot, distributed, profiling
+
+        if config.compile_topology:
+            return aot.main(config, FLAGS.dump_hlo)
+        _configure_jax()
+        distributed.initialize(launch)
+        from trainer import run as run_lib
+
         run = run_lib.setup(config)
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)

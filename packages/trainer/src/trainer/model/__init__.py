@@ -12,9 +12,9 @@ from typing import Any
 import jax
 from flax import nnx
 
+from moe_kernels import RoutingBias
 from trainer.config import Config
 from trainer.model.decoder import Decoder
-from trainer.model.moe_block import RouterBias
 from trainer.model.params import cast_at_use_of, host_value, logical_axes_of
 from trainer.sharding import ShardCtx
 
@@ -50,7 +50,7 @@ def _logical_tree(state: nnx.State, read=logical_axes_of) -> dict:
 def define(config: Config, ctx: ShardCtx) -> ModelDef:
     """Trace the model's structure without allocating parameters."""
     abstract = nnx.eval_shape(lambda: Decoder(config, ctx, rngs=nnx.Rngs(config.seed)))
-    graphdef, params, router = nnx.split(abstract, nnx.Param, RouterBias)
+    graphdef, params, router = nnx.split(abstract, nnx.Param, RoutingBias)
     return ModelDef(
         graphdef,
         params,

@@ -97,13 +97,13 @@ class MLA(nnx.Module):
             out=NAMES.lora,
         )
         kv_c, k_pe_BxSxR = kv_BxSxCR[..., : c.kv_lora_rank], kv_BxSxCR[..., c.kv_lora_rank :]
-        kv_BxSxHxNV = ctx.einsum(
+        kv_BxSxHxNO = ctx.einsum(
             "bsc,chk->bshk",
             self.kv_norm(kv_c),
             ctx.weight(self.wkv_b_CxHxNV[...].astype(dt), NAMES.wkv_b),
             out=NAMES.q,
         )
-        k_nope, v_BxSxHxV = kv_BxSxHxNV[..., :nope], kv_BxSxHxNV[..., nope:]
+        k_nope, v_BxSxHxO = kv_BxSxHxNO[..., :nope], kv_BxSxHxNO[..., nope:]
         # One rope key shared by every head (DeepSeek's decoupled RoPE).
         k_pe_BxSx1xR = rope(k_pe_BxSxR[:, :, None, :], positions_BxS, c.rope_max_timescale)
         # Laid out like k_nope (heads over 'tensor') so the concatenate type-checks.
@@ -114,23 +114,23 @@ class MLA(nnx.Module):
 
         # Context parallelism: queries keep their sequence shard, keys and values
         # are gathered over it (activation_kv_length maps to no mesh axis).
-        k_BxTxHxK = ctx.act(k_BxSxHxK, NAMES.kv)
-        v_BxTxHxV = ctx.act(v_BxSxHxV, NAMES.kv)
-        kv_positions_BxT = ctx.act(positions_BxS, NAMES.kv[:2])
-        kv_segments_BxT = ctx.act(segments_BxS, NAMES.kv[:2])
+        k_BxUxHxK = ctx.act(k_BxSxHxK, NAMES.kv)
+        v_BxUxHxO = ctx.act(v_BxSxHxO, NAMES.kv)
+        kv_positions_BxU = ctx.act(positions_BxS, NAMES.kv[:2])
+        kv_segments_BxU = ctx.act(segments_BxS, NAMES.kv[:2])
 
         scale = c.qk_head_dim**-0.5
-        logits_BxHxSxT = ctx.einsum(
-            "bshk,bthk->bhst", q_BxSxHxK * scale, k_BxTxHxK, out=NAMES.scores
+        logits_BxHxSxU = ctx.einsum(
+            "bshk,bthk->bhst", q_BxSxHxK * scale, k_BxUxHxK, out=NAMES.scores
         ).astype(jnp.float32)
-        causal = positions_BxS[:, None, :, None] >= kv_positions_BxT[:, None, None, :]
-        same_doc = segments_BxS[:, None, :, None] == kv_segments_BxT[:, None, None, :]
-        logits_BxHxSxT = jnp.where(causal & same_doc, logits_BxHxSxT, -1e30)
-        probs_BxHxSxT = jax.nn.softmax(logits_BxHxSxT, axis=-1).astype(dt)
-        out_BxSxHxV = ctx.einsum("bhst,bthv->bshv", probs_BxHxSxT, v_BxTxHxV, out=NAMES.q)
+        causal = positions_BxS[:, None, :, None] >= kv_positions_BxU[:, None, None, :]
+        same_doc = segments_BxS[:, None, :, None] == kv_segments_BxU[:, None, None, :]
+        logits_BxHxSxU = jnp.where(causal & same_doc, logits_BxHxSxU, -1e30)
+        probs_BxHxSxU = jax.nn.softmax(logits_BxHxSxU, axis=-1).astype(dt)
+        out_BxSxHxO = ctx.einsum("bhst,bthv->bshv", probs_BxHxSxU, v_BxUxHxO, out=NAMES.q)
         return ctx.einsum(
             "bshv,hvd->bsd",
-            out_BxSxHxV,
+            out_BxSxHxO,
             ctx.weight(self.wo_HxVxD[...].astype(dt), NAMES.wo),
             out=NAMES.out,
         )

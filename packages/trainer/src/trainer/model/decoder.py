@@ -12,7 +12,7 @@ import pspec_tags as pt
 from trainer.config import Config
 from trainer.model.attention import MLA
 from trainer.model.layers import BSE, MLP, RMSNorm
-from trainer.model.moe_block import MoE
+from trainer.model.moe_block import moe_layer
 from trainer.model.params import param
 from trainer.sharding import ShardCtx
 
@@ -44,7 +44,7 @@ class Block(nnx.Module):
         self.ffn_norm = RMSNorm(config.emb_dim, eps, rngs=rngs)
         dt = jnp.dtype(config.dtype)
         self.ffn = (
-            MoE(config, ctx, rngs=rngs)
+            moe_layer(config, ctx, rngs=rngs)
             if moe
             else MLP(config.emb_dim, config.base_mlp_dim, ctx, dt, rngs=rngs)
         )

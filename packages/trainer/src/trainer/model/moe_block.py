@@ -1,19 +1,15 @@
-"""The trainer's MoE feed-forward: NNX parameters around moe_kernels' functional layer."""
+"""The trainer's MoE feed-forward: moe_kernels' NNX `MoE` with the trainer's metadata."""
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-from flax import nnx
-
 import moe_kernels
 from trainer.config import Config
-from trainer.model.params import LOGICAL, param
+from trainer.model.params import CAST_AT_USE, INIT, LOGICAL
 from trainer.sharding import ShardCtx
 
-
-class RouterBias(nnx.Variable):
-    """DeepSeek's aux-loss-free routing bias: moved by load statistics, never by gradients."""
+# One NNX module and one bias variable type, moe_kernels'; the old names stay importable.
+MoE = moe_kernels.MoE
+RouterBias = moe_kernels.RoutingBias
 
 
 def moe_config(config: Config) -> moe_kernels.MoEConfig:
@@ -27,51 +23,37 @@ def moe_config(config: Config) -> moe_kernels.MoEConfig:
         routed_scaling_factor=config.routed_scaling_factor,
         score_func=config.routed_score_func,
         num_shared_experts=config.shared_experts,
-        capacity_factor=config.capacity_factor or None,
+        # Same meaning on both sides: 0 = no token dropped.
+        capacity_factor=config.capacity_factor,
         precision=None,
     )
 
 
-class MoE(nnx.Module):
+def _metadata(name: str, shape: tuple, logical: tuple) -> dict:
+    """What `trainer.model.params.param` attaches: the trainer draws the values
+    on the host from this recipe (`host_value`), not from the module's init."""
+    if name == "bias":
+        return {LOGICAL: logical}  # zeros, kept in f32
+    return {LOGICAL: logical, INIT: ("normal", shape[-2] ** -0.5), CAST_AT_USE: True}
+
+
+def moe_layer(config: Config, ctx: ShardCtx, *, rngs) -> moe_kernels.MoE:
     """Routed experts (sparse ragged_dot or dense reference) plus shared experts."""
-
-    def __init__(self, config: Config, ctx: ShardCtx, *, rngs: nnx.Rngs):
-        self.moe = moe_config(config)
-        shapes = moe_kernels.param_shapes(self.moe, config.emb_dim)
-        axes = dict(self.moe.param_axes)
-        for name, shape in shapes.items():
-            if name == "bias":
-                zeros = jnp.zeros(shape, jnp.float32)
-                self.bias = RouterBias(zeros, **{LOGICAL: tuple(axes[name])})
-            else:
-                setattr(self, name, param(rngs, shape, axes[name], fan_in=shape[-2]))
-        self.names = tuple(shapes)
-        self.ctx, self.sparse = ctx, config.sparse_matmul
-        self.remat_policy = config.remat_policy
-        self.dtype = jnp.dtype(config.dtype)
-
-    def __call__(self, x_BxSxD: jax.Array) -> tuple[jax.Array, dict]:
-        params = {}
-        for name in self.names:
-            value = getattr(self, name)[...]
-            # The bias only selects experts; it must not receive a gradient.
-            params[name] = (
-                jax.lax.stop_gradient(value) if name == "bias" else value.astype(self.dtype)
-            )
-        layer = moe_kernels.sparse_moe if self.sparse else moe_kernels.dense_moe
-        ctx = self.ctx
-        if ctx.manual:
-            # Already per device inside the caller's shard_map: moe_kernels' own
-            # shard_map cannot nest there, and there is nothing left to shard.
-            return layer(x_BxSxD, params, config=self.moe)
-        return layer(
-            x_BxSxD,
-            params,
-            config=self.moe,
-            mesh=ctx.mesh,
-            rules=ctx.rules,
-            mode=ctx.mode,
-            # A rematerialized layer saves no residuals of its own: the MoE
-            # checkpoint would only add memory there (0.36 GiB on 671b / v5p).
-            recompute_casts=self.remat_policy == "none",
-        )
+    return moe_kernels.MoE(
+        moe_config(config),
+        config.emb_dim,
+        rngs=rngs,
+        sparse=config.sparse_matmul,
+        # Inside the caller's shard_map (ctx.manual) the tokens are already per
+        # device: moe_kernels' own shard_map cannot nest there, and there is
+        # nothing left to shard.
+        mesh=None if ctx.manual else ctx.mesh,
+        rules=None if ctx.manual else ctx.rules,
+        mode=None if ctx.manual else ctx.mode,
+        dtype=config.dtype,
+        metadata=_metadata,
+        place=False,  # the trainer places every parameter itself, after init
+        # A rematerialized layer saves no residuals of its own: the MoE
+        # checkpoint would only add memory there (0.36 GiB on 671b / v5p).
+        recompute_casts=ctx.manual or config.remat_policy == "none",
+    )
