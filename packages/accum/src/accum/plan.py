@@ -148,17 +148,22 @@ class ReductionPlan:
         return bool(self.axes(SCATTER))
 
     def summary(self) -> str:
-        """One line: the policy and, per batch axis, when its reductions run."""
+        """One line: the policy and which axes are reduced when."""
         if self.mode != "explicit":
             return "placed by XLA (auto mode carries no reduced/unreduced tags)"
         if not self.batch_axes:
             return "nothing to defer (no mesh axis shards the tokens)"
-        parts = []
-        for axis in self.batch_axes:
-            whens = sorted({w for leaf in self.leaf_plans() for a, w in leaf.when if a == axis})
-            where = " across slices" if axis in self.slice_axes else ""
-            parts.append(f"{axis}{where}: {' / '.join(whens)}")
-        return f"{self.policy}; " + ", ".join(parts)
+        if self.policy == "per_microbatch":
+            return f"per microbatch over {self.batch_axes} (policy per_microbatch)"
+        per_use = self.axes(PER_USE)
+        also = f"; per use over {per_use} (sharded weights)" if per_use else ""
+        if self.policy == "hierarchical":
+            return (
+                f"hierarchical: once per step over {self.deferred_axes} across slices; "
+                f"reduce-scattered per microbatch over {self.axes(SCATTER)} into sharded "
+                f"accumulators{also}"
+            )
+        return f"deferred to once per step over {self.deferred_axes} (grads stay unreduced){also}"
 
     def table(self, group_depth: int = 2) -> list[str]:
         """Parameter groups (paths cut to `group_depth` keys) x batch axes -> when."""
