@@ -105,7 +105,14 @@ def scatter_into(grads: Any, plan: Any) -> Any:
         dims = _scatter_dims(own, target)
         return _reduce_scatter(g, own, target, dims, keep=leaf_plan.per_step)
 
-    return plan.map(scatter, grads)
+    scattered = plan.map(scatter, grads)
+    if not plan.scatters:
+        return scattered
+    # XLA (TPU's while-loop all-reduce code motion) would otherwise sink a
+    # reduce-scatter whose result is only accumulated out of the loop: the same
+    # numbers, but the accumulator turns back into a full-size unreduced one,
+    # which is the memory this schedule exists to save. The barrier keeps it here.
+    return lax.optimization_barrier(scattered)
 
 
 def zeros_of_type(struct: jax.ShapeDtypeStruct) -> jax.Array:

@@ -1,9 +1,12 @@
 """Collective bytes that cross slices vs stay inside one.
 
-In a multi-slice mesh the cross-slice (DCN) axes are outermost, so the logical
-device ids (mesh positions) of one slice form a contiguous block: slice s holds
-ids [s * n, (s + 1) * n) with n = devices / slices. A collective crosses slices
-when one of its replica groups holds devices of two slices.
+Two program shapes. A multi-slice TPU compile is one slice's program: its
+collectives stay in the slice and the cross-slice ones are megascale (DCN)
+sends (`Collective.cross_slice`). A single program over emulated slices (CPU)
+has the cross-slice (DCN) mesh axes outermost, so the logical device ids of one
+slice form a contiguous block: slice s holds ids [s * n, (s + 1) * n) with
+n = devices / slices, and a collective crosses slices when one of its replica
+groups holds devices of two slices.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ def crosses_slices(collective: Collective, num_devices: int, num_slices: int) ->
     No replica groups means every device (all slices). A collective-permute
     carries pairs, not groups, and is counted as crossing (an upper bound).
     """
+    if collective.cross_slice:
+        return True
     if num_slices <= 1:
         return False
     per_slice = num_devices // num_slices
@@ -51,6 +56,8 @@ def slice_traffic(
         records = list(module)
     if num_devices is None:
         raise ValueError("slice_traffic needs num_devices for collective records")
+    if any(c.cross_slice for c in records):
+        num_slices = 1  # one slice's program: only megascale transfers cross slices
     out = {side: {"in_loop": 0, "outside": 0} for side in ("cross_slice", "in_slice")}
     out["exact"] = True
     for c in records:
