@@ -15,11 +15,15 @@ per-slice TPU program) and in-slice, in and after the loops.
 Writes benchmarks/results/aot_slices.md and .csv. Needs libtpu (the `tpu` extra):
 
     JAX_PLATFORMS=cpu uv run --extra tpu python benchmarks/bench_aot_slices.py
+
+Each compile's HLO and memory figures are kept under $TMPDIR/bench_aot_slices/;
+`--reuse` reads them from there instead of compiling again (the analysis reruns).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 import tempfile
@@ -46,9 +50,9 @@ COMMON = {
 TWO_SLICES = {"compile_topology_num_slices": "2", "dcn_data_parallelism": "2"}
 VARIANTS = {
     "auto": {**TWO_SLICES, "shard_mode": "auto"},
+    "hierarchical": {**TWO_SLICES, "gradient_reduction_policy": "hierarchical"},
     "deferred": {**TWO_SLICES, "gradient_reduction_policy": "deferred"},
     "per_microbatch": {**TWO_SLICES, "gradient_reduction_policy": "per_microbatch"},
-    "hierarchical": {**TWO_SLICES, "gradient_reduction_policy": "hierarchical"},
     "deferred, 1 slice": {"gradient_reduction_policy": "deferred"},
 }
 
@@ -65,29 +69,55 @@ def _gradient_reductions(records):
     ]
 
 
-def measure(variant: dict) -> dict:
-    import hlo_tools
+CACHE = os.path.join(tempfile.gettempdir(), "bench_aot_slices")
+
+
+def compile_variant(name: str, variant: dict, reuse: bool) -> dict:
+    """{"hlo", "memory_total", "hbm", "slices", "params", "data"}; cached under CACHE."""
     from trainer import aot
     from trainer.config import make_config
 
+    slug = name.replace(", ", "_").replace(" ", "_")
+    meta_path, hlo_path = (os.path.join(CACHE, f"{slug}.{ext}") for ext in ("json", "hlo"))
+    if reuse and os.path.exists(meta_path):
+        with open(meta_path) as f:
+            return json.load(f)
     config = make_config({**COMMON, **variant, "base_output_directory": tempfile.mkdtemp()})
+    os.makedirs(CACHE, exist_ok=True)
+    result = aot.compile_for_topology(config, hlo_path)
+    meta = {
+        "hlo": hlo_path,
+        "memory_total": result.memory["total"],
+        "hbm": result.hbm_bytes,
+        "slices": result.num_slices,
+        "params": sum(x.size for x in jax.tree.leaves(result.run.state["params"])),
+        "data": dict(result.run.ctx.mesh.shape)["data"],
+    }
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    return meta
+
+
+def measure(name: str, variant: dict, reuse: bool) -> dict:
+    import hlo_tools
+
     try:
-        result = aot.compile_for_topology(config)
+        meta = compile_variant(name, variant, reuse)
     except jax.errors.JaxRuntimeError as error:
         return {"error": str(error).strip().splitlines()[0][:200]}
-    module = hlo_tools.parse(result.compiled.as_text())
+    with open(meta["hlo"]) as f:
+        module = hlo_tools.parse(f.read())
     records = hlo_tools.collectives(module)
-    slices = result.num_slices
+    slices = meta["slices"]
     split = hlo_tools.slice_traffic(records, slices, module.num_devices)
     grads = _gradient_reductions(records)
-    across = [c for c in grads if hlo_tools.crosses_slices(c, module.num_devices, slices)]
-    params = sum(x.size for x in jax.tree.leaves(result.run.state["params"]))
+    across, _ = hlo_tools.split_by_slice(grads, slices, module.num_devices)
     # One device's share of the f32 gradient under ZeRO-1 (1/data of it).
-    shard_bytes = params * 4 / dict(result.run.ctx.mesh.shape)["data"]
+    shard_bytes = meta["params"] * 4 / meta["data"]
     return {
         "slices": slices,
-        "memory_bytes": result.memory["total"],
-        "fits": result.memory["total"] <= result.hbm_bytes,
+        "memory_bytes": meta["memory_total"],
+        "fits": meta["memory_total"] <= meta["hbm"],
         "cross_slice_in_loop": split["cross_slice"]["in_loop"],
         "cross_slice_outside": split["cross_slice"]["outside"],
         "in_slice_in_loop": split["in_slice"]["in_loop"],
@@ -102,9 +132,10 @@ def main() -> int:
     if importlib.util.find_spec("libtpu") is None:
         print("bench_aot_slices: skipped, needs libtpu (uv run --extra tpu ...)")
         return 0
+    reuse = "--reuse" in sys.argv[1:]
     rows = []
     for name, variant in VARIANTS.items():
-        row = {"variant": name, **measure(variant)}
+        row = {"variant": name, **measure(name, variant, reuse)}
         print(row, flush=True)
         rows.append(row)
     auto = next((r for r in rows if r["variant"] == "auto" and "error" not in r), None)

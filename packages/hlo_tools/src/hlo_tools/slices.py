@@ -34,6 +34,21 @@ def crosses_slices(collective: Collective, num_devices: int, num_slices: int) ->
     return any(len({d // per_slice for d in group}) > 1 for group in groups)
 
 
+def split_by_slice(
+    records: Iterable[Collective], num_slices: int, num_devices: int
+) -> tuple[list[Collective], list[Collective]]:
+    """(records that cross slices, records that stay in one).
+
+    In one slice's program (it holds megascale transfers) only those cross;
+    otherwise the replica groups decide (`crosses_slices`).
+    """
+    records = list(records)
+    if any(c.cross_slice for c in records):
+        num_slices = 1  # one slice's program: its device ids are one slice's
+    cross = [c for c in records if crosses_slices(c, num_devices, num_slices)]
+    return cross, [c for c in records if c not in cross]
+
+
 def slice_traffic(
     module: HloModule | str | Iterable[Collective],
     num_slices: int,
@@ -56,16 +71,15 @@ def slice_traffic(
         records = list(module)
     if num_devices is None:
         raise ValueError("slice_traffic needs num_devices for collective records")
-    if any(c.cross_slice for c in records):
-        num_slices = 1  # one slice's program: only megascale transfers cross slices
-    out = {side: {"in_loop": 0, "outside": 0} for side in ("cross_slice", "in_slice")}
-    out["exact"] = True
-    for c in records:
-        side = "cross_slice" if crosses_slices(c, num_devices, num_slices) else "in_slice"
-        times = c.multiplier
-        if times is None:
-            out["exact"], times = False, 1
-        out[side]["in_loop" if c.in_loop else "outside"] += c.bytes * times
+    out: dict = {"exact": True}
+    cross, inside = split_by_slice(records, num_slices, num_devices)
+    for side, group in (("cross_slice", cross), ("in_slice", inside)):
+        out[side] = {"in_loop": 0, "outside": 0}
+        for c in group:
+            times = c.multiplier
+            if times is None:
+                out["exact"], times = False, 1
+            out[side]["in_loop" if c.in_loop else "outside"] += c.bytes * times
     return out
 
 
