@@ -119,3 +119,22 @@ def test_alias_contradiction_names_both_keys():
     with pytest.raises(ConfigError, match="defer_gradient_reduction=false"):
         make_config({"defer_gradient_reduction": "false", "gradient_reduction_policy": "deferred"})
     assert make_config({"defer_gradient_reduction": "false"}).reduction_policy == "per_microbatch"
+
+
+def test_slice_count_from_devices_config_and_topology():
+    import types
+
+    from trainer import slices
+    from trainer.config import ConfigError, make_config
+
+    real = [types.SimpleNamespace(id=i, slice_index=i // 4) for i in range(8)]
+    assert slices.num_slices(make_config({}), real) == 2  # detected on real slices
+    assert slices.num_slices(make_config({}), jax.devices()) == 1  # CPU: one slice
+    assert slices.num_slices(make_config({"num_slices": "2"}), jax.devices()) == 2  # emulated
+    with pytest.raises(ConfigError, match="num_slices=4 but the devices span 2 slices"):
+        slices.num_slices(make_config({"num_slices": "4"}), real)
+    aot = make_config({"compile_topology": "v5e-8", "compile_topology_num_slices": "2"})
+    assert slices.num_slices(aot, jax.devices()) == 2
+    with pytest.raises(ConfigError, match="contradicts compile_topology_num_slices=2"):
+        slices.num_slices(make_config({**aot.__dict__, "num_slices": 3}), jax.devices())
+    assert [d.id for d in slices.slice_major(real[::-1])] == list(range(8))

@@ -24,23 +24,22 @@ def detected_slices(devices: Sequence[Any]) -> int:
 
 def num_slices(config: Config, devices: Sequence[Any]) -> int:
     """The slice count this run's mesh is built for; ConfigError naming the key
-    when `num_slices` contradicts the slices the devices report."""
-    found = detected_slices(devices)
+    when `num_slices` contradicts the topology or the slices the devices report."""
     if config.compile_topology:
-        wanted, key = config.compile_topology_num_slices, "compile_topology_num_slices"
-    else:
-        wanted, key = config.num_slices, "num_slices"
-    if wanted == -1 or (key == "compile_topology_num_slices" and config.num_slices == -1):
-        return found if key == "num_slices" else wanted
-    if key == "compile_topology_num_slices" and config.num_slices not in (-1, wanted):
-        raise ConfigError(
-            f"num_slices={config.num_slices} contradicts compile_topology_num_slices={wanted}"
-        )
-    if wanted < 1:
-        raise ConfigError(f"{key}={wanted} must be >= 1 (or -1: detect)")
-    if found > 1 and found != wanted:
-        raise ConfigError(f"{key}={wanted} but the devices span {found} slices")
-    return wanted
+        wanted = config.compile_topology_num_slices
+        if config.num_slices not in (-1, wanted):
+            raise ConfigError(
+                f"num_slices={config.num_slices} contradicts compile_topology_num_slices={wanted}"
+            )
+        return wanted
+    found = detected_slices(devices)
+    if config.num_slices == -1:
+        return found
+    if config.num_slices < 1:
+        raise ConfigError(f"num_slices={config.num_slices} must be >= 1 (or -1: detect)")
+    if found > 1 and found != config.num_slices:
+        raise ConfigError(f"num_slices={config.num_slices} but the devices span {found} slices")
+    return config.num_slices
 
 
 def slice_major(devices: Sequence[Any]) -> list:
