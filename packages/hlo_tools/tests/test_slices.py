@@ -67,3 +67,17 @@ def test_cli_prints_the_split(tmp_path, capsys):
     assert main([str(path), "--slices", "2"]) == 0
     assert "2 slices: cross-slice 256 B/step (0 B in loops)" in capsys.readouterr().out
     assert main([str(path), "--slices", "3"]) == 2
+
+
+def test_cli_takes_the_whole_mesh_for_one_slices_program(tmp_path, capsys):
+    from hlo_tools.cli import main
+
+    path = tmp_path / "per_slice.hlo"
+    path.write_text(PER_SLICE)
+    # 16 devices in the mesh, 8 in the program: it is one of 2 slices.
+    assert (
+        main([str(path), "--mesh", "dcn_data=2,data=8", "--over", "dcn_data", "--slices", "2"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "cross-slice 1.0 KiB/step (0 B in loops)" in out
+    assert main([str(path), "--mesh", "dcn_data=2,data=8"]) == 2  # without --slices: 16 != 8

@@ -7,7 +7,7 @@ import json
 import math
 import sys
 
-from hlo_tools.collectives import KINDS
+from hlo_tools.collectives import KINDS, collectives
 from hlo_tools.errors import HloParseError
 from hlo_tools.parser import parse
 from hlo_tools.report import format_table, to_json, verdict
@@ -73,7 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.slices < 1 or (module.num_devices or args.slices) % args.slices:
             raise ValueError(f"--slices {args.slices} does not divide the program's devices")
-        mesh_shape = _mesh_shape(args.mesh, module.num_devices)
+        # A multi-slice TPU program is one slice's: its mesh spans `--slices` of it.
+        program_devices = module.num_devices
+        if program_devices and args.slices > 1 and any(c.cross_slice for c in collectives(module)):
+            program_devices *= args.slices
+        mesh_shape = _mesh_shape(args.mesh, program_devices)
         judged = verdict(module, args.max_in_loop_elements, mesh_shape, args.over)
     except ValueError as e:
         print(f"hlo-report: {e}", file=sys.stderr)
