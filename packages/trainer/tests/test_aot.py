@@ -131,3 +131,32 @@ def test_v5e8_per_microbatch_reduction_is_caught(tmp_path):
     text = aot.compile_for_topology(config).compiled.as_text()
     with pytest.raises(AssertionError, match="inside a loop"):
         hlo_tools.assert_reduced_once_per_step(text)
+
+
+def test_two_v5e8_slices_hierarchical(tmp_path):
+    """tagtrain-test, ZeRO-1, GA=4 on 2 x v5e-8 (dcn_data=2 x data=8), hierarchical:
+    nothing crosses the slices inside the loop, the one cross-slice reduction moves
+    each device's ZeRO-1 gradient shard once, the in-slice reductions run per microbatch."""
+    config = _config(
+        tmp_path,
+        **TEST_V5E8,
+        compile_topology_num_slices="2",
+        dcn_data_parallelism="2",
+        shard_optimizer_over_data="true",
+        gradient_reduction_policy="hierarchical",
+    )
+    result = aot.compile_for_topology(config)
+    assert dict(result.run.ctx.mesh.shape)["dcn_data"] == 2
+    module = hlo_tools.parse(result.compiled.as_text())
+    split = hlo_tools.slice_traffic(module, 2)
+    assert split["cross_slice"]["in_loop"] == 0 and split["in_slice"]["in_loop"] > 0
+    records = hlo_tools.collectives(module)
+    across, inside = hlo_tools.split_by_slice(records, 2, module.num_devices)
+    params = sum(x.size for x in jax.tree.leaves(result.run.state["params"]))
+    shard_bytes = params * 4 / 8
+    grad_across = sum(c.bytes for c in across if c.kind in hlo_tools.REDUCTION_KINDS)
+    assert shard_bytes <= grad_across <= 1.1 * shard_bytes
+    in_loop = [c for c in inside if c.in_loop and c.kind in hlo_tools.REDUCTION_KINDS]
+    assert in_loop and all(c.multiplier == 4 for c in in_loop)
+    lines = aot.report_lines(result)
+    assert any("cross-slice" in line and "(0 B in loops)" in line for line in lines)

@@ -131,6 +131,8 @@ def test_mesh_fill():
     config = make_config({"ici_fsdp_parallelism": "2", "ici_tensor_parallelism": "2"})
     sizes = mesh_shape(config, 8)
     assert sizes == {
+        "dcn_data": 1,
+        "dcn_fsdp": 1,
         "data": 2,
         "fsdp": 2,
         "tensor": 2,

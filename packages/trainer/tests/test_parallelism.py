@@ -76,14 +76,13 @@ def test_startup_summary_tells_fsdp_reductions_from_lost_deferral(runner):
     [("data", ("data",)), ("data+zero1", ("data",)), ("data+fsdp", ("data",)),
      ("fsdp", ()), ("fsdp+context", ("context",)), ("fsdp+expert(fsdp)", ())],
 )  # fmt: skip
-def test_fully_deferred_axes_are_those_sharding_no_weight(name, strict):
+def test_strict_axes_are_those_sharding_no_weight(name, strict):
     import jax
 
     from trainer import run as run_lib
     from trainer.config import make_config
     from trainer.layouts import EIGHT_DEVICE_LAYOUTS
-    from trainer.sharding import fully_deferred_axes
 
     config = make_config({"model_name": "tagtrain-tiny", **EIGHT_DEVICE_LAYOUTS[name]})
     run = run_lib.abstract_setup(config, jax.devices())
-    assert fully_deferred_axes(run.ctx, run.model.param_logical) == strict
+    assert run.plan.strict_axes == strict

@@ -1,4 +1,5 @@
-"""accum: gradient accumulation with one deferred gradient reduction per step, and ZeRO-1."""
+"""accum: gradient accumulation under one reduction plan (deferred, per microbatch or
+hierarchical across slices), and ZeRO-1."""
 
 from accum.accumulate import ON_TAG_LOST, accumulate_gradients
 from accum.dispatch import Accumulator, add, finish, start
@@ -7,10 +8,23 @@ from accum.gating import (
     data_is_only_batch_axis,
     deferred_axes,
     param_mesh_axes,
+    plan_for_values,
     resolve_mode,
 )
 from accum.guard import find_dropped_tags
 from accum.microbatch import split_microbatches
+from accum.plan import (
+    BY_XLA,
+    PER_MICROBATCH,
+    PER_STEP,
+    PER_USE,
+    POLICIES,
+    SCATTER,
+    LeafPlan,
+    PlanError,
+    ReductionPlan,
+    make_plan,
+)
 from accum.step import apply_updates, train_step
 from accum.tags import tag_reduced, unreduced_zeros
 from accum.zero1 import (
@@ -23,8 +37,17 @@ from accum.zero1 import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "BY_XLA",
     "ON_TAG_LOST",
+    "PER_MICROBATCH",
+    "PER_STEP",
+    "PER_USE",
+    "POLICIES",
+    "SCATTER",
     "Accumulator",
+    "LeafPlan",
+    "PlanError",
+    "ReductionPlan",
     "accumulate_gradients",
     "add",
     "apply_updates",
@@ -34,7 +57,9 @@ __all__ = [
     "deferred_axes",
     "find_dropped_tags",
     "finish",
+    "make_plan",
     "param_mesh_axes",
+    "plan_for_values",
     "resolve_mode",
     "split_microbatches",
     "start",

@@ -8,18 +8,19 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from accum.gating import batch_axes_of, deferred_axes, resolve_mode
+from accum.gating import plan_for_values, resolve_mode
 from accum.guard import find_dropped_tags, report_dropped_tags
 from accum.microbatch import split_microbatches
+from accum.plan import ReductionPlan
 from accum.tags import (
-    leaf_axes,
     reduce_to,
     reduce_unreduced,
     safe_inverse,
+    scatter_into,
     tag_reduced,
     unreduced_zeros,
 )
-from pspec_tags import check_unreduced, spec_of
+from pspec_tags import check_unreduced
 
 ON_TAG_LOST = ("raise", "warn", "ignore")
 
@@ -34,33 +35,31 @@ def microbatch_grads(
     params: Any,
     microbatch: Any,
     rng: jax.Array | None,
-    axes: tuple[str, ...],
+    plan: ReductionPlan,
     on_tag_lost: str,
 ) -> tuple[jax.Array, dict, Any]:
-    """(loss_sum, aux, grads) of one microbatch; `params` already tagged over `axes`.
+    """(loss_sum, aux, grads) of one microbatch; `params` already tagged by `plan`.
 
-    With `axes`, the gradients come out unreduced over them. Both guards run
-    here, at trace time: the forward jaxpr is searched for a dropped tag, and
+    The gradients come out unreduced over each leaf's `tagged` axes. Both guards
+    run here, at trace time: the forward jaxpr is searched for a dropped tag, and
     the gradients' types are checked with `check_unreduced`.
     """
     args = (microbatch,) if rng is None else (microbatch, rng)
+    axes = plan.tagged_axes
     if axes and on_tag_lost != "ignore":
         report_dropped_tags(find_dropped_tags(loss_fn, params, *args, axes=axes), axes, on_tag_lost)
     (loss_sum, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, *args)
     if "weight" not in aux:
         raise KeyError("loss_fn's aux must hold 'weight' (the number of counted targets)")
     if axes and on_tag_lost != "ignore":
-        check_grads_unreduced(grads, params, axes, warn_only=on_tag_lost == "warn")
+        check_grads_unreduced(grads, plan, warn_only=on_tag_lost == "warn")
     return loss_sum, aux, grads
 
 
-def check_grads_unreduced(grads: Any, params: Any, axes: tuple[str, ...], warn_only: bool) -> None:
-    """`check_unreduced` per group of parameters sharing the same deferred axes.
-
-    Each gradient must be unreduced over the `leaf_axes` of its own parameter
-    (all of `axes` unless the parameter is itself sharded over one of them).
-    """
-    expected = jax.tree.map(lambda p: leaf_axes(spec_of(p), axes), params)
+def check_grads_unreduced(grads: Any, plan: ReductionPlan, warn_only: bool) -> None:
+    """`check_unreduced` per group of parameters sharing the same tagged axes:
+    each gradient must be unreduced over its leaf's `tagged` axes."""
+    expected = plan.map(lambda leaf: leaf.tagged)
     is_axes = lambda x: isinstance(x, tuple)  # noqa: E731 - a leaf test for the tree above
     for group in {a for a in jax.tree.leaves(expected, is_leaf=is_axes) if a}:
         # Leaves of other groups become None, which tree flattening skips.
@@ -105,6 +104,9 @@ def accumulate_gradients(
     on_tag_lost: str = "raise",
     accum_dtype: Any = jnp.float32,
     per_parameter_axes: bool = False,
+    policy: str | None = None,
+    slice_axes: tuple[str, ...] = (),
+    plan: ReductionPlan | None = None,
 ) -> tuple[jax.Array, dict, Any]:
     """Loss, summed aux and gradients of `batch`, computed over `num_microbatches` microbatches.
 
@@ -133,31 +135,45 @@ def accumulate_gradients(
     shard_map need the global gating (JAX types their gradient as unreduced
     over every batch axis they contract).
 
+    `plan` (accum.plan.make_plan) decides every reduction; without it one is
+    made here from the values' shardings, `policy` ('deferred',
+    'per_microbatch', 'hierarchical'; default from `defer_reduction`),
+    `batch_axes`, `slice_axes` (mesh axes across slices) and
+    `per_parameter_axes`. Hierarchical: the in-slice axes are reduce-scattered
+    after each microbatch into an accumulator sharded over them, the
+    cross-slice ones reduced once after the loop.
+
     Auto mode: same numerics, no tags; XLA places the reductions.
     Gradients come back in `accum_dtype` (None: each parameter's dtype).
     """
     _check_option(on_tag_lost)
-    mode = resolve_mode(mode, params)
+    if plan is None:
+        plan = plan_for_values(
+            params,
+            batch,
+            mode=resolve_mode(mode, params),
+            policy=policy,
+            defer_reduction=defer_reduction,
+            batch_axes=batch_axes,
+            slice_axes=slice_axes,
+            per_parameter=per_parameter_axes,
+        )
+    mode = plan.mode
     microbatches = split_microbatches(batch, num_microbatches)
-    axes: tuple[str, ...] = ()
-    if mode == "explicit" and defer_reduction:
-        batch_axes = batch_axes if batch_axes is not None else batch_axes_of(batch)
-        # Global gating drops any batch axis that shards some parameter; per
-        # parameter, each leaf defers the batch axes that do not shard it.
-        axes = tuple(batch_axes) if per_parameter_axes else deferred_axes(params, batch_axes)
     # Free cast outside the loop: forward reads of a reduced array are reads of
     # a replicated one; only the cotangents change type (to unreduced).
-    compute_params = tag_reduced(params, axes)
-    acc0 = unreduced_zeros(params, axes, accum_dtype)
+    compute_params = tag_reduced(params, plan)
+    acc0 = unreduced_zeros(params, plan, accum_dtype)
 
     def body(acc, xs):
         index, microbatch = xs
         mb_rng = None if rng is None else jax.random.fold_in(rng, index)
         loss_sum, aux, grads = microbatch_grads(
-            loss_fn, compute_params, microbatch, mb_rng, axes, on_tag_lost
+            loss_fn, compute_params, microbatch, mb_rng, plan, on_tag_lost
         )
-        # The carry stays unreduced: no collective for the gradients in the loop.
-        return add_grads(acc, grads), (loss_sum, aux)
+        # Per-step axes stay unreduced in the carry: no collective for them in
+        # the loop. Scatter axes (hierarchical) are reduce-scattered here.
+        return add_grads(acc, scatter_into(grads, plan)), (loss_sum, aux)
 
     indices = jnp.arange(num_microbatches, dtype=jnp.uint32)
     acc, (loss_sums, auxes) = jax.lax.scan(body, acc0, (indices, microbatches))
@@ -167,5 +183,13 @@ def accumulate_gradients(
     # The one gradient reduction of the step (all-reduce, or reduce-scatter onto
     # ZeRO-1 shardings). Normalizing afterwards keeps the scale off unreduced
     # values (an unreduced array times a replicated scalar does not type-check).
-    grads = reduce_to(acc, grad_shardings, mode)
+    grads = reduce_to(acc, final_targets(plan, grad_shardings), mode)
     return normalize(loss_sum, aux, grads)
+
+
+def final_targets(plan: ReductionPlan, grad_shardings: Any) -> Any:
+    """Where the reduced gradients go: `grad_shardings`, else each parameter's own
+    layout when the plan's accumulators are laid out otherwise (scattered)."""
+    if grad_shardings is not None or not plan.scatters:
+        return grad_shardings
+    return plan.map(lambda leaf: leaf.param_spec)

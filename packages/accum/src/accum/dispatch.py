@@ -17,9 +17,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from accum.accumulate import _check_option, add_grads, microbatch_grads, normalize
-from accum.gating import batch_axes_of, deferred_axes, resolve_mode
-from accum.tags import reduce_to, tag_reduced, unreduced_zeros, zeros_of_type
+from accum.accumulate import _check_option, add_grads, final_targets, microbatch_grads, normalize
+from accum.gating import plan_for_values, resolve_mode
+from accum.plan import ReductionPlan
+from accum.tags import reduce_to, scatter_into, tag_reduced, unreduced_zeros, zeros_of_type
 
 
 @jax.tree_util.register_dataclass
@@ -27,18 +28,26 @@ from accum.tags import reduce_to, tag_reduced, unreduced_zeros, zeros_of_type
 class Accumulator:
     """Running sums between dispatches.
 
-    `grads` are unreduced over `axes` in explicit mode (per-device partial sums:
-    reshard them, or call `finish`, before reading); `loss_sum` and `aux` are
-    plain sums; `count` is the number of microbatches added (it also folds the
-    RNG, matching `accumulate_gradients`).
+    `grads` are typed by `plan`'s accumulators in explicit mode (per-device
+    partial sums over the per-step axes: reshard them, or call `finish`, before
+    reading); `loss_sum` and `aux` are plain sums; `count` is the number of
+    microbatches added (it also folds the RNG, matching `accumulate_gradients`).
     """
 
     grads: Any
     loss_sum: jax.Array
     aux: Any
     count: jax.Array
-    axes: tuple[str, ...] = dataclasses.field(metadata={"static": True})
-    mode: str = dataclasses.field(metadata={"static": True})
+    plan: ReductionPlan = dataclasses.field(metadata={"static": True})
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The axes some gradient is deferred over (the plan's per-step axes)."""
+        return self.plan.deferred_axes
+
+    @property
+    def mode(self) -> str:
+        return self.plan.mode
 
 
 def start(
@@ -51,36 +60,42 @@ def start(
     defer_reduction: bool = True,
     batch_axes: tuple[str, ...] | None = None,
     accum_dtype: Any = jnp.float32,
+    policy: str | None = None,
+    slice_axes: tuple[str, ...] = (),
+    plan: ReductionPlan | None = None,
 ) -> Accumulator:
     """An empty accumulator for `loss_fn` on microbatches shaped like `microbatch`.
 
     Nothing is computed: `loss_fn` is only traced for the structure of its aux.
-    The deferred axes are chosen as in `accumulate_gradients` (batch axes read
+    The plan is `plan`, or made as in `accumulate_gradients` (batch axes read
     from `microbatch`'s shardings unless `batch_axes` is given). Call under
     `jax.jit` (static `loss_fn`): the unreduced zeros need a traced context.
     """
-    mode = resolve_mode(mode, params)
-    axes: tuple[str, ...] = ()
-    if mode == "explicit" and defer_reduction:
-        axes = deferred_axes(
-            params, batch_axes if batch_axes is not None else batch_axes_of(microbatch)
+    if plan is None:
+        plan = plan_for_values(
+            params,
+            microbatch,
+            mode=resolve_mode(mode, params),
+            policy=policy,
+            defer_reduction=defer_reduction,
+            batch_axes=batch_axes,
+            slice_axes=slice_axes,
         )
     args = (microbatch,) if rng is None else (microbatch, rng)
     # Traced with the tags `add` will use, so unreduced loss/aux sums get
     # unreduced zeros (the same type: adding them moves nothing).
     loss_shape, aux_shape = jax.eval_shape(
-        lambda p, *a: loss_fn(tag_reduced(p, axes), *a), params, *args
+        lambda p, *a: loss_fn(tag_reduced(p, plan), *a), params, *args
     )
     if "weight" not in aux_shape:
         raise KeyError("loss_fn's aux must hold 'weight' (the number of counted targets)")
     return Accumulator(
         # Same type as each microbatch's gradients, so `add` is a local sum.
-        grads=unreduced_zeros(params, axes, accum_dtype),
+        grads=unreduced_zeros(params, plan, accum_dtype),
         loss_sum=zeros_of_type(jax.ShapeDtypeStruct((), jnp.float32, sharding=loss_shape.sharding)),
         aux=jax.tree.map(zeros_of_type, aux_shape),
         count=jnp.zeros((), jnp.uint32),
-        axes=axes,
-        mode=mode,
+        plan=plan,
     )
 
 
@@ -101,17 +116,17 @@ def add(
     _check_option(on_tag_lost)
     mb_rng = None if rng is None else jax.random.fold_in(rng, acc.count)
     # Free cast; parameters that stay replicated between calls are not moved.
-    compute_params = tag_reduced(params, acc.axes)
+    compute_params = tag_reduced(params, acc.plan)
     loss_sum, aux, grads = microbatch_grads(
-        loss_fn, compute_params, microbatch, mb_rng, acc.axes, on_tag_lost
+        loss_fn, compute_params, microbatch, mb_rng, acc.plan, on_tag_lost
     )
     return Accumulator(
-        grads=add_grads(acc.grads, grads),  # unreduced + unreduced: no collective
+        # unreduced + unreduced: no collective over the per-step axes.
+        grads=add_grads(acc.grads, scatter_into(grads, acc.plan)),
         loss_sum=acc.loss_sum + loss_sum.astype(acc.loss_sum.dtype),
         aux=jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc.aux, aux),
         count=acc.count + 1,
-        axes=acc.axes,
-        mode=acc.mode,
+        plan=acc.plan,
     )
 
 
@@ -121,5 +136,5 @@ def finish(acc: Accumulator, *, grad_shardings: Any = None) -> tuple[jax.Array, 
     `grad_shardings` as in `accumulate_gradients` (default: the gradients' own
     partitions; the optimizer's shardings for ZeRO-1).
     """
-    grads = reduce_to(acc.grads, grad_shardings, acc.mode)
+    grads = reduce_to(acc.grads, final_targets(acc.plan, grad_shardings), acc.mode)
     return normalize(acc.loss_sum, acc.aux, grads)

@@ -1,11 +1,5 @@
-"""Which mesh axes may carry a deferred gradient reduction, and in which mode we run.
-
-Deferral is only sound for mesh axes that split the *batch* and no *parameter*:
-along such an axis every device holds a full copy of each parameter and a
-different slice of the data, so each device's gradient is a partial sum and the
-sum can wait until the end of the step. An axis that also shards a parameter
-(FSDP, tensor or expert parallelism) needs its reduction where the model puts it.
-"""
+"""Reading a step's inputs for the reduction plan: the mode, the batch axes, and
+the plan itself from traced values. The decisions are accum.plan's."""
 
 from __future__ import annotations
 
@@ -14,6 +8,7 @@ from typing import Any
 
 import jax
 
+from accum.plan import ReductionPlan, make_plan, mesh_shape_of, policy_of
 from pspec_tags import mesh_axes_used, partitions, spec_of
 
 MODES = ("explicit", "auto")
@@ -35,13 +30,6 @@ def _entry_axes(entry: Any) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _mesh_sizes(leaves: Iterable[Any]) -> dict[str, int]:
-    for leaf in leaves:
-        if spec_of(leaf) is not None:
-            return dict(jax.typeof(leaf).sharding.mesh.shape)
-    return {}
-
-
 def batch_axes_of(batch: Any) -> tuple[str, ...]:
     """Mesh axes (of size > 1) that shard the leading (batch) dimension of `batch`'s leaves.
 
@@ -49,7 +37,7 @@ def batch_axes_of(batch: Any) -> tuple[str, ...]:
     returns `()` in auto mode, where shardings are not part of the types.
     """
     leaves = jax.tree.leaves(batch)
-    sizes = _mesh_sizes(leaves)
+    sizes = mesh_shape_of(leaves)
     axes: list[str] = []
     for leaf in leaves:
         spec = spec_of(leaf)
@@ -68,18 +56,44 @@ def param_mesh_axes(params: Any) -> frozenset[str]:
     return frozenset(a for leaf in jax.tree.leaves(params) for a in mesh_axes_used(spec_of(leaf)))
 
 
-def deferred_axes(params: Any, batch_axes: Iterable[str]) -> tuple[str, ...]:
-    """The batch axes along which the gradient reduction can wait for the end of the step.
+def plan_for_values(
+    params: Any,
+    batch: Any,
+    *,
+    mode: str,
+    policy: str | None = None,
+    defer_reduction: bool = True,
+    batch_axes: Iterable[str] | None = None,
+    slice_axes: Iterable[str] = (),
+    per_parameter: bool = False,
+) -> ReductionPlan:
+    """`make_plan` from traced values: mesh and specs read from `params`' explicit
+    shardings, batch axes from `batch`'s unless given."""
+    leaves = jax.tree.leaves(params)
+    axes = tuple(batch_axes) if batch_axes is not None else batch_axes_of(batch)
+    return make_plan(
+        params,
+        batch_axes=axes,
+        mesh_shape=mesh_shape_of(leaves),
+        policy=policy_of(defer_reduction, policy),
+        mode=mode,
+        slice_axes=slice_axes,
+        per_parameter=per_parameter,
+    )
 
-    These are the axes of `batch_axes` that shard no parameter and have size > 1.
-    Empty in auto mode (no explicit shardings to read, no tags to carry).
+
+def deferred_axes(params: Any, batch_axes: Iterable[str]) -> tuple[str, ...]:
+    """The batch axes the deferred plan (global gating) reduces once per step.
+
+    A read of `make_plan`: the axes of `batch_axes` that shard no parameter and
+    have size > 1. Empty in auto mode (no explicit shardings to read).
     """
     leaves = jax.tree.leaves(params)
-    sizes = _mesh_sizes(leaves)
+    sizes = mesh_shape_of(leaves)
     if not sizes:
         return ()
-    used = param_mesh_axes(params)
-    return tuple(a for a in batch_axes if sizes.get(a, 1) > 1 and a not in used)
+    plan = make_plan(params, batch_axes=batch_axes, mesh_shape=sizes, per_parameter=False)
+    return plan.deferred_axes
 
 
 def data_is_only_batch_axis(params: Any, batch_axes: Iterable[str]) -> bool:

@@ -1,7 +1,7 @@
-"""The three tag moves of deferred reduction: tag, accumulate unreduced, reduce once.
+"""The tag moves of a reduction plan: tag, accumulate (unreduced or scattered), reduce once.
 
-Every function takes the `axes` chosen by `gating.deferred_axes`; with `axes`
-empty (auto mode, or no deferrable axis) they degrade to plain operations.
+Every function reads the `ReductionPlan` (accum.plan); leaves the plan does not
+tag (auto mode, per-microbatch policy) degrade to plain operations.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from accum.plan import ReductionPlan, make_plan, mesh_shape_of
 from pspec_tags import (
     mesh_axes_used,
     partitions,
@@ -21,7 +22,6 @@ from pspec_tags import (
     unreduced_axes,
     untagged,
     with_reduced,
-    with_unreduced,
 )
 
 
@@ -33,56 +33,86 @@ def _named(value: Any, spec: P) -> NamedSharding:
     return NamedSharding(jax.typeof(value).sharding.mesh, spec)
 
 
-def leaf_axes(spec: P | None, axes: tuple[str, ...]) -> tuple[str, ...]:
-    """The deferred axes that apply to one parameter: `axes` minus those sharding it.
-
-    A spec cannot be reduced over an axis that partitions it, and a parameter
-    sharded over a batch axis (experts over 'expert') is summed over that axis
-    by its own kernel, so only the remaining batch axes are deferred for it.
-    """
-    used = set(mesh_axes_used(spec))
-    return tuple(a for a in axes if a not in used)
+def as_plan(params: Any, plan_or_axes: Any) -> Any:
+    """A `ReductionPlan` as given, or (for an axes tuple) the deferred plan over those
+    axes, each leaf deferring the ones that do not shard it."""
+    if isinstance(plan_or_axes, ReductionPlan):
+        return plan_or_axes
+    leaves = jax.tree.leaves(params)
+    return make_plan(params, batch_axes=tuple(plan_or_axes), mesh_shape=mesh_shape_of(leaves))
 
 
-def tag_reduced(params: Any, axes: tuple[str, ...]) -> Any:
-    """Reshard each floating parameter to `reduced` over its `leaf_axes` (a free cast).
+def tag_reduced(params: Any, plan: Any) -> Any:
+    """Reshard each parameter to `reduced` over its plan's `tagged` axes (a free cast).
 
     A reduced array is physically replicated, so the forward pass is unchanged;
     the point is the cotangent type: autodiff maps reduced primals to unreduced
     cotangents, so each microbatch's gradients stay per-device partial sums.
+    `plan`: a `ReductionPlan` (or a tuple of deferred axes).
     """
-    if not axes:
+    if not plan:
         return params
+    plan = as_plan(params, plan)
 
-    def tag(p):
+    def tag(leaf_plan, p):
         spec = spec_of(p)
-        if spec is None or not _floating(p) or not leaf_axes(spec, axes):
+        if spec is None or not _floating(p) or not leaf_plan.tagged:
             return p
         # with_reduced keeps the partitions and any existing tags (never spec[...]).
-        return jax.reshard(p, _named(p, with_reduced(spec, leaf_axes(spec, axes))))
+        return jax.reshard(p, _named(p, with_reduced(spec, leaf_plan.tagged)))
 
-    return jax.tree.map(tag, params)
+    return plan.map(tag, params)
 
 
-def unreduced_zeros(params: Any, axes: tuple[str, ...], dtype: Any | None) -> Any:
-    """Zero accumulators shaped like `params`, `unreduced` over `axes`, in `dtype`.
+def unreduced_zeros(params: Any, plan: Any, dtype: Any | None) -> Any:
+    """Zero accumulators for `params`, typed as the plan's accumulators, in `dtype`.
 
-    The carry must have the same type as the gradients it adds up: an untagged
-    (replicated) zero plus an unreduced gradient would force the gradient's
-    all-reduce at the addition, inside the loop.
+    Each is laid out on its leaf's `accumulator_spec` and `unreduced` over its
+    `per_step` axes. The carry must have the same type as what it adds up: an
+    untagged (replicated) zero plus an unreduced gradient would force the
+    gradient's all-reduce at the addition, inside the loop.
     """
+    plan = as_plan(params, plan) if plan else None
 
-    def zeros(p):
+    def zeros(leaf_plan, p):
         dt = dtype if dtype is not None and _floating(p) else jnp.result_type(p)
-        spec = spec_of(p)
-        if spec is None or not leaf_axes(spec, axes):
+        if spec_of(p) is None or leaf_plan is None or not leaf_plan.tagged:
             return jnp.zeros_like(p, dtype=dt)
-        # Partitions from the parameter, its reduced tag swapped for unreduced
-        # (a spec cannot hold the same axis as both).
-        target = with_unreduced(P(*partitions(spec)), leaf_axes(spec, axes))
+        # TAG: the accumulator's type comes from the plan (partitions, unreduced
+        # over the per-step axes); a reduced tag on the parameter is not copied.
+        target = leaf_plan.accumulator_target
         return lax.broadcast_in_dim(jnp.zeros((), dt), p.shape, (), out_sharding=_named(p, target))
 
-    return jax.tree.map(zeros, params)
+    if plan is None:
+        return jax.tree.map(lambda p: zeros(None, p), params)
+    return plan.map(zeros, params)
+
+
+def scatter_into(grads: Any, plan: Any) -> Any:
+    """Reduce each gradient over its leaf's `scatter` axes, onto its accumulator type.
+
+    The hierarchical plan's per-microbatch step: the in-slice partial sums are
+    reduce-scattered into the sharded accumulator (psummed where the leaf is too
+    small to split), the per-step axes stay unreduced. Leaves without scatter
+    axes pass through.
+    """
+
+    def scatter(leaf_plan, g):
+        own = spec_of(g)
+        if own is None or not leaf_plan.scatter:
+            return g
+        target = leaf_plan.accumulator_target
+        dims = _scatter_dims(own, target)
+        return _reduce_scatter(g, own, target, dims, keep=leaf_plan.per_step)
+
+    scattered = plan.map(scatter, grads)
+    if not plan.scatters:
+        return scattered
+    # XLA (TPU's while-loop all-reduce code motion) would otherwise sink a
+    # reduce-scatter whose result is only accumulated out of the loop: the same
+    # numbers, but the accumulator turns back into a full-size unreduced one,
+    # which is the memory this schedule exists to save. The barrier keeps it here.
+    return lax.optimization_barrier(scattered)
 
 
 def zeros_of_type(struct: jax.ShapeDtypeStruct) -> jax.Array:
@@ -169,17 +199,20 @@ def _scatter_dims(own: P, destination: P) -> dict[int, tuple[str, ...]]:
     return scatter
 
 
-def _reduce_scatter(x: jax.Array, own: P, destination: P, scatter: dict) -> jax.Array:
+def _reduce_scatter(
+    x: jax.Array, own: P, destination: P, scatter: dict, keep: tuple[str, ...] = ()
+) -> jax.Array:
     """The reduction as a reduce-scatter: each device keeps only its shard of the sum.
 
     `jax.reshard` from unreduced onto a spec sharded over the unreduced axis
     compiles to a full all-reduce then a slice (XLA:CPU and TPU alike): twice
     the traffic of a reduce-scatter and a full-size temporary. A shard_map
     taking the value with its own (unreduced) spec does it with psum_scatter;
-    unreduced axes that shard nothing in the destination are psummed.
+    unreduced axes that shard nothing in the destination are psummed, except
+    `keep`: those stay unreduced (the destination is unreduced over them).
     """
     scattered = {a for axes in scatter.values() for a in axes}
-    rest = tuple(a for a in unreduced_axes(own) if a not in scattered)
+    rest = tuple(a for a in unreduced_axes(own) if a not in scattered and a not in keep)
 
     def body(block):
         for dim, axes in scatter.items():
@@ -191,7 +224,8 @@ def _reduce_scatter(x: jax.Array, own: P, destination: P, scatter: dict) -> jax.
 
     mesh = jax.typeof(x).sharding.mesh
     # TAG: the in_spec is the value's own spec, unreduced tag included: it
-    # tells shard_map the blocks are partial sums still to be added up.
+    # tells shard_map the blocks are partial sums still to be added up; the
+    # out_spec keeps `keep` unreduced (sums still owed across slices).
     return jax.shard_map(body, mesh=mesh, in_specs=own, out_specs=destination)(x)
 
 

@@ -8,7 +8,6 @@ reduce-scatter where the backend forms one); the optimizer updates shards only.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -18,9 +17,10 @@ from jax.sharding import PartitionSpec as P
 
 from accum.accumulate import accumulate_gradients
 from accum.gating import resolve_mode
+from accum.shards import add_axis_to_free_dim
 from accum.step import apply_updates
 from accum.tags import place, place_tree
-from pspec_tags import mesh_axes_used, partitions, spec_of, untagged
+from pspec_tags import spec_of, untagged
 
 
 def check_zero1_compatible(
@@ -47,23 +47,6 @@ def _spec_and_mesh(leaf: Any) -> tuple[P, Any]:
     return (spec if spec is not None else P()), getattr(sharding, "mesh", None)
 
 
-def _with_data(spec: P, shape: tuple[int, ...], sizes: dict[str, int], data_axis: str) -> P:
-    """`spec` with `data_axis` added to the first dimension it divides (unsharded first)."""
-    parts = list(partitions(spec)) + [None] * (len(shape) - len(partitions(spec)))
-    if data_axis in mesh_axes_used(spec):
-        return untagged(spec)
-    for want_free in (True, False):
-        for d, entry in enumerate(parts):
-            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-            if want_free == bool(axes):
-                continue
-            if shape[d] % (math.prod(sizes[a] for a in axes) * sizes[data_axis]) == 0:
-                new = (*axes, data_axis)
-                parts[d] = new[0] if len(new) == 1 else new
-                return P(*parts)
-    return P(*parts)  # too small to split: stays replicated over data
-
-
 def zero1_shardings(
     params: Any,
     mesh: Any = None,
@@ -88,7 +71,7 @@ def zero1_shardings(
 
     def one(leaf):
         spec, _ = _spec_and_mesh(leaf)
-        return NamedSharding(mesh, _with_data(spec, tuple(leaf.shape), sizes, data_axis))
+        return NamedSharding(mesh, add_axis_to_free_dim(spec, tuple(leaf.shape), sizes, data_axis))
 
     return jax.tree.map(one, params)
 

@@ -18,6 +18,12 @@ from hlo_tools.module import Computation, HloModule, Instruction
 from hlo_tools.parser import parse, parse_instruction
 from hlo_tools.report import format_table, to_json, verdict
 from hlo_tools.shapes import ArrayType, TupleType
+from hlo_tools.slices import (
+    crosses_slices,
+    format_slice_traffic,
+    slice_traffic,
+    split_by_slice,
+)
 from hlo_tools.traffic import traffic
 
 __version__ = "0.1.0"
@@ -40,14 +46,18 @@ __all__ = [
     "collectives",
     "compiled_text",
     "cross_replica_all_reduce_sizes",
+    "crosses_slices",
+    "format_slice_traffic",
     "format_table",
     "gradient_reductions_outside",
     "in_loop_reductions",
     "parse",
     "parse_instruction",
     "report_jitted",
+    "slice_traffic",
     "spanned_axes",
     "spans_mesh_axis",
+    "split_by_slice",
     "split_by_entry_loop",
     "to_json",
     "traffic",

@@ -7,10 +7,11 @@ import json
 import math
 import sys
 
-from hlo_tools.collectives import KINDS
+from hlo_tools.collectives import KINDS, collectives
 from hlo_tools.errors import HloParseError
 from hlo_tools.parser import parse
 from hlo_tools.report import format_table, to_json, verdict
+from hlo_tools.slices import format_slice_traffic, slice_traffic
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a mesh axis no in-loop reduction may span, e.g. data (repeatable; needs --mesh). "
         "Reductions over other axes only (FSDP's own reduce-scatters) are allowed",
     )
+    p.add_argument(
+        "--slices",
+        type=int,
+        default=1,
+        help="the program spans this many slices (contiguous blocks of device ids, the "
+        "cross-slice mesh axes outermost): also split bytes per step into cross-slice and in-slice",
+    )
     p.add_argument("--details", action="store_true", help="also list every collective")
     p.add_argument("--check", action="store_true", help="exit 1 unless the verdict is OK")
     return p
@@ -63,7 +71,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hlo-report: {args.file}: {e}", file=sys.stderr)
         return 2
     try:
-        mesh_shape = _mesh_shape(args.mesh, module.num_devices)
+        if args.slices < 1 or (module.num_devices or args.slices) % args.slices:
+            raise ValueError(f"--slices {args.slices} does not divide the program's devices")
+        # A multi-slice TPU program is one slice's: its mesh spans `--slices` of it.
+        program_devices = module.num_devices
+        if program_devices and args.slices > 1 and any(c.cross_slice for c in collectives(module)):
+            program_devices *= args.slices
+        mesh_shape = _mesh_shape(args.mesh, program_devices)
         judged = verdict(module, args.max_in_loop_elements, mesh_shape, args.over)
     except ValueError as e:
         print(f"hlo-report: {e}", file=sys.stderr)
@@ -72,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         data = to_json(
             module, args.kind, args.min_bytes, args.max_in_loop_elements, mesh_shape, args.over
         )
+        if args.slices > 1:
+            data["slice_traffic"] = slice_traffic(module, args.slices)
         print(json.dumps(data, indent=2))
     else:
         print(
@@ -85,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
                 over=args.over,
             )
         )
+        if args.slices > 1:
+            print(
+                f"{args.slices} slices: {format_slice_traffic(slice_traffic(module, args.slices))}"
+            )
     if args.check and judged["status"] != "OK":
         return 1
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from hlo_tools.callgraph import Context, Loop
@@ -19,6 +20,21 @@ KINDS = (
 )
 # Kinds that sum across devices: the ones a gradient reduction compiles to.
 REDUCTION_KINDS = ("all-reduce", "reduce-scatter")
+
+# A multi-slice TPU program is one slice's program: its collectives across slices
+# are host-transfer sends to the megascale (DCN) runtime, tagged with their kind.
+_MEGASCALE_KIND = re.compile(r'_xla_megascale_transfer_type="([A-Z_]+)"')
+
+
+def megascale_kind(instr: Instruction) -> str | None:
+    """The collective kind of a megascale (cross-slice, DCN) send; None otherwise.
+
+    The matching recv is the other half of the same transfer and is not counted.
+    """
+    if instr.opcode not in ("send", "send-start"):
+        return None
+    m = _MEGASCALE_KIND.search(instr.attributes.get("frontend_attributes", ""))
+    return m.group(1).lower().replace("_", "-") if m else None
 
 
 def collective_kind(opcode: str) -> str | None:
@@ -54,6 +70,7 @@ class Collective:
     op_name: str
     channel_id: int | None
     line_number: int
+    cross_slice: bool = False  # a megascale (DCN) transfer between slices
 
     @property
     def dtype(self) -> str:
@@ -128,11 +145,17 @@ def collectives(module: HloModule | str) -> list[Collective]:
             continue
         for instr in comp.instructions:
             kind = collective_kind(instr.opcode)
-            if kind is None:
+            dcn_kind = megascale_kind(instr)
+            if kind is None and dcn_kind is None:
                 continue
-            arrays = tuple(_payload(instr))
-            groups = instr.replica_groups
-            size = _group_size(module, instr, groups)
+            if dcn_kind is not None:
+                # Payload: the value sent (first tuple element); no replica groups.
+                kind, groups, size = dcn_kind, None, None
+                arrays = tuple(leaf_arrays(instr.type.elements[0]))
+            else:
+                arrays = tuple(_payload(instr))
+                groups = instr.replica_groups
+                size = _group_size(module, instr, groups)
             for ctx in contexts:
                 out.append(
                     Collective(
@@ -149,6 +172,7 @@ def collectives(module: HloModule | str) -> list[Collective]:
                         op_name=instr.op_name or ctx.op_name,
                         channel_id=instr.channel_id,
                         line_number=instr.line_number,
+                        cross_slice=dcn_kind is not None,
                     )
                 )
     return out

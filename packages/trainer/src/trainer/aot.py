@@ -9,7 +9,8 @@ the HLO to run_dir/aot_<topology>.hlo.
 
 Topology names follow Cloud TPU: the number counts chips for v5e and v6e and
 TensorCores (two per chip) for v5p. `compile_topology_num_slices=N` compiles
-for N such slices joined over DCN; the data axis spans the slices.
+for N such slices joined over DCN: the mesh's dcn_ axes (dcn_data_parallelism,
+default -1: all the slices) span them, the ici_ axes one slice.
 Needs libtpu: `uv run --extra tpu train compile_topology=v5e-8 ...`.
 """
 
@@ -86,13 +87,8 @@ def resolve(config: Config) -> Topology:
     slices = config.compile_topology_num_slices
     if slices < 1:
         raise ConfigError(f"compile_topology_num_slices={slices} must be >= 1")
-    sizes = mesh_shape(config, topo.chips * slices)
-    if sizes["data"] % slices:
-        raise ConfigError(
-            f"compile_topology_num_slices={slices} needs a data axis divisible by {slices} "
-            f"(slices are joined over 'data'); the mesh has data={sizes['data']} "
-            f"(ici_data_parallelism={config.ici_data_parallelism})"
-        )
+    # The dcn_ keys must fill the slices, the ici_ keys one slice (ConfigError otherwise).
+    mesh_shape(config, topo.chips * slices, slices)
     return topo
 
 
@@ -176,7 +172,7 @@ def report_lines(result: AotResult) -> list[str]:
             flops.count_params(run.state["params"]), flops.active_matmul_params(config)
         ),
         report.batch_line(config, run.batch_size),
-        report.deferral_line(config, run.deferral_axes),
+        *report.plan_lines(config, run.plan),
         "memory per device (compiled.memory_analysis()):",
     ]
     for key in ("argument", "output", "alias", "temp", "code"):

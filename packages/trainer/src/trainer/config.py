@@ -15,7 +15,14 @@ import typing
 from typing import Any, Literal
 
 SHARD_MODES = ("explicit", "auto")
-MESH_AXES = ("data", "fsdp", "tensor", "tensor_transpose", "context", "expert")
+# The in-slice (ICI) axes, sized by ici_<axis>_parallelism.
+ICI_AXES = ("data", "fsdp", "tensor", "tensor_transpose", "context", "expert")
+# The cross-slice (DCN) axes, sized by dcn_<axis>_parallelism: each is its own mesh
+# axis ("dcn_data" beside "data"), outermost, so one slice is a contiguous block of
+# the mesh and a gradient can be unreduced over the slices while sharded inside one.
+DCN_AXES = ("dcn_data", "dcn_fsdp")
+MESH_AXES = DCN_AXES + ICI_AXES
+REDUCTION_POLICIES = ("deferred", "per_microbatch", "hierarchical")
 REMAT_POLICIES = ("none", "full", "minimal")
 DTYPES = ("float32", "bfloat16")
 
@@ -62,7 +69,12 @@ class Config:
     weight_dtype: Literal["float32", "bfloat16"] = "float32"
     remat_policy: Literal["none", "full", "minimal"] = "none"
     scan_layers: bool = True
-    # Parallelism: -1 fills the devices left over.
+    # Parallelism: -1 fills the devices left over (ici_: within a slice; dcn_: across
+    # slices, filling num_slices). num_slices=-1: detected (1 on one slice or CPU; set
+    # it to emulate slices on CPU devices, e.g. num_slices=2 on 8 devices = 2 x 4).
+    num_slices: int = -1
+    dcn_data_parallelism: int = -1
+    dcn_fsdp_parallelism: int = 1
     ici_data_parallelism: int = -1
     ici_fsdp_parallelism: int = 1
     ici_tensor_parallelism: int = 1
@@ -75,7 +87,14 @@ class Config:
     # Training.
     per_device_batch_size: float = 1.0
     gradient_accumulation_steps: int = 1
+    # When each gradient is reduced (accum.plan): deferred (once per step over every
+    # batch axis), per_microbatch, or hierarchical (cross-slice axes once per step,
+    # in-slice ones reduce-scattered per microbatch into sharded accumulators).
+    # Empty: from defer_gradient_reduction (true = deferred, false = per_microbatch).
+    gradient_reduction_policy: Literal["", "deferred", "per_microbatch", "hierarchical"] = ""
     defer_gradient_reduction: bool = True
+    # Print the reduction plan (parameter group x mesh axis -> when) at startup.
+    print_reduction_plan: bool = False
     steps: int = 10
     learning_rate: float = 3e-3
     warmup_steps_fraction: float = 0.1
@@ -147,9 +166,20 @@ class Config:
             self.base_output_directory or "outputs", self.run_name or self.model_name
         )
 
+    @property
+    def reduction_policy(self) -> str:
+        """gradient_reduction_policy, or its alias defer_gradient_reduction."""
+        if self.gradient_reduction_policy:
+            return self.gradient_reduction_policy
+        return "deferred" if self.defer_gradient_reduction else "per_microbatch"
+
     def parallelism(self) -> dict[str, int]:
-        """Requested size per mesh axis (before -1 is filled)."""
-        return {axis: getattr(self, f"ici_{axis}_parallelism") for axis in MESH_AXES}
+        """Requested size per in-slice mesh axis (before -1 is filled)."""
+        return {axis: getattr(self, f"ici_{axis}_parallelism") for axis in ICI_AXES}
+
+    def dcn_parallelism(self) -> dict[str, int]:
+        """Requested size per cross-slice mesh axis (before -1 is filled)."""
+        return {axis: getattr(self, f"{axis}_parallelism") for axis in DCN_AXES}
 
 
 # MaxText's DeepSeek-V3 test shapes, under MaxText's names (configs/models/*.yml), so a
@@ -340,35 +370,57 @@ def make_config(overrides: dict[str, Any] | None = None) -> Config:
         raise ConfigError(f"model_name={model_name!r} is not one of {sorted(PRESETS)}")
     values = dict(PRESETS[model_name])
     values.update(overrides)
-    return Config(**{key: _parse_value(key, raw) for key, raw in values.items()})
+    config = Config(**{key: _parse_value(key, raw) for key, raw in values.items()})
+    if "defer_gradient_reduction" in overrides and config.gradient_reduction_policy:
+        alias = "deferred" if config.defer_gradient_reduction else "per_microbatch"
+        if alias != config.gradient_reduction_policy:
+            raise ConfigError(
+                f"defer_gradient_reduction={str(config.defer_gradient_reduction).lower()} "
+                f"(an alias of gradient_reduction_policy={alias}) contradicts "
+                f"gradient_reduction_policy={config.gradient_reduction_policy}: set one"
+            )
+    return config
 
 
-def mesh_shape(config: Config, num_devices: int) -> dict[str, int]:
-    """Mesh axis sizes, with the (single) -1 axis filling the remaining devices."""
-    sizes = config.parallelism()
+def _fill(sizes: dict[str, int], total: int, prefix: str, what: str) -> dict[str, int]:
+    """`sizes` with the (single) -1 entry filling `total`; ConfigError naming the keys."""
+    key = lambda axis: f"{prefix}{axis.removeprefix('dcn_')}_parallelism"  # noqa: E731
     fill = [axis for axis, size in sizes.items() if size == -1]
     if len(fill) > 1:
         raise ConfigError(
-            "only one ici_*_parallelism may be -1; got -1 for "
-            + ", ".join(f"ici_{a}_parallelism" for a in fill)
+            f"only one {prefix}*_parallelism may be -1; got -1 for "
+            + ", ".join(key(a) for a in fill)
         )
     for axis, size in sizes.items():
         if size == 0 or size < -1:
-            raise ConfigError(f"ici_{axis}_parallelism={size} must be a positive size or -1")
+            raise ConfigError(f"{key(axis)}={size} must be a positive size or -1")
     fixed = math.prod(size for size in sizes.values() if size != -1)
     if fill:
-        if num_devices % fixed:
+        if total % fixed:
             raise ConfigError(
-                f"ici_{fill[0]}_parallelism=-1 cannot fill {num_devices} devices: the other "
-                f"axes multiply to {fixed}, which does not divide {num_devices}"
+                f"{key(fill[0])}=-1 cannot fill {total} {what}: the other "
+                f"axes multiply to {fixed}, which does not divide {total}"
             )
-        sizes[fill[0]] = num_devices // fixed
+        sizes[fill[0]] = total // fixed
     product = math.prod(sizes.values())
-    if product != num_devices:
-        listing = ", ".join(f"ici_{a}_parallelism={s}" for a, s in sizes.items() if s != 1)
+    if product != total:
+        listing = ", ".join(f"{key(a)}={s}" for a, s in sizes.items() if s != 1)
         raise ConfigError(
-            f"the ici_*_parallelism keys multiply to {product} ({listing or 'all 1'}) but there "
-            f"are {num_devices} devices: change them so their product is {num_devices}, or set "
-            "one of them to -1 to fill the devices"
+            f"the {prefix}*_parallelism keys multiply to {product} ({listing or 'all 1'}) but "
+            f"there are {total} {what}: change them so their product is {total}, or set "
+            "one of them to -1 to fill the " + what
         )
     return sizes
+
+
+def mesh_shape(config: Config, num_devices: int, num_slices: int = 1) -> dict[str, int]:
+    """Mesh axis sizes (MESH_AXES order): the dcn_ axes fill `num_slices`, the ici_
+    axes the devices of one slice; a -1 fills what the others leave."""
+    if num_slices < 1 or num_devices % num_slices:
+        raise ConfigError(
+            f"num_slices={num_slices} does not divide the {num_devices} devices into equal slices"
+        )
+    dcn = _fill(config.dcn_parallelism(), num_slices, "dcn_", "slices")
+    per_slice = "devices" if num_slices == 1 else "devices per slice"
+    ici = _fill(config.parallelism(), num_devices // num_slices, "ici_", per_slice)
+    return {**dcn, **ici}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import accum
 import hlo_tools
 from trainer.config import Config
 
@@ -32,15 +33,14 @@ def batch_line(config: Config, global_batch: int) -> str:
     )
 
 
-def deferral_line(config: Config, axes: tuple[str, ...]) -> str:
-    """Whether gradient reductions are deferred to once per step, and over which axes."""
-    if config.shard_mode != "explicit":
-        return "gradient reduction: placed by XLA (auto mode carries no reduced/unreduced tags)"
-    if not config.defer_gradient_reduction:
-        return "gradient reduction: per microbatch (defer_gradient_reduction=false)"
-    if not axes:
-        return "gradient reduction: nothing to defer (no mesh axis shards the tokens)"
-    return f"gradient reduction: deferred to once per step over {axes} (grads stay unreduced)"
+def plan_lines(config: Config, plan: accum.ReductionPlan) -> list[str]:
+    """The 'gradient reduction:' line from the plan, and with print_reduction_plan=true
+    its table (parameter group x batch axis -> when)."""
+    lines = [f"gradient reduction: {plan.summary()}"]
+    if config.print_reduction_plan:
+        lines.append(f"reduction plan ({plan.policy}; '{accum.PER_USE}' = inside the model):")
+        lines += [f"  {row}" for row in plan.table()]
+    return lines
 
 
 def collective_summary(
@@ -48,12 +48,15 @@ def collective_summary(
     config: Config,
     mesh_shape: dict[str, int] | None = None,
     strict_axes: tuple[str, ...] = (),
+    slice_axes: tuple[str, ...] = (),
 ) -> list[str]:
     """Gradient reductions inside vs outside the loops, and bytes per step by kind.
 
     `strict_axes` (with `mesh_shape`): the axes no in-loop reduction may span
-    (`sharding.fully_deferred_axes`). In-loop reductions over other axes only
-    (FSDP's reduce-scatters, say) are reported as expected, not as a failure.
+    (the plan's `strict_axes`). In-loop reductions over other axes only
+    (FSDP's reduce-scatters, hierarchical's in-slice ones) are reported as
+    expected, not as a failure. With `slice_axes` (the cross-slice mesh axes,
+    outermost), bytes per step are also split into cross-slice and in-slice.
     """
     module = hlo_tools.parse(text)
     inside = hlo_tools.in_loop_reductions(module)
@@ -66,14 +69,24 @@ def collective_summary(
                 f"  {where:8s} {kind:18s} {row['count']:4d} ops  "
                 f"{row['bytes_per_step'] / MIB:10.3f} MiB/step"
             )
+    if mesh_shape and slice_axes:
+        lines.append(slice_split_line(module, mesh_shape, slice_axes))
     outside_mib = sum(c.bytes for c in outside) / MIB
     head = (
         f"collectives per step (GA={config.gradient_accumulation_steps}, "
-        f"defer_gradient_reduction={str(config.defer_gradient_reduction).lower()}): "
+        f"gradient_reduction_policy={config.reduction_policy}): "
         f"{len(outside)} gradient reductions after the loops ({outside_mib:.3f} MiB); "
         + _verdict(module, inside, mesh_shape, strict_axes)
     )
     return [head, *lines]
+
+
+def slice_split_line(module, mesh_shape: dict[str, int], slice_axes: tuple[str, ...]) -> str:
+    """Collective bytes per step that cross slices vs stay inside one, in / after the loops."""
+    import math
+
+    split = hlo_tools.slice_traffic(module, math.prod(mesh_shape[a] for a in slice_axes))
+    return "  " + hlo_tools.format_slice_traffic(split)
 
 
 def _verdict(module, inside, mesh_shape, strict_axes) -> str:

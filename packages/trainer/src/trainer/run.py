@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -15,17 +16,20 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import accum
-from trainer import checkpoint, data, eval_data, evaluate, flops, input_pipeline, report
+from trainer import (
+    checkpoint,
+    data,
+    eval_data,
+    evaluate,
+    flops,
+    input_pipeline,
+    report,
+    slices,
+)
 from trainer import model as model_lib
 from trainer.config import Config
 from trainer.optimizer import make_optimizer
-from trainer.sharding import (
-    ShardCtx,
-    deferral_axes,
-    fully_deferred_axes,
-    logical_rules,
-    make_mesh,
-)
+from trainer.sharding import ShardCtx, logical_rules, make_mesh, reduction_plan
 from trainer.train_step import make_step
 from trainer.validate import global_batch_size, validate
 
@@ -40,7 +44,7 @@ class Run:
     state: dict
     step_fn: Any  # jitted
     batch_size: int
-    deferral_axes: tuple[str, ...] = ()
+    plan: accum.ReductionPlan | None = None
     compiled: Any = None
     source: Any = None  # input_pipeline.Source
     checkpoints: checkpoint.Checkpointer | None = None
@@ -50,11 +54,18 @@ class Run:
     evaluator: evaluate.Evaluator | None = None  # eval_interval > 0
     evals: list = dataclasses.field(default_factory=list)  # (step, eval result) per evaluation
 
+    @property
+    def deferral_axes(self) -> tuple[str, ...]:
+        """Axes some gradient is reduced over once per step (a read of the plan)."""
+        return self.plan.deferred_axes if self.plan else ()
+
 
 def setup(config: Config, devices: list | None = None) -> Run:
     """Validate (before compiling anything), build mesh and state, jit the step."""
     devices = devices if devices is not None else jax.devices()
-    sizes = validate(config, len(devices))
+    num_slices = slices.num_slices(config, devices)
+    devices = slices.slice_major(devices) if num_slices > 1 else devices
+    sizes = validate(config, len(devices), num_slices)
     # Inputs and the output directory, before building or compiling anything.
     batch = global_batch_size(config, len(devices))
     source = input_pipeline.make_source(config, batch)
@@ -64,9 +75,10 @@ def setup(config: Config, devices: list | None = None) -> Run:
     ctx = ShardCtx(mesh, logical_rules(config), config.shard_mode)
     model = model_lib.define(config, ctx)
     params, router = model_lib.init(config, ctx, model)
+    plan = reduction_plan(config, ctx, params)
     tx = make_optimizer(config)
     params, opt_shardings, zero1 = _optimizer_layout(config, mesh, tx, params)
-    fns = make_step(config, ctx, model, tx, zero1)
+    fns = make_step(config, ctx, model, tx, zero1, plan)
     with jax.set_mesh(mesh):
         opt_state = jax.jit(fns.init_opt_state, out_shardings=opt_shardings)(params)
     state = {
@@ -78,7 +90,7 @@ def setup(config: Config, devices: list | None = None) -> Run:
         "step": jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P())),
     }
     step_fn = jit_step(fns.step, state)
-    run = Run(config, ctx, model, state, step_fn, batch, deferral_axes(ctx))
+    run = Run(config, ctx, model, state, step_fn, batch, plan)
     run.source, run.checkpoints = source, checkpoints
     run.evaluator = evaluate.make_evaluator(config, ctx, model, eval_set)
     restored = checkpoints.restore_latest(state, mesh) if checkpoints else None
@@ -101,7 +113,7 @@ def _optimizer_layout(config: Config, mesh, tx, params) -> tuple[Any, Any, Any]:
         return params, opt_shardings, None
     # ZeRO-1: master params and optimizer state sharded over 'data'.
     compute_shardings = jax.tree.map(lambda p: p.sharding, params)
-    master_shardings = accum.zero1_shardings(params, mesh)
+    master_shardings = accum.zero1_shardings(params, mesh, fsdp_axes=("fsdp", "dcn_fsdp"))
     params = jax.tree.map(
         lambda p, s: (
             jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s)
@@ -134,14 +146,16 @@ def abstract_setup(config: Config, devices: list) -> Run:
     shardings: nothing is initialised or allocated, no data source is opened.
     For AOT compiles (aot.py), where `devices` are a TPU topology's
     compile-only devices; lower with `abstract_batch(run)`."""
-    sizes = validate(config, len(devices))
+    num_slices = slices.num_slices(config, devices)
+    sizes = validate(config, len(devices), num_slices)
     mesh = make_mesh(sizes, config.shard_mode, devices)
     ctx = ShardCtx(mesh, logical_rules(config), config.shard_mode)
     model = model_lib.define(config, ctx)
     params, router = model_lib.abstract_state(model, ctx)
+    plan = reduction_plan(config, ctx, params)
     tx = make_optimizer(config)
     params, opt_shardings, zero1 = _optimizer_layout(config, mesh, tx, params)
-    fns = make_step(config, ctx, model, tx, zero1)
+    fns = make_step(config, ctx, model, tx, zero1, plan)
     with jax.set_mesh(mesh):
         init = jax.jit(fns.init_opt_state, out_shardings=opt_shardings)
         opt_state = jax.eval_shape(init, params)
@@ -153,7 +167,7 @@ def abstract_setup(config: Config, devices: list) -> Run:
     }
     step_fn = jit_step(fns.step, state)
     batch = global_batch_size(config, len(devices))
-    return Run(config, ctx, model, state, step_fn, batch, deferral_axes(ctx))
+    return Run(config, ctx, model, state, step_fn, batch, plan)
 
 
 def abstract_batch(run: Run) -> dict:
@@ -278,31 +292,27 @@ def startup_lines(run: Run) -> list[str]:
         report.params_line(total, flops.active_matmul_params(config)),
         report.batch_line(config, run.batch_size),
     ]
-    lines.append(report.deferral_line(config, run.deferral_axes))
+    lines += report.plan_lines(config, run.plan)
     lines += data_lines(run)
     return lines + report.collective_summary(run.compiled.as_text(), config, *summary_axes(run))
 
 
-def summary_axes(run: Run) -> tuple[dict[str, int], tuple[str, ...]]:
-    """(mesh shape, axes no in-loop gradient reduction may span) for the summary."""
-    strict = ()
-    if config_defers(run.config):
-        strict = fully_deferred_axes(run.ctx, run.model.param_logical)
-    return dict(run.ctx.mesh.shape), strict
+def summary_axes(run: Run) -> tuple[dict[str, int], tuple[str, ...], tuple[str, ...]]:
+    """(mesh shape, axes no in-loop gradient reduction may span, slice axes) for the
+    summary: the plan's strict axes (those every gradient reduces once per step)."""
+    return dict(run.ctx.mesh.shape), run.plan.strict_axes, run.plan.slice_axes
 
 
 def hlo_report_command(run: Run, path: str) -> str:
     """The `hlo-report` command line that judges a dump of this run's step as the
     startup summary does (mesh axes of size one left out: they move no device)."""
-    mesh_shape, strict = summary_axes(run)
+    mesh_shape, strict, across = summary_axes(run)
     mesh = ",".join(f"{a}={n}" for a, n in mesh_shape.items() if n > 1)
     args = [f"--mesh {mesh}"] if mesh else []
     args += [f"--over {a}" for a in strict]
+    if across:
+        args.append(f"--slices {math.prod(mesh_shape[a] for a in across)}")
     return " ".join(["hlo-report", path, *args])
-
-
-def config_defers(config: Config) -> bool:
-    return config.shard_mode == "explicit" and config.defer_gradient_reduction
 
 
 def data_lines(run: Run) -> list[str]:

@@ -19,14 +19,21 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import accum
 import pspec_tags as pt
 from trainer.config import MESH_AXES, Config
+from trainer.slices import slice_axes
 
 
 def make_mesh(sizes: dict[str, int], mode: str, devices: Sequence[Any] | None = None) -> Mesh:
-    """All six mesh axes (size one when unused), Explicit or Auto per `mode`."""
+    """Every mesh axis (size one when unused or absent from `sizes`), Explicit or Auto.
+
+    The cross-slice (dcn_) axes come first: with `devices` in slice-major order
+    each slice is one contiguous block, so those axes are exactly the ones whose
+    collectives cross slices (the hybrid mesh of a multi-slice run).
+    """
     axis_type = AxisType.Explicit if mode == "explicit" else AxisType.Auto
-    shape = tuple(sizes[a] for a in MESH_AXES)
+    shape = tuple(sizes.get(a, 1) for a in MESH_AXES)
     if devices is None:
         return jax.make_mesh(shape, MESH_AXES, axis_types=(axis_type,) * len(MESH_AXES))
     array = np.asarray(devices).reshape(shape)
@@ -36,7 +43,9 @@ def make_mesh(sizes: dict[str, int], mode: str, devices: Sequence[Any] | None = 
 def logical_rules(config: Config) -> tuple[tuple[str, Any], ...]:
     """Logical axis -> mesh axes. The first usable rule for a name wins (pspec_tags)."""
     expert_in_batch = config.expert_shard_attention_option == "fsdp"
-    batch = ("data", "fsdp", "expert") if expert_in_batch else ("data", "fsdp")
+    # The batch splits across slices first (dcn_ axes), then inside one.
+    dcn = ("dcn_data", "dcn_fsdp")
+    batch = (*dcn, "data", "fsdp", "expert") if expert_in_batch else (*dcn, "data", "fsdp")
     length = ("context",) if expert_in_batch else ("context", "expert")
     return (
         # Activations.
@@ -52,7 +61,7 @@ def logical_rules(config: Config) -> tuple[tuple[str, Any], ...]:
         ("activation_head_dim", None),
         # Weights.
         ("vocab", "tensor"),
-        ("embed", ("fsdp", "tensor_transpose")),
+        ("embed", ("dcn_fsdp", "fsdp", "tensor_transpose")),
         ("mlp", "tensor"),
         ("heads", "tensor"),
         ("exp", "expert"),
@@ -185,41 +194,23 @@ def _einsum_out_shape(equation: str, operands: Sequence[jax.Array]) -> tuple[int
     return tuple(dims[letter] for letter in output)
 
 
-def param_mesh_axes(ctx: ShardCtx, param_logical: dict) -> set[str]:
-    """Mesh axes that shard some parameter as the model computes with it."""
-    is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
-    return {
-        axis
-        for axes in jax.tree.leaves(param_logical, is_leaf=is_axes)
-        for axis in pt.mesh_axes_used(ctx.spec(axes))
-    }
+def reduction_plan(config: Config, ctx: ShardCtx, params: Any) -> accum.ReductionPlan:
+    """The step's reduction plan (accum.make_plan), read by everything that reduces,
+    tags or reports gradients.
 
-
-def deferral_axes(ctx: ShardCtx) -> tuple[str, ...]:
-    """Token mesh axes the gradient reduction is deferred over (explicit mode).
-
-    Every axis sharding the batch or the sequence: JAX types the gradient of a
-    matmul that contracts over token-sharded activations as unreduced over all
-    of them (context parallelism included). Weights sharded
-    over a batch axis (FSDP, experts over 'expert') defer the others only: the
-    model gathers them with `ShardCtx.weight`, which tags the gathered copy
-    reduced over the gathered axes, and the MoE shard_map sums expert
-    gradients over the expert axis itself (see `deferral_per_parameter`).
+    `params`: arrays or ShapeDtypeStructs in the layout the model computes with
+    (before ZeRO-1 shards them). The batch axes are the token axes; the slice
+    axes the dcn_ ones. Per parameter: the model gathers weights sharded over a
+    batch axis with a tagged reshard (`ShardCtx.weight`) and the experts enter
+    the MoE shard_map, so such a weight reduces that axis per use and defers the others.
     """
-    return ctx.token_axes if ctx.explicit else ()
-
-
-def deferral_per_parameter(ctx: ShardCtx, param_logical: dict) -> bool:
-    """Whether some parameter is sharded over a deferred batch axis (FSDP, experts).
-
-    Then each parameter defers only the token axes that do not shard it.
-    """
-    return bool(param_mesh_axes(ctx, param_logical) & set(deferral_axes(ctx)))
-
-
-def fully_deferred_axes(ctx: ShardCtx, param_logical: dict) -> tuple[str, ...]:
-    """Deferred axes that shard no parameter: no gradient reduction over them may
-    run inside a loop. (Over the others, FSDP's or the experts', weights sharded
-    over them reduce per use, by design.)"""
-    sharding = param_mesh_axes(ctx, param_logical)
-    return tuple(a for a in deferral_axes(ctx) if a not in sharding)
+    shape = dict(ctx.mesh.shape)
+    return accum.make_plan(
+        params,
+        batch_axes=ctx.token_axes,
+        mesh_shape=shape,
+        policy=config.reduction_policy,
+        mode=config.shard_mode,
+        slice_axes=slice_axes(shape),
+        per_parameter=True,
+    )

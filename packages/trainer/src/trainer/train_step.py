@@ -17,7 +17,7 @@ from trainer import model as model_lib
 from trainer.config import Config
 from trainer.loss import cross_entropy_sum
 from trainer.optimizer import learning_rate_schedule
-from trainer.sharding import ShardCtx, deferral_axes, deferral_per_parameter
+from trainer.sharding import ShardCtx
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +82,9 @@ def make_step(
     model: model_lib.ModelDef,
     tx: optax.GradientTransformation,
     zero1: tuple[Any, Any] | None = None,
+    plan: accum.ReductionPlan | None = None,
 ) -> StepFns:
-    """Build the step.
+    """Build the step; `plan` (sharding.reduction_plan) decides every gradient reduction.
 
     With `zero1 = (compute_shardings, master_shardings)`, `state["params"]` are
     the data-sharded master parameters: they are gathered onto
@@ -91,8 +92,6 @@ def make_step(
     reduction lands straight in `master_shardings` (a reduce-scatter where the
     backend forms one), and the optimizer updates shards only.
     """
-    batch_axes = deferral_axes(ctx)
-    per_parameter = deferral_per_parameter(ctx, model.param_logical)
     compute_dtype = jnp.dtype(config.dtype)
 
     def step(state: dict, batch: dict) -> tuple[dict, dict]:
@@ -118,9 +117,7 @@ def make_step(
             batch,
             num_microbatches=config.gradient_accumulation_steps,
             mode=config.shard_mode,
-            defer_reduction=config.defer_gradient_reduction,
-            batch_axes=batch_axes,
-            per_parameter_axes=per_parameter,
+            plan=plan,
             grad_shardings=grad_shardings,
         )
         return apply_gradients(config, tx, state, loss, aux, grads)

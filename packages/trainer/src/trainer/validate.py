@@ -11,8 +11,8 @@ def _require(ok: bool, message: str) -> None:
 
 
 def batch_shard_count(config: Config, sizes: dict[str, int]) -> int:
-    """How many ways the batch dimension is split (data x fsdp x expert-as-fsdp)."""
-    count = sizes["data"] * sizes["fsdp"]
+    """How many ways the batch dimension is split (dcn x data x fsdp x expert-as-fsdp)."""
+    count = sizes["dcn_data"] * sizes["dcn_fsdp"] * sizes["data"] * sizes["fsdp"]
     if config.expert_shard_attention_option == "fsdp":
         count *= sizes["expert"]
     return count
@@ -39,12 +39,18 @@ def global_batch_size(config: Config, num_devices: int) -> int:
     return microbatch_size(config, num_devices) * config.gradient_accumulation_steps
 
 
-def validate(config: Config, num_devices: int) -> dict[str, int]:
-    """Raise ConfigError naming the key for anything that would fail later; return mesh sizes."""
-    sizes = mesh_shape(config, num_devices)
+def validate(config: Config, num_devices: int, num_slices: int | None = None) -> dict[str, int]:
+    """Raise ConfigError naming the key for anything that would fail later; return mesh sizes.
+
+    `num_slices`: the slices the devices form (default: config.num_slices, or 1).
+    """
+    if num_slices is None:
+        num_slices = config.num_slices if config.num_slices > 0 else 1
+    sizes = mesh_shape(config, num_devices, num_slices)
     _check_training(config)
     _check_model(config)
     _check_parallelism(config, sizes)
+    _check_reduction_policy(config, sizes)
     microbatch = microbatch_size(config, num_devices)
     shards = batch_shard_count(config, sizes)
     _require(
@@ -52,7 +58,8 @@ def validate(config: Config, num_devices: int) -> dict[str, int]:
         f"microbatch of {microbatch} sequences (per_device_batch_size="
         f"{config.per_device_batch_size} x {num_devices} devices) does not split over "
         f"{shards} batch shards "
-        f"(data x fsdp{' x expert' if config.expert_shard_attention_option == 'fsdp' else ''})",
+        f"(dcn_data x dcn_fsdp x data x fsdp"
+        f"{' x expert' if config.expert_shard_attention_option == 'fsdp' else ''})",
     )
     return sizes
 
@@ -117,13 +124,31 @@ def _check_routing(config: Config) -> None:
     )
 
 
+def _check_reduction_policy(config: Config, sizes: dict[str, int]) -> None:
+    policy = config.reduction_policy
+    if policy != "hierarchical":
+        return
+    _require(
+        config.shard_mode == "explicit",
+        "gradient_reduction_policy=hierarchical needs shard_mode=explicit (auto mode lets XLA "
+        "place every reduction)",
+    )
+    _require(
+        sizes["dcn_data"] * sizes["dcn_fsdp"] > 1,
+        "gradient_reduction_policy=hierarchical needs a cross-slice axis: "
+        "dcn_data_parallelism > 1 (with num_slices, or compile_topology_num_slices, > 1); "
+        "this mesh has one slice",
+    )
+
+
 def _check_parallelism(config: Config, sizes: dict[str, int]) -> None:
     if config.shard_optimizer_over_data:
-        _require(
-            sizes["fsdp"] == 1,
-            f"shard_optimizer_over_data=true (ZeRO-1) cannot be combined with "
-            f"ici_fsdp_parallelism={sizes['fsdp']} (FSDP already shards the optimizer state)",
-        )
+        for key, axis in (("ici_fsdp_parallelism", "fsdp"), ("dcn_fsdp_parallelism", "dcn_fsdp")):
+            _require(
+                sizes[axis] == 1,
+                f"shard_optimizer_over_data=true (ZeRO-1) cannot be combined with "
+                f"{key}={sizes[axis]} (FSDP already shards the optimizer state)",
+            )
     _require(
         config.num_experts % sizes["expert"] == 0,
         f"num_experts={config.num_experts} is not divisible by "

@@ -1,0 +1,52 @@
+"""Slices: how many, which devices belong to each, and the mesh axes that cross them.
+
+A multi-slice run joins several TPU slices over DCN. The trainer's mesh gives the
+cross-slice part its own outermost axes (config.DCN_AXES), so one slice is a
+contiguous block of the mesh. On real slices the count comes from the devices'
+`slice_index`; on CPU, `num_slices=N` emulates N slices as equal contiguous
+blocks of the devices; an AOT compile takes `compile_topology_num_slices`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from trainer.config import DCN_AXES, Config, ConfigError
+
+
+def detected_slices(devices: Sequence[Any]) -> int:
+    """Distinct `slice_index` values among `devices` (1 when they carry none)."""
+    indices = {getattr(d, "slice_index", None) for d in devices}
+    indices.discard(None)
+    return max(len(indices), 1)
+
+
+def num_slices(config: Config, devices: Sequence[Any]) -> int:
+    """The slice count this run's mesh is built for; ConfigError naming the key
+    when `num_slices` contradicts the topology or the slices the devices report."""
+    if config.compile_topology:
+        wanted = config.compile_topology_num_slices
+        if config.num_slices not in (-1, wanted):
+            raise ConfigError(
+                f"num_slices={config.num_slices} contradicts compile_topology_num_slices={wanted}"
+            )
+        return wanted
+    found = detected_slices(devices)
+    if config.num_slices == -1:
+        return found
+    if config.num_slices < 1:
+        raise ConfigError(f"num_slices={config.num_slices} must be >= 1 (or -1: detect)")
+    if found > 1 and found != config.num_slices:
+        raise ConfigError(f"num_slices={config.num_slices} but the devices span {found} slices")
+    return config.num_slices
+
+
+def slice_major(devices: Sequence[Any]) -> list:
+    """`devices` ordered slice by slice (then by id), so each slice is one block of the mesh."""
+    return sorted(devices, key=lambda d: (getattr(d, "slice_index", 0) or 0, d.id))
+
+
+def slice_axes(mesh_shape: dict[str, int]) -> tuple[str, ...]:
+    """The mesh axes (size > 1) whose devices sit in different slices."""
+    return tuple(a for a in DCN_AXES if mesh_shape.get(a, 1) > 1)
