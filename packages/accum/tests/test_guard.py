@@ -60,7 +60,10 @@ def test_find_dropped_tags_direct(toy, get_setup):
                 _dropping(toy, setup, "router"), params, batch, axes=("data",)
             )
             assert list(found) == ["['layers']['router']"], found
-            assert "reshard" in found["['layers']['router']"][0]
+            sites = found["['layers']['router']"]
+            # The backward reduction first, then the forward reshard that dropped the tag.
+            assert "reduces ['data']" in sites[0]
+            assert any("tag dropped by reshard" in site for site in sites)
             return 0
 
         probe.trace(setup.params, setup.batch)  # traced only: nothing runs

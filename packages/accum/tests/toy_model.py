@@ -121,11 +121,11 @@ def batch_specs(mesh, rules):
 def lookup(table, ids, mode):
     """Rows `table[ids]` whose gradient stays unreduced: a local gather in a shard_map.
 
-    Work-around: pspec_tags.embed_lookup (`.at[].get(out_sharding=...)`) reshards
-    the table to an untagged spec and all-gathers ids and cotangents inside
-    JAX 0.10's gather rule, which the accum guard reports as a dropped tag.
-    A shard_map whose in_spec keeps the table's `reduced` tag transposes to an
-    unreduced scatter-add with no collective. Needs an unsharded vocab dim.
+    `.at[].get(out_sharding=...)` passes the accum guard too (its transpose
+    reduces nothing), but JAX 0.10's gather rule all-gathers the ids and the
+    activation cotangents to do it. A shard_map whose in_spec keeps the table's
+    `reduced` tag transposes to an unreduced scatter-add with no collective.
+    Needs an unsharded vocab dim.
     """
     if mode != "explicit":
         return jnp.take(table, ids, axis=0)

@@ -1,4 +1,4 @@
-"""Trace-time guard: does the model drop a parameter's `reduced` tag?
+"""Trace-time guard: does the backward pass reduce a deferred axis inside the loop?
 
 Checking the gradients' types is not enough. Autodiff types a reduced
 parameter's cotangent as unreduced no matter what the model does with it: if
@@ -6,135 +6,442 @@ the model reshards the parameter onto an untagged spec, the backward pass
 all-reduces the gradient right there (inside the microbatch loop, often inside
 the layer loop too) and then converts the fully reduced value back into an
 "unreduced" one. Numerics and output types are unchanged; only the traffic
-grows. So the guard reads the forward jaxpr instead: a layout op (reshard,
-mesh_cast, sharding constraint) or a nested-jaxpr boundary (jit, scan, shard_map,
-remat, custom_vjp) that takes a value reduced over the deferred axes and hands
-on one that is not, is a dropped tag. Each parameter's leaves are followed
-through the program so the error can name them.
+grows.
+
+Reading the forward pass for dropped tags is not right either: a dropped
+forward tag costs nothing when the op's transpose already yields an unreduced
+cotangent (`table.at[ids].get(out_sharding=...)` reshards the table to an
+untagged spec, yet its scatter-add cotangent is converted to unreduced without
+any reduction). So the guard judges by effect: it traces one microbatch's
+`vjp` and walks the backward equations (through jit, scan, while, cond,
+shard_map, remat and custom_vjp/jvp calls), flagging every equation that turns
+a cotangent which is partial over a deferred axis (unreduced over it, sharded
+on a contracted dimension, or varying over it inside shard_map) into a value
+that is no longer unreduced over it. That is exactly a reduction XLA must run
+inside the loop. Each flagged equation is attributed to the parameters whose
+gradient it flows into; the cheap forward walk (a layout op that drops a
+parameter's `reduced` tag) only adds the line where the tag was lost.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import warnings
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import jaxlib
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from pspec_tags import TagLostError, reduced_axes
+from pspec_tags import (
+    TagLostError,
+    mesh_axes_used,
+    partitions,
+    reduced_axes,
+    unreduced_axes,
+    with_reduced,
+    with_unreduced,
+)
 
 # Primitives that change only a value's layout: passing a reduced value through
-# one of them onto an untagged spec is exactly the silent drop.
+# one of them onto an untagged spec is the forward-side drop.
 _LAYOUT_PRIMITIVES = frozenset({"reshard", "mesh_cast", "sharding_constraint", "device_put"})
+# Explicit-mode contractions: they reduce the mesh axes sharding a summed dim.
+_REDUCE_PRIMITIVES = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"})
+_SCATTER_ADD = frozenset({"scatter-add", "scatter_add"})
+# Collectives inside shard_map that sum (or otherwise combine) varying blocks
+# over manual axes. Gathers (all_gather, all_to_all, ppermute) move data only.
+_MANUAL_REDUCTIONS = frozenset(
+    {
+        "psum",
+        "psum2",
+        "psum_invariant",
+        "pmax",
+        "pmin",
+        "reduce_scatter",
+        "psum_scatter",
+        "unreduced_psum",
+        "unreduced_reduce_scatter",
+    }
+)
+
+
+# ---------------------------------------------------------------- labels
+
+
+@dataclasses.dataclass(frozen=True)
+class _Site:
+    """One backward equation that reduces deferred `axes`."""
+
+    text: str
+    axes: frozenset[str]
+
+
+_COTANGENT = "<cotangent>"  # label: the value depends on the backward seed
+
+
+def _param(path: str) -> tuple[str, str]:
+    return ("param", path)
+
+
+def _params_in(labels: Iterable) -> list[str]:
+    return sorted(lab[1] for lab in labels if isinstance(lab, tuple) and lab[0] == "param")
+
+
+# ---------------------------------------------------------------- avals
+
+
+def _aval(var: Any) -> Any:
+    return getattr(var, "aval", None)
+
+
+def _spec(var: Any) -> P | None:
+    return getattr(getattr(_aval(var), "sharding", None), "spec", None)
+
+
+def _manual(var: Any, field: str) -> frozenset[str]:
+    """`field` (varying/unreduced/reduced) of the manual-axis type inside shard_map.
+
+    JAX 0.10+ keeps it in `aval.manual_axis_type`; earlier releases kept only
+    the varying axes, in `aval.vma`. Neither: nothing manual.
+    """
+    aval = _aval(var)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(getattr(mat, field, None) or ())
+    if field == "varying":
+        return frozenset(getattr(aval, "vma", None) or ())
+    return frozenset()
 
 
 def _reduced(var: Any) -> frozenset[str]:
-    """Axes `var` is reduced over: from its sharding, or (inside a shard_map, where
-    those axes are manual) from its manual axis type."""
-    aval = getattr(var, "aval", None)
-    sharding = getattr(aval, "sharding", None)
-    manual = getattr(getattr(aval, "manual_axis_type", None), "reduced", None) or ()
-    return reduced_axes(getattr(sharding, "spec", None)) | frozenset(manual)
+    """Axes `var` is reduced over: explicit tag or manual axis type."""
+    return reduced_axes(_spec(var)) | _manual(var, "reduced")
+
+
+def _unreduced(var: Any) -> frozenset[str]:
+    """Axes `var` holds per-device partial sums over: explicit tag or manual axis type."""
+    return unreduced_axes(_spec(var)) | _manual(var, "unreduced")
+
+
+def _dim_axes(var: Any, dims: Iterable[int]) -> frozenset[str]:
+    """Mesh axes sharding dimensions `dims` of `var` (explicit axes only)."""
+    parts = partitions(_spec(var))
+    found: set[str] = set()
+    for d in dims:
+        if d < len(parts) and parts[d] is not None:
+            found.update(mesh_axes_used(P(parts[d])))
+    return frozenset(found)
 
 
 def _is_literal(var: Any) -> bool:
     return type(var).__name__ == "Literal"
 
 
-def _jaxpr_of(obj: Any) -> Any | None:
-    inner = getattr(obj, "jaxpr", None)  # ClosedJaxpr -> Jaxpr
+# ---------------------------------------------------------------- source lines
+
+# Frames in these directories are library plumbing, not the model's lines.
+_SKIP_DIRS = tuple(
+    os.path.dirname(os.path.abspath(path)) + os.sep
+    for path in (jax.__file__, jaxlib.__file__, __file__)
+)
+
+
+def _where(eqn: Any, depth: int = 2) -> str:
+    """'file:line (function)' of the innermost `depth` frames outside jax, jaxlib and accum.
+
+    Transposed equations carry the source info of the forward equation they
+    came from, so for a backward equation this names the forward line; the
+    caller's frame is added because that line is often in a helper (a `_dot`
+    or `_gather` method). Reads the traceback's frames (public attributes of
+    jaxlib's Traceback) rather than jax's private source_info_util; '?' when
+    there are none.
+    """
+    frames = getattr(getattr(getattr(eqn, "source_info", None), "traceback", None), "frames", None)
+    user = [
+        f"{frame.file_name}:{frame.line_num} ({frame.function_name})"
+        for frame in frames or ()
+        if not os.path.abspath(frame.file_name).startswith(_SKIP_DIRS)
+    ]
+    return ", called from ".join(user[:depth]) or "?"
+
+
+# ---------------------------------------------------------------- nested jaxprs
+
+
+@dataclasses.dataclass
+class _Region:
+    """A nested jaxpr and how its inputs/outputs map onto the outer equation's.
+
+    `ins[i]` / `outs[j]`: outer invar / outvar index of sub invar i / outvar j
+    (None: unmapped). `loop`: (sub outvar, sub invar) pairs fed back each
+    iteration (scan and while carries).
+    """
+
+    jaxpr: Any
+    ins: list[int | None]
+    outs: list[int | None]
+    loop: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+
+
+def _open(obj: Any) -> Any | None:
+    """The open Jaxpr of a Jaxpr or ClosedJaxpr; None for anything else."""
+    inner = getattr(obj, "jaxpr", None)
     if inner is not None and hasattr(inner, "eqns"):
         return inner
     return obj if hasattr(obj, "eqns") else None
 
 
-def _sub_jaxprs(eqn: Any) -> list[tuple[Any, list[int]]]:
-    """(sub-jaxpr, outer invar index for each of its invars) for every nested jaxpr."""
-    n = len(eqn.invars)
-    if eqn.primitive.name == "while":
-        cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-        carry = list(range(cn + bn, n))
-        body = _jaxpr_of(eqn.params["body_jaxpr"])
-        return [(body, list(range(cn, cn + bn)) + carry)]
+def _regions(eqn: Any) -> list[_Region]:
+    """Every nested jaxpr of `eqn`, mapped by the primitive's known layout.
+
+    scan, while and cond have their own operand layouts; everything else JAX
+    nests (jit, closed_call, remat, shard_map, custom_jvp/vjp calls) maps its
+    operands and results one to one.
+    """
+    name, params = eqn.primitive.name, eqn.params
+    n_in, n_out = len(eqn.invars), len(eqn.outvars)
+    if name == "scan":
+        carry = params["num_carry"]
+        return [
+            _Region(
+                _open(params["jaxpr"]),
+                list(range(n_in)),
+                list(range(n_out)),
+                [(i, params["num_consts"] + i) for i in range(carry)],
+            )
+        ]
+    if name == "while":
+        cn, bn = params["cond_nconsts"], params["body_nconsts"]
+        carry = list(range(cn + bn, n_in))
+        body = _Region(
+            _open(params["body_jaxpr"]),
+            list(range(cn, cn + bn)) + carry,
+            list(range(n_out)),
+            [(i, bn + i) for i in range(n_out)],
+        )
+        cond = _Region(_open(params["cond_jaxpr"]), list(range(cn)) + carry, [None])
+        return [body, cond]
+    if name == "cond":
+        return [
+            _Region(_open(b), list(range(1, n_in)), list(range(n_out))) for b in params["branches"]
+        ]
     found = []
-    for value in eqn.params.values():
+    for value in params.values():
         for item in value if isinstance(value, tuple | list) else (value,):
-            sub = _jaxpr_of(item)
-            if sub is None:
-                continue
-            if len(sub.invars) == n:  # jit, scan, remat, shard_map, custom_vjp/jvp
-                found.append((sub, list(range(n))))
-            elif len(sub.invars) == n - 1:  # cond branches: operand 0 is the index
-                found.append((sub, list(range(1, n))))
+            sub = _open(item)
+            if sub is not None and len(sub.invars) == n_in and len(sub.outvars) == n_out:
+                found.append(_Region(sub, list(range(n_in)), list(range(n_out))))
     return found
 
 
-def _where(eqn: Any) -> str:
-    try:  # best effort: the user's source line, through a private helper
-        from jax._src import source_info_util
-
-        return source_info_util.summarize(eqn.source_info)
-    except Exception:  # noqa: BLE001 - location is decoration only
-        return "?"
+# ---------------------------------------------------------------- the walk
 
 
-def _walk(jaxpr: Any, taint: dict, axes: frozenset, found: dict[str, list[str]]) -> None:
-    for eqn in jaxpr.eqns:
-        in_taint = [
-            frozenset() if _is_literal(v) else taint.get(v, frozenset()) for v in eqn.invars
-        ]
-        for sub, mapping in _sub_jaxprs(eqn):
-            sub_taint = {}
-            for sub_var, outer in zip(sub.invars, mapping, strict=False):
-                names = in_taint[outer]
-                if not names:
-                    continue
-                sub_taint[sub_var] = names
-                lost = (_reduced(eqn.invars[outer]) & axes) - _reduced(sub_var)
-                if lost:
-                    _record(found, names, eqn, eqn.invars[outer], sub_var, lost)
-            _walk(sub, sub_taint, axes, found)
+def _partial_axes(eqn: Any, cotangent_in: Sequence[Any]) -> dict[str, Any]:
+    """{axis: input} for each mesh axis an input of `eqn` is partial over.
+
+    Partial means the op must sum over that axis: the input is unreduced over
+    it, or (explicit mode) it shards a dimension the op contracts, or (inside
+    shard_map) it is varying over an axis the collective sums over.
+    """
+    name, params = eqn.primitive.name, eqn.params
+    found: dict[str, Any] = {}
+
+    def add(axes, var):
+        for a in axes:
+            found.setdefault(a, var)
+
+    for var in cotangent_in:
+        add(_unreduced(var), var)
+    if name == "dot_general":
+        (lhs_c, rhs_c), _ = params["dimension_numbers"]
+        lhs, rhs = eqn.invars[:2]
+        add(_dim_axes(lhs, lhs_c) | _dim_axes(rhs, rhs_c), lhs)
+    elif name in _REDUCE_PRIMITIVES:
+        add(_dim_axes(eqn.invars[0], params.get("axes", ())), eqn.invars[0])
+    elif name in _SCATTER_ADD and len(eqn.invars) >= 3:
+        updates = eqn.invars[2]
+        add(mesh_axes_used(_spec(updates)), updates)
+    elif name in _MANUAL_REDUCTIONS:
+        axes = params.get("axes", params.get("axis_name", ()))
+        axes = frozenset(axes if isinstance(axes, tuple | list) else (axes,))
+        for var in cotangent_in:
+            add(_manual(var, "varying") & axes, var)
+    return found
+
+
+class _Walker:
+    """One forward pass over a vjp jaxpr, propagating labels from inputs to outputs.
+
+    Labels: `_COTANGENT` (depends on the backward seed), `("param", path)`
+    (depends on that parameter: used to blame forward drops), and `_Site`s (a
+    deferred-axis reduction this value has passed through).
+    """
+
+    def __init__(self, axes: frozenset[str]):
+        self.axes = axes
+        self.sites: dict[int, _Site] = {}  # id(eqn) -> site, stable across loop re-walks
+        self.drops: dict[str, list[str]] = {}  # param path -> forward drops
+
+    def walk(self, jaxpr: Any, in_labels: Sequence[frozenset]) -> list[frozenset]:
+        env = dict(zip(jaxpr.invars, in_labels, strict=True))
+        for eqn in jaxpr.eqns:
+            ins = [frozenset() if _is_literal(v) else env.get(v, frozenset()) for v in eqn.invars]
+            regions = _regions(eqn)
+            outs = self._nested(eqn, regions, ins) if regions else self._primitive(eqn, ins)
+            env.update(zip(eqn.outvars, outs, strict=True))
+        return [frozenset() if _is_literal(v) else env.get(v, frozenset()) for v in jaxpr.outvars]
+
+    def _primitive(self, eqn: Any, ins: list[frozenset]) -> list[frozenset]:
+        union = frozenset().union(*ins)
         if eqn.primitive.name in _LAYOUT_PRIMITIVES:
-            for var, names in zip(eqn.invars, in_taint, strict=False):
-                for out in eqn.outvars:
-                    lost = (_reduced(var) & axes) - _reduced(out)
-                    if names and lost:
-                        _record(found, names, eqn, var, out, lost)
-        union = frozenset().union(*in_taint)
-        if union:
-            for out in eqn.outvars:
-                taint[out] = union
+            self._forward_drop(eqn, eqn.invars[0], eqn.outvars[0], ins[0])
+        if _COTANGENT in union:
+            cotangent_in = [v for v, lab in zip(eqn.invars, ins, strict=True) if _COTANGENT in lab]
+            site = self._reduction(eqn, cotangent_in)
+            if site is not None:
+                union = union | {site}
+        return [union] * len(eqn.outvars)
+
+    def _nested(self, eqn: Any, regions: list[_Region], ins: list[frozenset]) -> list[frozenset]:
+        outs = [frozenset()] * len(eqn.outvars)
+        mapped = set()
+        for region in regions:
+            sub_in = [frozenset() if i is None else ins[i] for i in region.ins]
+            for sub_var, i in zip(region.jaxpr.invars, region.ins, strict=True):
+                if i is not None:  # a boundary whose inner type lost the tag
+                    self._forward_drop(eqn, eqn.invars[i], sub_var, ins[i])
+            sub_out = self._fixpoint(region, sub_in)
+            for labels, j in zip(sub_out, region.outs, strict=True):
+                if j is not None:
+                    outs[j] |= labels
+                    mapped.add(j)
+        union = frozenset().union(*ins)
+        # Results no region produced (never expected): depend on every operand.
+        return [o if j in mapped else union for j, o in enumerate(outs)]
+
+    def _fixpoint(self, region: _Region, sub_in: list[frozenset]) -> list[frozenset]:
+        """Walk a region; for loops, feed carried labels back until they settle."""
+        while True:
+            sub_out = self.walk(region.jaxpr, sub_in)
+            grown = list(sub_in)
+            for src, dst in region.loop:
+                grown[dst] = grown[dst] | sub_out[src]
+            if grown == sub_in:
+                return sub_out
+            sub_in = grown
+
+    def _reduction(self, eqn: Any, cotangent_in: list[Any]) -> _Site | None:
+        """The site if `eqn` sums a cotangent over a deferred axis, else None."""
+        partial = _partial_axes(eqn, cotangent_in)
+        kept = frozenset().union(*(_unreduced(o) for o in eqn.outvars))
+        lost = sorted(a for a in partial if a in self.axes and a not in kept)
+        if not lost:
+            return None
+        if id(eqn) not in self.sites:
+            src = partial[lost[0]]
+            self.sites[id(eqn)] = _Site(
+                f"{eqn.primitive.name}: {src.aval} -> {eqn.outvars[0].aval} reduces "
+                f"{lost} in the backward pass of {_where(eqn)}",
+                frozenset(lost),
+            )
+        return self.sites[id(eqn)]
+
+    def _forward_drop(self, eqn: Any, src: Any, dst: Any, labels: frozenset) -> None:
+        lost = sorted((_reduced(src) & self.axes) - _reduced(dst))
+        if not lost:
+            return
+        what = (
+            f"{eqn.primitive.name}: {src.aval} -> {dst.aval} drops reduced {lost} at {_where(eqn)}"
+        )
+        for name in _params_in(labels):
+            if what not in self.drops.setdefault(name, []):
+                self.drops[name].append(what)
 
 
-def _record(found, names, eqn, src, dst, lost) -> None:
-    what = (
-        f"{eqn.primitive.name}: {src.aval} -> {dst.aval} drops reduced {sorted(lost)} "
-        f"at {_where(eqn)}"
+# ---------------------------------------------------------------- tracing
+
+
+def _loss_sum(out: Any) -> jax.Array:
+    """The differentiated output: loss_fn returns (loss_sum, aux) or just loss_sum."""
+    return out[0] if isinstance(out, tuple | list) else out
+
+
+def _cotangent(seed: jax.Array, primal: jax.Array) -> jax.Array:
+    """`seed` broadcast to the cotangent type of `primal`.
+
+    Cotangents swap the tags: an unreduced loss (`pspec_tags.unreduced_sum`)
+    takes a reduced cotangent and vice versa; partitions are kept.
+    """
+    seed = seed.astype(primal.dtype)
+    sharding = jax.typeof(primal).sharding
+    if not isinstance(sharding, NamedSharding):
+        return jnp.broadcast_to(seed, primal.shape)
+    spec = sharding.spec
+    target = with_reduced(P(*partitions(spec)), unreduced_axes(spec))
+    target = with_unreduced(target, reduced_axes(spec))
+    return lax.broadcast_in_dim(
+        seed, primal.shape, (), out_sharding=NamedSharding(sharding.mesh, target)
     )
-    for name in sorted(names):
-        if what not in found.setdefault(name, []):
-            found[name].append(what)
+
+
+def _vjp_jaxpr(loss_fn: Callable, params: Any, args: tuple) -> Any:
+    """The jaxpr of one microbatch's forward and backward pass.
+
+    Inputs: the parameter leaves, the args' leaves, then the seed; outputs:
+    the gradient leaves in parameter order. The seed is an input (not the
+    literal 1.0 `jax.grad` uses) so backward equations can be told apart from
+    forward ones (and from remat's recomputed forward) by depending on it.
+    """
+
+    def grads_of(params, args, seed):
+        out, vjp = jax.vjp(lambda p: _loss_sum(loss_fn(p, *args)), params)
+        (grads,) = vjp(_cotangent(seed, out))
+        return grads
+
+    return jax.make_jaxpr(grads_of)(params, args, jax.ShapeDtypeStruct((), jnp.float32))
 
 
 def find_dropped_tags(
     loss_fn: Any, params: Any, *args: Any, axes: tuple[str, ...]
 ) -> dict[str, list[str]]:
-    """Parameters whose `reduced` tag over `axes` the forward pass of `loss_fn` drops.
+    """Parameters whose gradient the backward pass of `loss_fn` reduces over `axes`.
 
-    Traces `loss_fn(params, *args)` (no compute) and returns
-    `{key path: [where the tag is dropped, ...]}`; empty when every tag survives
-    until the value is consumed by compute (a matmul, a broadcast with an
-    explicit out_sharding, a gather). Best effort through nested jaxprs whose
-    operands map one-to-one onto their inputs (jit, scan, while, cond, remat,
-    shard_map, custom_vjp/jvp).
+    `params` must already be tagged (reduced over their deferred axes). Traces
+    one forward and backward pass of `loss_fn(params, *args)` (no compute) and
+    returns `{key path: [what reduces it and where, ...]}`: each backward
+    equation that sums a cotangent over a deferred axis (the reduction XLA
+    would run once per microbatch), with the forward source line it came
+    from, followed by the layout ops that dropped the parameter's `reduced`
+    tag in the forward pass, if any. Empty when every gradient stays
+    unreduced over `axes` until the accumulator (a forward drop whose
+    transpose reduces nothing is not reported).
     """
     if not axes:
         return {}
-    closed = jax.make_jaxpr(loss_fn)(params, *args)
+    closed = _vjp_jaxpr(loss_fn, params, args)
     jaxpr = closed.jaxpr
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    taint = {var: frozenset({path}) for var, path in zip(jaxpr.invars, paths, strict=False)}
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    paths = [jax.tree_util.keystr(p) for p, _ in leaves]
+    n_args = len(jaxpr.invars) - len(paths) - 1
+    labels = [frozenset({_param(p)}) for p in paths]
+    labels += [frozenset()] * n_args + [frozenset({_COTANGENT})]
+    walker = _Walker(frozenset(axes))
+    grad_labels = walker.walk(jaxpr, labels)
     found: dict[str, list[str]] = {}
-    _walk(jaxpr, taint, frozenset(axes), found)
+    for path, var, out in zip(paths, jaxpr.invars, grad_labels, strict=False):
+        # Only the axes this parameter defers (its own reduced tag): a parameter
+        # sharded over a batch axis (experts) is summed over it by design.
+        deferred = _reduced(var)
+        sites = sorted(lab.text for lab in out if isinstance(lab, _Site) and lab.axes & deferred)
+        if sites:
+            found[path] = sites + [f"tag dropped by {d}" for d in walker.drops.get(path, [])]
     return found
 
 
@@ -145,15 +452,16 @@ def report_dropped_tags(
     if not found:
         return
     lines = [
-        f"{len(found)} parameter(s) lose their reduced tag over {tuple(sorted(axes))} inside "
-        "loss_fn; their gradient all-reduce would run once per microbatch (and per layer) "
-        "instead of once per step:"
+        f"{len(found)} parameter(s) have their gradient reduced over {tuple(sorted(axes))} "
+        "inside loss_fn's backward pass: the all-reduce would run once per microbatch "
+        "(and per layer) instead of once per step:"
     ]
     for name, sites in sorted(found.items()):
         lines.extend(f"  {name}: {site}" for site in sites)
     lines.append(
-        "Reshard parameters onto carry_reduced_axes(spec, param) instead of a spec rebuilt "
-        "from logical rules; use broadcast_param / embed_lookup for elementwise use and lookups."
+        "Keep each parameter's reduced tag up to its use: reshard onto "
+        "carry_reduced_axes(spec, param) instead of a spec rebuilt from logical rules; use "
+        "broadcast_param for elementwise use, and shard_map in_specs that carry the tag."
     )
     message = "\n".join(lines)
     if on_tag_lost == "warn":
