@@ -26,6 +26,7 @@ parameter's `reduced` tag) only adds the line where the tag was lost.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -33,7 +34,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import jaxlib
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -139,6 +139,28 @@ def _dim_axes(var: Any, dims: Iterable[int]) -> frozenset[str]:
     return frozenset(found)
 
 
+def _contraction_sum_axes(eqn: Any) -> frozenset[str]:
+    """Mesh axes a dot_general sums partial products over.
+
+    An axis sharding a contracted dimension of one operand means local partial
+    sums, unless the other operand shards one of its *free* dimensions over that
+    same axis: then the two layouts conflict and the product gathers the first
+    operand instead (FSDP's weight all-gather in the backward pass of `x @ w`,
+    with `x` batch-sharded over the axis the weight's contracted dim uses). A
+    gather moves data and reduces nothing, so it is no deferred reduction.
+    """
+    (lhs_c, rhs_c), (lhs_b, rhs_b) = eqn.params["dimension_numbers"]
+    lhs, rhs = eqn.invars[:2]
+
+    def free_axes(var: Any, contracted: Sequence[int], batch: Sequence[int]) -> frozenset[str]:
+        ndim = len(getattr(_aval(var), "shape", ()))
+        return _dim_axes(var, [d for d in range(ndim) if d not in (*contracted, *batch)])
+
+    lhs_sum = _dim_axes(lhs, lhs_c) - free_axes(rhs, rhs_c, rhs_b)
+    rhs_sum = _dim_axes(rhs, rhs_c) - free_axes(lhs, lhs_c, lhs_b)
+    return lhs_sum | rhs_sum
+
+
 def _is_literal(var: Any) -> bool:
     return type(var).__name__ == "Literal"
 
@@ -146,9 +168,10 @@ def _is_literal(var: Any) -> bool:
 # ---------------------------------------------------------------- source lines
 
 # Frames in these directories are library plumbing, not the model's lines.
+# jaxlib (installed with jax, not imported by accum) is located, not imported.
 _SKIP_DIRS = tuple(
     os.path.dirname(os.path.abspath(path)) + os.sep
-    for path in (jax.__file__, jaxlib.__file__, __file__)
+    for path in (jax.__file__, importlib.util.find_spec("jaxlib").origin, __file__)
 )
 
 
@@ -260,9 +283,7 @@ def _partial_axes(eqn: Any, cotangent_in: Sequence[Any]) -> dict[str, Any]:
     for var in cotangent_in:
         add(_unreduced(var), var)
     if name == "dot_general":
-        (lhs_c, rhs_c), _ = params["dimension_numbers"]
-        lhs, rhs = eqn.invars[:2]
-        add(_dim_axes(lhs, lhs_c) | _dim_axes(rhs, rhs_c), lhs)
+        add(_contraction_sum_axes(eqn), eqn.invars[0])
     elif name in _REDUCE_PRIMITIVES:
         add(_dim_axes(eqn.invars[0], params.get("axes", ())), eqn.invars[0])
     elif name in _SCATTER_ADD and len(eqn.invars) >= 3:
@@ -304,10 +325,33 @@ class _Walker:
             self._forward_drop(eqn, eqn.invars[0], eqn.outvars[0], ins[0])
         if _COTANGENT in union:
             cotangent_in = [v for v, lab in zip(eqn.invars, ins, strict=True) if _COTANGENT in lab]
+            union = self._without_resummed(eqn, cotangent_in, union)
             site = self._reduction(eqn, cotangent_in)
             if site is not None:
                 union = union | {site}
         return [union] * len(eqn.outvars)
+
+    def _without_resummed(self, eqn: Any, cotangent_in: list[Any], labels: frozenset) -> frozenset:
+        """`labels` less the sites over axes this equation makes partial again.
+
+        A sum over an axis whose result stays unreduced over it (dW = x^T dy with
+        the tokens sharded over that axis) leaves the gradient a per-device
+        partial sum whatever happened upstream: an activation cotangent reduced
+        by design (context parallelism's key/value gather, transposed) does not
+        reduce the weight gradient computed from it. Layout ops never clear: a
+        reshard only relabels a value that was already reduced.
+        """
+        if eqn.primitive.name in _LAYOUT_PRIMITIVES:
+            return labels
+        kept = frozenset().union(*(_unreduced(o) for o in eqn.outvars))
+        # Partial over an axis no cotangent operand was partial over: this sum
+        # (a contraction, or a scatter-add inside shard_map) made it partial.
+        resummed = kept - frozenset().union(*(_unreduced(v) for v in cotangent_in))
+        if not resummed:
+            return labels
+        return frozenset(
+            lab for lab in labels if not (isinstance(lab, _Site) and lab.axes <= resummed)
+        )
 
     def _nested(self, eqn: Any, regions: list[_Region], ins: list[frozenset]) -> list[frozenset]:
         outs = [frozenset()] * len(eqn.outvars)
