@@ -18,7 +18,7 @@ import pytest
 from trainer import checkpoint, eval_data, evaluate, metrics, plots
 from trainer import model as model_lib
 from trainer import run as run_lib
-from trainer.config import ConfigError, make_config
+from trainer.config import ConfigError, make_config, mesh_shape
 from trainer.data import synthetic_batch
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -268,7 +268,7 @@ def test_a_stop_request_skips_the_evaluation_and_the_resumed_run_does_it(
 
 def test_synthetic_runs_evaluate_a_held_out_stream():
     config = make_config({"eval_interval": "5", "eval_steps": "3"})
-    eval_set = eval_data.make_eval_set(config, 8, {"data": 8, "fsdp": 1, "expert": 1})
+    eval_set = eval_data.make_eval_set(config, 8, mesh_shape(config, 8))
     assert eval_set.steps == 3 and eval_set.batch_size == 8
     held_out = eval_set.source.rows(0, 0, 8)["inputs"]
     assert np.array_equal(held_out, eval_set.source.rows(0, 0, 8)["inputs"])  # fixed batches
