@@ -161,6 +161,19 @@ def _contraction_sum_axes(eqn: Any) -> frozenset[str]:
     return lhs_sum | rhs_sum
 
 
+def _scan_counts(params: dict, n_in: int) -> tuple[int, int]:
+    """(consts, carries) among a scan's operands.
+
+    JAX up to 0.10 names the counts (`num_consts`, `num_carry`); newer JAX keeps
+    the operand structure in `ft_in`, whose unpack splits operands into
+    (consts, carry, xs): unpacking the operand indices gives the counts.
+    """
+    if "num_carry" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].update(list(range(n_in))).unpack()
+    return len(consts), len(carry)
+
+
 def _is_literal(var: Any) -> bool:
     return type(var).__name__ == "Literal"
 
@@ -230,13 +243,13 @@ def _regions(eqn: Any) -> list[_Region]:
     name, params = eqn.primitive.name, eqn.params
     n_in, n_out = len(eqn.invars), len(eqn.outvars)
     if name == "scan":
-        carry = params["num_carry"]
+        consts, carry = _scan_counts(params, n_in)
         return [
             _Region(
                 _open(params["jaxpr"]),
                 list(range(n_in)),
                 list(range(n_out)),
-                [(i, params["num_consts"] + i) for i in range(carry)],
+                [(i, consts + i) for i in range(carry)],
             )
         ]
     if name == "while":

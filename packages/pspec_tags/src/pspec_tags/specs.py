@@ -126,8 +126,8 @@ def with_unreduced(spec: P | None, axes: Iterable[str]) -> P:
 
     >>> from jax.sharding import AbstractMesh, PartitionSpec as P
     >>> import pspec_tags as pt
-    >>> pt.with_unreduced(P(), {"data"})
-    P(unreduced={'data'})
+    >>> pt.unreduced_axes(pt.with_unreduced(P(), {"data"}))
+    frozenset({'data'})
     """
     return _rebuild(spec, partitions(spec), unreduced=unreduced_axes(spec) | frozenset(axes))
 
