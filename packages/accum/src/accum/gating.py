@@ -9,9 +9,7 @@ from typing import Any
 import jax
 
 from accum.plan import ReductionPlan, make_plan, mesh_shape_of, policy_of
-from pspec_tags import mesh_axes_used, partitions, spec_of
-
-MODES = ("explicit", "auto")
+from pspec_tags import MODES, entry_axes, mesh_axes_used, partitions, spec_of
 
 
 def resolve_mode(mode: str | None, params: Any) -> str:
@@ -22,12 +20,6 @@ def resolve_mode(mode: str | None, params: Any) -> str:
         return mode
     leaves = jax.tree.leaves(params)
     return "explicit" if any(spec_of(leaf) is not None for leaf in leaves) else "auto"
-
-
-def _entry_axes(entry: Any) -> tuple[str, ...]:
-    if entry is None or isinstance(entry, type(jax.sharding.PartitionSpec.UNCONSTRAINED)):
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def batch_axes_of(batch: Any) -> tuple[str, ...]:
@@ -45,7 +37,7 @@ def batch_axes_of(batch: Any) -> tuple[str, ...]:
             continue
         # `partitions` reads through tags: a tagged spec refuses `spec[0]`.
         lead = partitions(spec)[:1]
-        for axis in _entry_axes(lead[0] if lead else None):
+        for axis in entry_axes(lead[0] if lead else None):
             if sizes.get(axis, 1) > 1 and axis not in axes:
                 axes.append(axis)
     return tuple(axes)

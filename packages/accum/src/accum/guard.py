@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from pspec_tags import (
     TagLostError,
+    entry_axes,
     mesh_axes_used,
     partitions,
     reduced_axes,
@@ -135,7 +136,7 @@ def _dim_axes(var: Any, dims: Iterable[int]) -> frozenset[str]:
     found: set[str] = set()
     for d in dims:
         if d < len(parts) and parts[d] is not None:
-            found.update(mesh_axes_used(P(parts[d])))
+            found.update(entry_axes(parts[d]))
     return frozenset(found)
 
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pspec_tags import partitions, spec_of
+from pspec_tags import entry_axes, partitions, spec_of
 
 
 def _lead_size(leaves: list[Any]) -> int:
@@ -21,10 +21,7 @@ def _lead_size(leaves: list[Any]) -> int:
 
 
 def _axis_product(entry: Any, mesh_shape: dict[str, int]) -> int:
-    if entry is None:
-        return 1
-    axes = (entry,) if isinstance(entry, str) else tuple(entry)
-    return math.prod(mesh_shape[a] for a in axes)
+    return math.prod(mesh_shape[a] for a in entry_axes(entry))
 
 
 def _split_leaf(x: jax.Array, n: int) -> jax.Array:

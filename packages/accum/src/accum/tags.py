@@ -16,7 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 from accum.plan import ReductionPlan, make_plan, mesh_shape_of
 from pspec_tags import (
-    mesh_axes_used,
+    entry_axes,
+    entry_from_axes,
     partitions,
     spec_of,
     unreduced_axes,
@@ -192,7 +193,7 @@ def _scatter_dims(own: P, destination: P) -> dict[int, tuple[str, ...]]:
     for dim, (src, dst) in enumerate(zip(source_parts, target_parts, strict=True)):
         if src == dst:
             continue
-        axes = mesh_axes_used(P(dst))
+        axes = entry_axes(dst)
         if src is not None or not axes or not set(axes) <= unreduced:
             return {}
         scatter[dim] = axes
@@ -216,8 +217,9 @@ def _reduce_scatter(
 
     def body(block):
         for dim, axes in scatter.items():
-            axis = axes[0] if len(axes) == 1 else axes
-            block = lax.psum_scatter(block, axis, scatter_dimension=dim, tiled=True)
+            block = lax.psum_scatter(
+                block, entry_from_axes(axes), scatter_dimension=dim, tiled=True
+            )
         if rest:
             block = lax.psum(block, rest)
         return block

@@ -61,8 +61,17 @@ def unreduced_axes(spec: P | None) -> frozenset[str]:
     return frozenset(getattr(spec, "unreduced", None) or ())
 
 
-def _entry_axes(entry: Entry) -> tuple[str, ...]:
-    """Mesh axis names in one entry (`None` and `UNCONSTRAINED` name none)."""
+def entry_axes(entry: Entry) -> tuple[str, ...]:
+    """The mesh axes one spec entry names, as a tuple (`None` and `UNCONSTRAINED`
+    name none); the inverse of `entry_from_axes`.
+
+    Example:
+
+    >>> from jax.sharding import PartitionSpec as P
+    >>> import pspec_tags as pt
+    >>> [pt.entry_axes(e) for e in pt.partitions(P("data", ("fsdp", "expert"), None))]
+    [('data',), ('fsdp', 'expert'), ()]
+    """
     if entry is None or entry is P.UNCONSTRAINED:
         return ()
     if isinstance(entry, str):
@@ -70,8 +79,16 @@ def _entry_axes(entry: Entry) -> tuple[str, ...]:
     return tuple(entry)
 
 
-def _entry_from_axes(axes: Sequence[str]) -> Entry:
-    """The canonical entry for a run of mesh axes: None, a name, or a tuple."""
+def entry_from_axes(axes: Sequence[str]) -> Entry:
+    """The canonical spec entry for a run of mesh axes: `None`, a name, or a tuple;
+    the inverse of `entry_axes`.
+
+    Example:
+
+    >>> import pspec_tags as pt
+    >>> [pt.entry_from_axes(a) for a in ((), ["data"], ("fsdp", "expert"))]
+    [None, 'data', ('fsdp', 'expert')]
+    """
     if not axes:
         return None
     return axes[0] if len(axes) == 1 else tuple(axes)
@@ -93,7 +110,7 @@ def _rebuild(
 
 
 def _check_tags_disjoint(entries: tuple, red: frozenset, unred: frozenset) -> None:
-    used = {a for e in entries for a in _entry_axes(e)}
+    used = {a for e in entries for a in entry_axes(e)}
     for name, tagged in (("reduced", red), ("unreduced", unred)):
         overlap = sorted(tagged & used)
         if overlap:
@@ -155,7 +172,7 @@ def mesh_axes_used(spec: P | None) -> tuple[str, ...]:
     >>> pt.mesh_axes_used(P(("data", "fsdp"), None, reduced={"expert"}))
     ('data', 'fsdp')
     """
-    return tuple(a for e in partitions(spec) for a in _entry_axes(e))
+    return tuple(a for e in partitions(spec) for a in entry_axes(e))
 
 
 def _mesh_sizes(mesh: Any) -> Mapping[str, int]:
@@ -217,7 +234,7 @@ def remove_size_one_mesh_axes(spec: P | None, mesh: Any) -> P | None:
     def keep(entry: Entry) -> Entry:
         if entry is P.UNCONSTRAINED:
             return entry
-        return _entry_from_axes([a for a in _entry_axes(entry) if sizes[a] != 1])
+        return entry_from_axes([a for a in entry_axes(entry) if sizes[a] != 1])
 
     return _rebuild(spec, (keep(e) for e in partitions(spec)))
 
@@ -245,11 +262,11 @@ def fit_to_shape(spec: P | None, shape: Sequence[int], mesh: Any) -> P | None:
         if entry is P.UNCONSTRAINED:
             return entry
         kept: list[str] = []
-        for axis in _entry_axes(entry):
+        for axis in entry_axes(entry):
             if dim % (math.prod(sizes[a] for a in kept) * sizes[axis]) != 0:
                 break
             kept.append(axis)
-        return _entry_from_axes(kept)
+        return entry_from_axes(kept)
 
     return _rebuild(spec, (fit(e, d) for e, d in zip(partitions(spec), shape, strict=False)))
 

@@ -73,7 +73,7 @@ def logical_rules(config: Config) -> tuple[tuple[str, Any], ...]:
     )
 
 
-CTX_MODES = ("explicit", "auto", "manual")
+CTX_MODES = (*pt.MODES, "manual")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,8 +164,7 @@ class ShardCtx:
         spec = self.spec(logical, w.shape)
         entries = []
         for entry in pt.partitions(spec):
-            kept = tuple(a for a in pt.mesh_axes_used(P(entry)) if a not in batch)
-            entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+            entries.append(pt.entry_from_axes([a for a in pt.entry_axes(entry) if a not in batch]))
         if list(pt.partitions(source)) == entries:
             return w
         return self._reshard_param(w, P(*entries))
