@@ -25,10 +25,11 @@ from accum.plan import (
     ReductionPlan,
     make_plan,
 )
-from accum.step import apply_updates, train_step
+from accum.step import apply_updates, optimizer_update, train_step
 from accum.tags import tag_reduced, unreduced_zeros
 from accum.zero1 import (
     check_zero1_compatible,
+    zero1_gather,
     zero1_shardings,
     zero1_state_shardings,
     zero1_step,
@@ -58,6 +59,7 @@ __all__ = [
     "find_dropped_tags",
     "finish",
     "make_plan",
+    "optimizer_update",
     "param_mesh_axes",
     "plan_for_values",
     "resolve_mode",
@@ -66,6 +68,7 @@ __all__ = [
     "tag_reduced",
     "train_step",
     "unreduced_zeros",
+    "zero1_gather",
     "zero1_shardings",
     "zero1_state_shardings",
     "zero1_step",

@@ -30,6 +30,30 @@ def _check_option(on_tag_lost: str) -> None:
         raise ValueError(f"on_tag_lost={on_tag_lost!r} is not one of {ON_TAG_LOST}")
 
 
+def _default_plan(
+    params: Any,
+    batch: Any,
+    mode: str | None,
+    policy: str | None,
+    defer_reduction: bool,
+    batch_axes: tuple[str, ...] | None,
+    slice_axes: tuple[str, ...],
+    per_parameter: bool = False,
+) -> ReductionPlan:
+    """The plan when the caller passes none: made from the values' own shardings
+    (`accumulate_gradients` and `start` alike)."""
+    return plan_for_values(
+        params,
+        batch,
+        mode=resolve_mode(mode, params),
+        policy=policy,
+        defer_reduction=defer_reduction,
+        batch_axes=batch_axes,
+        slice_axes=slice_axes,
+        per_parameter=per_parameter,
+    )
+
+
 def microbatch_grads(
     loss_fn: Callable,
     params: Any,
@@ -148,15 +172,8 @@ def accumulate_gradients(
     """
     _check_option(on_tag_lost)
     if plan is None:
-        plan = plan_for_values(
-            params,
-            batch,
-            mode=resolve_mode(mode, params),
-            policy=policy,
-            defer_reduction=defer_reduction,
-            batch_axes=batch_axes,
-            slice_axes=slice_axes,
-            per_parameter=per_parameter_axes,
+        plan = _default_plan(
+            params, batch, mode, policy, defer_reduction, batch_axes, slice_axes, per_parameter_axes
         )
     mode = plan.mode
     microbatches = split_microbatches(batch, num_microbatches)

@@ -17,8 +17,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from accum.accumulate import _check_option, add_grads, final_targets, microbatch_grads, normalize
-from accum.gating import plan_for_values, resolve_mode
+from accum.accumulate import (
+    _check_option,
+    _default_plan,
+    add_grads,
+    final_targets,
+    microbatch_grads,
+    normalize,
+)
 from accum.plan import ReductionPlan
 from accum.tags import reduce_to, scatter_into, tag_reduced, unreduced_zeros, zeros_of_type
 
@@ -72,14 +78,8 @@ def start(
     `jax.jit` (static `loss_fn`): the unreduced zeros need a traced context.
     """
     if plan is None:
-        plan = plan_for_values(
-            params,
-            microbatch,
-            mode=resolve_mode(mode, params),
-            policy=policy,
-            defer_reduction=defer_reduction,
-            batch_axes=batch_axes,
-            slice_axes=slice_axes,
+        plan = _default_plan(
+            params, microbatch, mode, policy, defer_reduction, batch_axes, slice_axes
         )
     args = (microbatch,) if rng is None else (microbatch, rng)
     # Traced with the tags `add` will use, so unreduced loss/aux sums get

@@ -11,8 +11,21 @@ from accum.accumulate import accumulate_gradients
 
 
 def apply_updates(params: Any, updates: Any) -> Any:
-    """params + updates, each update cast to its parameter's dtype (as optax does)."""
-    return jax.tree.map(lambda p, u: p + u.astype(p.dtype), params, updates)
+    """params + updates, each sum rounded to its parameter's dtype (as
+    `optax.apply_updates` does: a bf16 parameter gets an f32 update in one rounding)."""
+    return jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
+
+
+def optimizer_update(optimizer: Any, grads: Any, opt_state: Any, params: Any) -> tuple[Any, Any]:
+    """`(params, opt_state)` after one `optimizer.update` with `grads`.
+
+    The gradients are cast to their parameters' dtypes first (accumulated ones
+    are f32 by default; the optimizer state follows the parameters, so the
+    step's types stay the same from step to step), then `apply_updates`.
+    """
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return apply_updates(params, updates), opt_state
 
 
 def train_step(
@@ -35,5 +48,5 @@ def train_step(
     loss, aux, grads = accumulate_gradients(
         loss_fn, params, batch, num_microbatches=num_microbatches, **accum_kwargs
     )
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return apply_updates(params, updates), opt_state, loss, aux
+    params, opt_state = optimizer_update(optimizer, grads, opt_state, params)
+    return params, opt_state, loss, aux

@@ -18,8 +18,8 @@ from jax.sharding import PartitionSpec as P
 from accum.accumulate import accumulate_gradients
 from accum.gating import resolve_mode
 from accum.shards import add_axis_to_free_dim
-from accum.step import apply_updates
-from accum.tags import place, place_tree
+from accum.step import optimizer_update
+from accum.tags import as_spec, place, place_tree
 from pspec_tags import spec_of, untagged
 
 
@@ -94,6 +94,42 @@ def zero1_state_shardings(opt_state: Any, params: Any, master_shardings: Any, me
     return jax.tree.map(one, opt_state, is_leaf=lambda n: jax.tree.structure(n) == target)
 
 
+def _is_target_leaf(t: Any) -> bool:
+    return t is None or isinstance(t, P | NamedSharding)
+
+
+def zero1_gather(
+    master_params: Any,
+    compute_shardings: Any,
+    *,
+    compute_dtype: Any = None,
+    cast: Any = None,
+    mode: str | None = None,
+) -> Any:
+    """The masters gathered onto `compute_shardings`: ZeRO-1's once-per-step gather.
+
+    Each master is cast to `compute_dtype` first (all of them, or those `cast`,
+    a pytree of bools shaped like the masters, marks), so the all-gather moves
+    compute-dtype bytes. The target is untagged: `accumulate_gradients` then
+    tags the gathered copies itself. A leaf already in place is not moved.
+    `compute_shardings` leaves: PartitionSpecs, NamedShardings or None (leave it).
+    """
+    mode = resolve_mode(mode, master_params)
+    if cast is None:
+        cast = jax.tree.map(lambda _: True, master_params)
+
+    def gather(target, p, c):
+        q = p.astype(compute_dtype) if compute_dtype is not None and c else p
+        spec = as_spec(target)
+        if spec is None or (mode == "explicit" and spec_of(q) == untagged(spec)):
+            # Already there: a reshard would be a new value, which a shard_map
+            # inside a scanned layer saves as a residual (see pspec_tags.shard).
+            return q
+        return place(q, target, mode)
+
+    return jax.tree.map(gather, compute_shardings, master_params, cast, is_leaf=_is_target_leaf)
+
+
 def zero1_step(
     loss_fn: Callable,
     optimizer: Any,
@@ -121,17 +157,7 @@ def zero1_step(
             raise ValueError("zero1_step in auto mode needs master_shardings=")
         master_shardings = jax.tree.map(lambda p: untagged(spec_of(p)), master_params)
 
-    def gather(p, target):
-        # Cast before the gather: the all-gather then moves compute_dtype bytes.
-        q = p.astype(compute_dtype) if compute_dtype is not None else p
-        return place(q, target, mode)
-
-    params = jax.tree.map(
-        lambda t, p: gather(p, t),
-        compute_shardings,
-        master_params,
-        is_leaf=lambda t: t is None or isinstance(t, P | NamedSharding),
-    )
+    params = zero1_gather(master_params, compute_shardings, compute_dtype=compute_dtype, mode=mode)
     # grad_shardings = the masters' layout: the single post-loop reduction
     # lands there directly (reduce-scatter), never as a full all-reduce + slice.
     loss, aux, grads = accumulate_gradients(
@@ -143,6 +169,5 @@ def zero1_step(
         grad_shardings=master_shardings,
         **accum_kwargs,
     )
-    updates, opt_state = optimizer.update(grads, opt_state, master_params)
-    new_master = place_tree(apply_updates(master_params, updates), master_shardings, mode)
-    return new_master, opt_state, loss, aux
+    new_master, opt_state = optimizer_update(optimizer, grads, opt_state, master_params)
+    return place_tree(new_master, master_shardings, mode), opt_state, loss, aux
