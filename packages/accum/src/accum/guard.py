@@ -444,6 +444,8 @@ def _cotangent(seed: jax.Array, primal: jax.Array) -> jax.Array:
     spec = sharding.spec
     target = with_reduced(P(*partitions(spec)), unreduced_axes(spec))
     target = with_unreduced(target, reduced_axes(spec))
+    # TAG: the seed must have the swapped tags, else the traced backward pass
+    # (what the guard inspects) reduces where the real one does not.
     return lax.broadcast_in_dim(
         seed, primal.shape, (), out_sharding=NamedSharding(sharding.mesh, target)
     )

@@ -44,7 +44,7 @@ def _split_leaf(x: jax.Array, n: int) -> jax.Array:
             f"microbatch size {b // n} (batch {b} / num_microbatches {n}) is not divisible "
             f"by the {per_device} devices sharding the batch dimension ({entries[0]!r})"
         )
-    # Explicit out_sharding: left alone, reshape may put the batch axes on the
+    # TAG: explicit out_sharding: left alone, reshape may put the batch axes on the
     # microbatch-index dimension instead, which would be a real reshuffle.
     split = NamedSharding(mesh, P(entries[0], None, *entries[1:]))
     y = jnp.reshape(x, (b // n, n, *x.shape[1:]), out_sharding=split)

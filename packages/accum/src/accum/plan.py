@@ -89,6 +89,8 @@ class LeafPlan:
         """The accumulator's full type: its partitions, unreduced over `per_step`."""
         if not self.per_step:
             return self.accumulator_spec
+        # TAG: the carry's type: unreduced over the per-step axes, so adding a microbatch
+        # moves nothing and the one reduction waits for the end of the step.
         return P(*partitions(self.accumulator_spec), unreduced=set(self.per_step))
 
 

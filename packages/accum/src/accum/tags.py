@@ -59,7 +59,8 @@ def tag_reduced(params: Any, plan: Any) -> Any:
         spec = spec_of(p)
         if spec is None or not _floating(p) or not leaf_plan.tagged:
             return p
-        # with_reduced keeps the partitions and any existing tags (never spec[...]).
+        # TAG: reduced over the tagged axes makes the cotangent unreduced there (the
+        # deferral itself); with_reduced keeps partitions and existing tags.
         return jax.reshard(p, _named(p, with_reduced(spec, leaf_plan.tagged)))
 
     return plan.map(tag, params)
@@ -126,6 +127,8 @@ def zeros_of_type(struct: jax.ShapeDtypeStruct) -> jax.Array:
     sharding = getattr(struct, "sharding", None)
     if not isinstance(sharding, NamedSharding) or spec_of(struct) is None:
         return jnp.zeros(struct.shape, struct.dtype)
+    # TAG: the zero takes the sum's own type, unreduced tag included, so adding
+    # an unreduced loss/aux sum to it is local (no per-microbatch all-reduce).
     return lax.broadcast_in_dim(
         jnp.zeros((), struct.dtype), struct.shape, (), out_sharding=sharding
     )
@@ -138,6 +141,7 @@ def reduce_unreduced(tree: Any) -> Any:
         spec = spec_of(x)
         if spec is None or not unreduced_axes(spec):
             return x
+        # TAG: onto its own partitions, untagged: this is the sum's one all-reduce.
         return jax.reshard(x, _named(x, untagged(spec)))
 
     return jax.tree.map(reduce, tree)
@@ -168,11 +172,12 @@ def place(x: jax.Array, target: Any, mode: str) -> jax.Array:
         scatter = _scatter_dims(own, destination)
         if scatter:
             return _reduce_scatter(x, own, destination, scatter)
-        # Untagged destination: dropping `unreduced` here is the point (the
+        # TAG: untagged destination: dropping `unreduced` here is the point (the
         # reduction), and a reduced tag could not coexist with the unreduced source.
         return jax.reshard(x, _named(x, destination))
     if spec is None:
         return x
+    # TAG: auto mode cannot carry tags: stripped, XLA places the reduction.
     if isinstance(target, NamedSharding):
         return lax.with_sharding_constraint(x, NamedSharding(target.mesh, untagged(spec)))
     return lax.with_sharding_constraint(x, untagged(spec))

@@ -125,6 +125,8 @@ def zero1_gather(
             # Already there: a reshard would be a new value, which a shard_map
             # inside a scanned layer saves as a residual (see pspec_tags.shard).
             return q
+        # TAG: untagged on purpose: accumulate_gradients then tags the gathered copies
+        # reduced over the batch axes, so the loop carries unreduced sums as usual.
         return place(q, target, mode)
 
     return jax.tree.map(gather, compute_shardings, master_params, cast, is_leaf=_is_target_leaf)
@@ -170,4 +172,5 @@ def zero1_step(
         **accum_kwargs,
     )
     new_master, opt_state = optimizer_update(optimizer, grads, opt_state, master_params)
+    # TAG: the updated masters leave on the masters' own untagged shards.
     return place_tree(new_master, master_shardings, mode), opt_state, loss, aux

@@ -438,6 +438,8 @@ def _moe(x_BxSxD, params, *, config, mesh, rules, mode, keep_tags, sparse, recom
         # keeps a tag that is there (the carried one) and, with keep_tags=False,
         # drops it: that is the pre-fix behaviour the tests and bench measure.
         x_BxSxD = shard(x_BxSxD, plan.token_spec, mode)
+        # TAG: onto the in_specs, reduced tags included (pt.shard keeps them): an
+        # untagged weight here would have its cotangent psummed in the body.
         params = {n: shard(w, param_in_specs[n], mode) for n, w in params.items()}
     stat_spec = P(plan.token_axes or None)
     stats_specs = {
@@ -452,7 +454,8 @@ def _moe(x_BxSxD, params, *, config, mesh, rules, mode, keep_tags, sparse, recom
     layer = jax.shard_map(
         body,
         mesh=mesh,
-        # TAG: in auto mode the specs are untagged (auto axes cannot carry tags).
+        # TAG: explicit in_specs carry each weight's reduced tag (shard_map then leaves
+        # its cotangent unreduced); in auto mode they are untagged (auto axes cannot).
         in_specs=(plan.token_spec, param_in_specs),
         out_specs=(plan.token_spec, stats_specs),
     )
@@ -465,7 +468,8 @@ def _moe(x_BxSxD, params, *, config, mesh, rules, mode, keep_tags, sparse, recom
         layer = jax.checkpoint(layer, policy=_save_all_but_casts)
     y, shard_stats = layer(x_BxSxD, params)
     if mode == "explicit" and x_spec is not None:
-        # Hand the output back in the caller's sharding (a no-op when equal).
+        # TAG: back in the caller's sharding (a no-op when equal); activations carry
+        # no tag, so nothing deferred is reduced here.
         y = shard(y, x_spec, mode)
     return y, _finish_stats(shard_stats)
 

@@ -76,5 +76,6 @@ def batch_mesh_axes(mesh: Any, rules: Rules, batch_axis: str = "activation_batch
     >>> pt.batch_mesh_axes(AbstractMesh((4, 1), ("data", "fsdp")), rules)
     ('data',)
     """
+    # TAG: `.partitions`, not unpacking the spec: the tag-safe read every helper uses.
     (entry,) = logical_to_spec((batch_axis,), rules, mesh).partitions
     return entry_axes(entry)

@@ -30,7 +30,7 @@ def partitions(spec: P | None) -> tuple[Entry, ...]:
     if spec is None:
         return ()
     if isinstance(spec, P):
-        # `.partitions` is the only tag-safe view: `tuple(spec)` raises on tagged specs.
+        # TAG: `.partitions` is the only tag-safe view: `tuple(spec)` raises on tagged specs.
         return tuple(spec.partitions)
     return tuple(spec)
 
@@ -106,6 +106,7 @@ def _rebuild(
     unred = frozenset(unreduced) if unreduced is not None else unreduced_axes(spec)
     entries = tuple(entries)
     _check_tags_disjoint(entries, red, unred)
+    # TAG: both tag sets copied onto the rebuilt spec: every helper here keeps them.
     return P(*entries, reduced=red, unreduced=unred)
 
 
@@ -133,6 +134,7 @@ def with_reduced(spec: P | None, axes: Iterable[str]) -> P:
     >>> pt.with_reduced(P("fsdp", None), {"data"})
     P('fsdp', None, reduced={'data'})
     """
+    # TAG: the spec's own reduced axes plus `axes` (added, never replaced).
     return _rebuild(spec, partitions(spec), reduced=reduced_axes(spec) | frozenset(axes))
 
 
@@ -146,6 +148,7 @@ def with_unreduced(spec: P | None, axes: Iterable[str]) -> P:
     >>> pt.unreduced_axes(pt.with_unreduced(P(), {"data"}))
     frozenset({'data'})
     """
+    # TAG: the spec's own unreduced axes plus `axes` (added, never replaced).
     return _rebuild(spec, partitions(spec), unreduced=unreduced_axes(spec) | frozenset(axes))
 
 
