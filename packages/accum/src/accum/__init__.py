@@ -1,5 +1,23 @@
 """accum: gradient accumulation under one reduction plan (deferred, per microbatch or
-hierarchical across slices), and ZeRO-1."""
+hierarchical across slices), and ZeRO-1.
+
+The examples in the docstrings start from this setup: 8 devices (on CPU, set
+`jax.config.update("jax_num_cpu_devices", 8)` first), a replicated parameter and
+a batch sharded over 'data'; `tests/test_doctests.py` runs them all.
+
+>>> import jax, jax.numpy as jnp
+>>> from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+>>> import accum
+>>> import pspec_tags as pt
+>>> mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+>>> w = jax.device_put(jnp.ones(8), NamedSharding(mesh, P()))
+>>> batch = {"x": jax.device_put(jnp.ones((16, 8)), NamedSharding(mesh, P("data")))}
+>>> def loss_fn(w, mb):  # (sum of row losses, {"weight": rows counted})
+...     return jnp.sum(mb["x"] @ w), {"weight": jnp.float32(mb["x"].shape[0])}
+>>> class SGD:  # any optax-style optimizer
+...     def update(self, grads, state, params=None):
+...         return jax.tree.map(lambda g: -0.5 * g, grads), state
+"""
 
 from accum.accumulate import ON_TAG_LOST, accumulate_gradients
 from accum.dispatch import Accumulator, add, finish, start

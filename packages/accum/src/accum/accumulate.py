@@ -169,6 +169,15 @@ def accumulate_gradients(
 
     Auto mode: same numerics, no tags; XLA places the reductions.
     Gradients come back in `accum_dtype` (None: each parameter's dtype).
+
+    Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
+
+    >>> with jax.set_mesh(mesh):
+    ...     loss, aux, grads = jax.jit(
+    ...         lambda w, b: accum.accumulate_gradients(loss_fn, w, b, num_microbatches=2)
+    ...     )(w, batch)
+    >>> float(loss), grads.tolist()[:2], float(aux["weight"])  # the full batch's mean, gradient
+    (8.0, [1.0, 1.0], 16.0)
     """
     _check_option(on_tag_lost)
     if plan is None:

@@ -482,6 +482,24 @@ def find_dropped_tags(
     tag in the forward pass, if any. Empty when every gradient stays
     unreduced over `axes` until the accumulator (a forward drop whose
     transpose reduces nothing is not reported).
+
+    Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
+
+    >>> def drops_tag(params, mb):  # resharding w onto P() drops its reduced tag
+    ...     return loss_fn(jax.reshard(params["w"], P()), mb)
+    >>> found = []
+    >>> with jax.set_mesh(mesh):
+    ...     _ = jax.eval_shape(
+    ...         lambda p, b: found.append(
+    ...             accum.find_dropped_tags(
+    ...                 drops_tag, accum.tag_reduced(p, ("data",)), b, axes=("data",)
+    ...             )
+    ...         ),
+    ...         {"w": w},
+    ...         batch,
+    ...     )
+    >>> list(found[0])  # the parameter whose gradient the backward pass reduces per microbatch
+    ["['w']"]
     """
     if not axes:
         return {}

@@ -50,6 +50,13 @@ def tag_reduced(params: Any, plan: Any) -> Any:
     the point is the cotangent type: autodiff maps reduced primals to unreduced
     cotangents, so each microbatch's gradients stay per-device partial sums.
     `plan`: a `ReductionPlan` (or a tuple of deferred axes).
+
+    Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
+
+    >>> with jax.set_mesh(mesh):
+    ...     tagged = jax.eval_shape(lambda w: accum.tag_reduced(w, ("data",)), w)
+    >>> pt.reduced_axes(tagged.sharding.spec)
+    frozenset({'data'})
     """
     if not plan:
         return params
@@ -73,6 +80,13 @@ def unreduced_zeros(params: Any, plan: Any, dtype: Any | None) -> Any:
     `per_step` axes. The carry must have the same type as what it adds up: an
     untagged (replicated) zero plus an unreduced gradient would force the
     gradient's all-reduce at the addition, inside the loop.
+
+    Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
+
+    >>> with jax.set_mesh(mesh):
+    ...     acc = jax.eval_shape(lambda w: accum.unreduced_zeros(w, ("data",), jnp.float32), w)
+    >>> pt.unreduced_axes(acc.sharding.spec)
+    frozenset({'data'})
     """
     plan = as_plan(params, plan) if plan else None
 

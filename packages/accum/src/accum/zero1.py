@@ -26,7 +26,16 @@ from pspec_tags import spec_of, untagged
 def check_zero1_compatible(
     mesh: Any, *, data_axis: str = "data", fsdp_axes: Iterable[str] = ("fsdp",)
 ) -> None:
-    """Reject ZeRO-1 on a mesh that also does FSDP, naming both settings (ValueError)."""
+    """Reject ZeRO-1 on a mesh that also does FSDP, naming both settings (ValueError).
+
+    Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
+
+    >>> fsdp_mesh = jax.make_mesh((4, 2), ("data", "fsdp"), axis_types=(AxisType.Explicit,) * 2)
+    >>> accum.check_zero1_compatible(fsdp_mesh)
+    Traceback (most recent call last):
+    ...
+    ValueError: ZeRO-1 (zero1_shardings / shard_optimizer_over_data) cannot be combined ...
+    """
     sizes = dict(mesh.shape)
     if data_axis not in sizes:
         raise ValueError(f"ZeRO-1 shards over mesh axis {data_axis!r}, absent from {tuple(sizes)}")
@@ -60,6 +69,11 @@ def zero1_shardings(
     the first dimension it divides; leaves too small stay replicated. `params`
     may hold arrays or ShapeDtypeStructs with shardings; `mesh` defaults to
     theirs. Raises ValueError when the mesh also does FSDP.
+
+    Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
+
+    >>> pt.mesh_axes_used(accum.zero1_shardings({"w": w})["w"].spec)  # w is replicated
+    ('data',)
     """
     leaves = jax.tree.leaves(params)
     if mesh is None:
@@ -82,6 +96,14 @@ def zero1_state_shardings(opt_state: Any, params: Any, master_shardings: Any, me
 
     `opt_state` may be abstract (`jax.eval_shape(optimizer.init, params)`).
     Use as `jax.jit(optimizer.init, out_shardings=...)` so auto mode shards it too.
+
+    Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
+
+    >>> masters = accum.zero1_shardings({"w": w})
+    >>> state = {"mu": {"w": w}, "count": jnp.zeros((), jnp.int32)}  # Adam-like
+    >>> shardings = accum.zero1_state_shardings(state, {"w": w}, masters, mesh)
+    >>> pt.mesh_axes_used(shardings["mu"]["w"].spec), pt.mesh_axes_used(shardings["count"].spec)
+    (('data',), ())
     """
     target = jax.tree.structure(params)
     replicated = NamedSharding(mesh, P())
@@ -113,6 +135,15 @@ def zero1_gather(
     compute-dtype bytes. The target is untagged: `accumulate_gradients` then
     tags the gathered copies itself. A leaf already in place is not moved.
     `compute_shardings` leaves: PartitionSpecs, NamedShardings or None (leave it).
+
+    Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
+
+    >>> master = jax.device_put({"w": w}, accum.zero1_shardings({"w": w}))  # over 'data'
+    >>> with jax.set_mesh(mesh):
+    ...     gather = jax.jit(lambda m: accum.zero1_gather(m, {"w": P()}, compute_dtype="bfloat16"))
+    ...     gathered = gather(master)["w"]
+    >>> pt.mesh_axes_used(gathered.sharding.spec), str(gathered.dtype)
+    ((), 'bfloat16')
     """
     mode = resolve_mode(mode, master_params)
     if cast is None:
@@ -152,6 +183,25 @@ def zero1_step(
     are the layouts the model computes with (the non-ZeRO parameter shardings).
     `master_shardings` defaults to the masters' own shardings in explicit mode
     (required in auto mode). Call inside `jax.jit`.
+
+    Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
+
+    >>> master = jax.device_put({"w": w}, accum.zero1_shardings({"w": w}))  # over 'data'
+    >>> with jax.set_mesh(mesh):
+    ...     step = jax.jit(
+    ...         lambda m, s, b: accum.zero1_step(
+    ...             lambda p, mb: loss_fn(p["w"], mb),
+    ...             SGD(),
+    ...             m,
+    ...             s,
+    ...             b,
+    ...             num_microbatches=2,
+    ...             compute_shardings={"w": P()},
+    ...         )
+    ...     )
+    ...     master, state, loss, aux = step(master, (), batch)
+    >>> float(loss), master["w"].tolist()[:2], pt.mesh_axes_used(master["w"].sharding.spec)
+    (8.0, [0.5, 0.5], ('data',))
     """
     mode = resolve_mode(mode, master_params)
     if master_shardings is None:
