@@ -24,6 +24,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import benchlib as bl  # noqa: E402
 
+import pspec_tags as pt  # noqa: E402
 from trainer.layouts import EIGHT_DEVICE_LAYOUTS  # noqa: E402
 
 COMMAND = "JAX_PLATFORMS=cpu uv run python benchmarks/bench_explicit_auto.py"
@@ -37,7 +38,7 @@ MODEL = {
     "gradient_accumulation_steps": "4",
     "per_device_batch_size": "1",
 }
-MODES = ("explicit", "auto")
+MODES = pt.MODES
 
 
 def deferred_share(step: bl.TrainerStep) -> float:

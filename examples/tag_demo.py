@@ -21,7 +21,7 @@ import pspec_tags as pt  # noqa: E402
 MICROBATCHES = 4
 
 
-def grad_step(w_DxD, x_NxBxD, tag: bool):
+def grad_step(w_DxD, x_MxBxD, tag: bool):
     # Reduced over 'data' = "already summed": its cotangent stays unreduced (partial sums).
     w = jax.reshard(w_DxD, pt.with_reduced(pt.spec_of(w_DxD), {"data"})) if tag else w_DxD
 
@@ -30,7 +30,7 @@ def grad_step(w_DxD, x_NxBxD, tag: bool):
         return acc + g, None
 
     acc0 = jax.tree.map(jnp.zeros_like, jax.grad(lambda w: 0.0 * jnp.sum(w))(w))
-    acc, _ = jax.lax.scan(body, acc0, x_NxBxD)
+    acc, _ = jax.lax.scan(body, acc0, x_MxBxD)
     return jax.reshard(acc, P(None, None))  # untagged target: the single reduction
 
 

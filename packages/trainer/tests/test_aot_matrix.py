@@ -25,6 +25,7 @@ import tempfile
 import pytest
 
 import hlo_tools
+import pspec_tags as pt
 from trainer.layouts import EIGHT_DEVICE_LAYOUTS
 
 pytestmark = pytest.mark.aot
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.aot
 LAYOUTS = EIGHT_DEVICE_LAYOUTS
 DATA_LAYOUTS = [name for name, o in LAYOUTS.items() if int(o["ici_data_parallelism"]) > 1]
 TOPOLOGIES = ("v5e-8", "v5p-16")
-MODES = ("explicit", "auto")
+MODES = pt.MODES
 BASE = {
     "model_name": "tagtrain-test",
     "gradient_accumulation_steps": "4",

@@ -1,5 +1,23 @@
 """accum: gradient accumulation under one reduction plan (deferred, per microbatch or
-hierarchical across slices), and ZeRO-1."""
+hierarchical across slices), and ZeRO-1.
+
+The examples in the docstrings start from this setup: 8 devices (on CPU, set
+`jax.config.update("jax_num_cpu_devices", 8)` first), a replicated parameter and
+a batch sharded over 'data'; `tests/test_doctests.py` runs them all.
+
+>>> import jax, jax.numpy as jnp
+>>> from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+>>> import accum
+>>> import pspec_tags as pt
+>>> mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+>>> w = jax.device_put(jnp.ones(8), NamedSharding(mesh, P()))
+>>> batch = {"x": jax.device_put(jnp.ones((16, 8)), NamedSharding(mesh, P("data")))}
+>>> def loss_fn(w, mb):  # (sum of row losses, {"weight": rows counted})
+...     return jnp.sum(mb["x"] @ w), {"weight": jnp.float32(mb["x"].shape[0])}
+>>> class SGD:  # any optax-style optimizer
+...     def update(self, grads, state, params=None):
+...         return jax.tree.map(lambda g: -0.5 * g, grads), state
+"""
 
 from accum.accumulate import ON_TAG_LOST, accumulate_gradients
 from accum.dispatch import Accumulator, add, finish, start
@@ -25,10 +43,11 @@ from accum.plan import (
     ReductionPlan,
     make_plan,
 )
-from accum.step import apply_updates, train_step
+from accum.step import apply_updates, optimizer_update, train_step
 from accum.tags import tag_reduced, unreduced_zeros
 from accum.zero1 import (
     check_zero1_compatible,
+    zero1_gather,
     zero1_shardings,
     zero1_state_shardings,
     zero1_step,
@@ -58,6 +77,7 @@ __all__ = [
     "find_dropped_tags",
     "finish",
     "make_plan",
+    "optimizer_update",
     "param_mesh_axes",
     "plan_for_values",
     "resolve_mode",
@@ -66,6 +86,7 @@ __all__ = [
     "tag_reduced",
     "train_step",
     "unreduced_zeros",
+    "zero1_gather",
     "zero1_shardings",
     "zero1_state_shardings",
     "zero1_step",

@@ -30,6 +30,30 @@ def _check_option(on_tag_lost: str) -> None:
         raise ValueError(f"on_tag_lost={on_tag_lost!r} is not one of {ON_TAG_LOST}")
 
 
+def _default_plan(
+    params: Any,
+    batch: Any,
+    mode: str | None,
+    policy: str | None,
+    defer_reduction: bool,
+    batch_axes: tuple[str, ...] | None,
+    slice_axes: tuple[str, ...],
+    per_parameter: bool = False,
+) -> ReductionPlan:
+    """The plan when the caller passes none: made from the values' own shardings
+    (`accumulate_gradients` and `start` alike)."""
+    return plan_for_values(
+        params,
+        batch,
+        mode=resolve_mode(mode, params),
+        policy=policy,
+        defer_reduction=defer_reduction,
+        batch_axes=batch_axes,
+        slice_axes=slice_axes,
+        per_parameter=per_parameter,
+    )
+
+
 def microbatch_grads(
     loss_fn: Callable,
     params: Any,
@@ -145,18 +169,20 @@ def accumulate_gradients(
 
     Auto mode: same numerics, no tags; XLA places the reductions.
     Gradients come back in `accum_dtype` (None: each parameter's dtype).
+
+    Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
+
+    >>> with jax.set_mesh(mesh):
+    ...     loss, aux, grads = jax.jit(
+    ...         lambda w, b: accum.accumulate_gradients(loss_fn, w, b, num_microbatches=2)
+    ...     )(w, batch)
+    >>> float(loss), grads.tolist()[:2], float(aux["weight"])  # the full batch's mean, gradient
+    (8.0, [1.0, 1.0], 16.0)
     """
     _check_option(on_tag_lost)
     if plan is None:
-        plan = plan_for_values(
-            params,
-            batch,
-            mode=resolve_mode(mode, params),
-            policy=policy,
-            defer_reduction=defer_reduction,
-            batch_axes=batch_axes,
-            slice_axes=slice_axes,
-            per_parameter=per_parameter_axes,
+        plan = _default_plan(
+            params, batch, mode, policy, defer_reduction, batch_axes, slice_axes, per_parameter_axes
         )
     mode = plan.mode
     microbatches = split_microbatches(batch, num_microbatches)

@@ -17,8 +17,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from accum.accumulate import _check_option, add_grads, final_targets, microbatch_grads, normalize
-from accum.gating import plan_for_values, resolve_mode
+from accum.accumulate import (
+    _check_option,
+    _default_plan,
+    add_grads,
+    final_targets,
+    microbatch_grads,
+    normalize,
+)
 from accum.plan import ReductionPlan
 from accum.tags import reduce_to, scatter_into, tag_reduced, unreduced_zeros, zeros_of_type
 
@@ -70,16 +76,18 @@ def start(
     The plan is `plan`, or made as in `accumulate_gradients` (batch axes read
     from `microbatch`'s shardings unless `batch_axes` is given). Call under
     `jax.jit` (static `loss_fn`): the unreduced zeros need a traced context.
+
+    Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
+
+    >>> mb = accum.split_microbatches(batch, 2)["x"]
+    >>> with jax.set_mesh(mesh):
+    ...     acc = jax.jit(accum.start, static_argnums=0)(loss_fn, w, {"x": mb[0]})
+    >>> acc.axes, int(acc.count)  # gradients will stay unreduced over 'data'
+    (('data',), 0)
     """
     if plan is None:
-        plan = plan_for_values(
-            params,
-            microbatch,
-            mode=resolve_mode(mode, params),
-            policy=policy,
-            defer_reduction=defer_reduction,
-            batch_axes=batch_axes,
-            slice_axes=slice_axes,
+        plan = _default_plan(
+            params, microbatch, mode, policy, defer_reduction, batch_axes, slice_axes
         )
     args = (microbatch,) if rng is None else (microbatch, rng)
     # Traced with the tags `add` will use, so unreduced loss/aux sums get
@@ -112,6 +120,15 @@ def add(
 
     With `rng`, the microbatch gets `fold_in(rng, acc.count)`, as the scan path
     does. The same trace-time guards as `accumulate_gradients` run here.
+
+    Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
+
+    >>> mb = accum.split_microbatches(batch, 2)["x"]
+    >>> with jax.set_mesh(mesh):
+    ...     acc = jax.jit(accum.start, static_argnums=0)(loss_fn, w, {"x": mb[0]})
+    ...     acc = jax.jit(accum.add, static_argnums=1)(acc, loss_fn, w, {"x": mb[0]})
+    >>> int(acc.count), float(acc.aux["weight"])  # one microbatch of 8 rows added
+    (1, 8.0)
     """
     _check_option(on_tag_lost)
     mb_rng = None if rng is None else jax.random.fold_in(rng, acc.count)
@@ -135,6 +152,17 @@ def finish(acc: Accumulator, *, grad_shardings: Any = None) -> tuple[jax.Array, 
 
     `grad_shardings` as in `accumulate_gradients` (default: the gradients' own
     partitions; the optimizer's shardings for ZeRO-1).
+
+    Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
+
+    >>> mb = accum.split_microbatches(batch, 2)["x"]
+    >>> with jax.set_mesh(mesh):
+    ...     acc = jax.jit(accum.start, static_argnums=0)(loss_fn, w, {"x": mb[0]})
+    ...     for i in range(2):
+    ...         acc = jax.jit(accum.add, static_argnums=1)(acc, loss_fn, w, {"x": mb[i]})
+    ...     loss, aux, grads = jax.jit(accum.finish)(acc)
+    >>> float(loss), grads.tolist()[:2]  # as accumulate_gradients over the whole batch
+    (8.0, [1.0, 1.0])
     """
     grads = reduce_to(acc.grads, final_targets(acc.plan, grad_shardings), acc.mode)
     return normalize(acc.loss_sum, acc.aux, grads)

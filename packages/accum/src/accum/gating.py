@@ -9,13 +9,17 @@ from typing import Any
 import jax
 
 from accum.plan import ReductionPlan, make_plan, mesh_shape_of, policy_of
-from pspec_tags import mesh_axes_used, partitions, spec_of
-
-MODES = ("explicit", "auto")
+from pspec_tags import MODES, entry_axes, mesh_axes_used, partitions, spec_of
 
 
 def resolve_mode(mode: str | None, params: Any) -> str:
-    """`mode` if given, else "explicit" when any parameter lives on an Explicit mesh."""
+    """`mode` if given, else "explicit" when any parameter lives on an Explicit mesh.
+
+    Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
+
+    >>> accum.resolve_mode(None, w), accum.resolve_mode(None, jnp.ones(8))
+    ('explicit', 'auto')
+    """
     if mode is not None:
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of {MODES}")
@@ -24,17 +28,16 @@ def resolve_mode(mode: str | None, params: Any) -> str:
     return "explicit" if any(spec_of(leaf) is not None for leaf in leaves) else "auto"
 
 
-def _entry_axes(entry: Any) -> tuple[str, ...]:
-    if entry is None or isinstance(entry, type(jax.sharding.PartitionSpec.UNCONSTRAINED)):
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def batch_axes_of(batch: Any) -> tuple[str, ...]:
     """Mesh axes (of size > 1) that shard the leading (batch) dimension of `batch`'s leaves.
 
     Read from the explicit shardings of the leaves, so it works on traced values;
     returns `()` in auto mode, where shardings are not part of the types.
+
+    Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
+
+    >>> accum.batch_axes_of(batch)
+    ('data',)
     """
     leaves = jax.tree.leaves(batch)
     sizes = mesh_shape_of(leaves)
@@ -45,14 +48,21 @@ def batch_axes_of(batch: Any) -> tuple[str, ...]:
             continue
         # `partitions` reads through tags: a tagged spec refuses `spec[0]`.
         lead = partitions(spec)[:1]
-        for axis in _entry_axes(lead[0] if lead else None):
+        for axis in entry_axes(lead[0] if lead else None):
             if sizes.get(axis, 1) > 1 and axis not in axes:
                 axes.append(axis)
     return tuple(axes)
 
 
 def param_mesh_axes(params: Any) -> frozenset[str]:
-    """Mesh axes that partition some dimension of some parameter (tags excluded)."""
+    """Mesh axes that partition some dimension of some parameter (tags excluded).
+
+    Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
+
+    >>> w_DxF = jax.device_put(jnp.ones((4, 8)), NamedSharding(mesh, P(None, "data")))
+    >>> sorted(accum.param_mesh_axes({"w": w, "w_DxF": w_DxF}))
+    ['data']
+    """
     return frozenset(a for leaf in jax.tree.leaves(params) for a in mesh_axes_used(spec_of(leaf)))
 
 
@@ -68,7 +78,13 @@ def plan_for_values(
     per_parameter: bool = False,
 ) -> ReductionPlan:
     """`make_plan` from traced values: mesh and specs read from `params`' explicit
-    shardings, batch axes from `batch`'s unless given."""
+    shardings, batch axes from `batch`'s unless given.
+
+    Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
+
+    >>> accum.plan_for_values({"w": w}, batch, mode="explicit").summary()
+    "deferred to once per step over ('data',) (grads stay unreduced)"
+    """
     leaves = jax.tree.leaves(params)
     axes = tuple(batch_axes) if batch_axes is not None else batch_axes_of(batch)
     return make_plan(
@@ -87,6 +103,12 @@ def deferred_axes(params: Any, batch_axes: Iterable[str]) -> tuple[str, ...]:
 
     A read of `make_plan`: the axes of `batch_axes` that shard no parameter and
     have size > 1. Empty in auto mode (no explicit shardings to read).
+
+    Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
+
+    >>> w_sharded = jax.device_put(jnp.ones(8), NamedSharding(mesh, P("data")))
+    >>> accum.deferred_axes(w, ("data",)), accum.deferred_axes(w_sharded, ("data",))
+    (('data',), ())
     """
     leaves = jax.tree.leaves(params)
     sizes = mesh_shape_of(leaves)
@@ -102,5 +124,11 @@ def data_is_only_batch_axis(params: Any, batch_axes: Iterable[str]) -> bool:
     The gate of the deferred path (named after the seed's helper): when it is
     False, parameters are left untagged and gradients are reduced where the
     model's shardings put them.
+
+    Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
+
+    >>> w_sharded = jax.device_put(jnp.ones(8), NamedSharding(mesh, P("data")))
+    >>> [accum.data_is_only_batch_axis(p, ("data",)) for p in (w, w_sharded)]
+    [True, False]
     """
     return bool(deferred_axes(params, batch_axes))

@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from pspec_tags import (
     TagLostError,
+    entry_axes,
     mesh_axes_used,
     partitions,
     reduced_axes,
@@ -135,7 +136,7 @@ def _dim_axes(var: Any, dims: Iterable[int]) -> frozenset[str]:
     found: set[str] = set()
     for d in dims:
         if d < len(parts) and parts[d] is not None:
-            found.update(mesh_axes_used(P(parts[d])))
+            found.update(entry_axes(parts[d]))
     return frozenset(found)
 
 
@@ -443,6 +444,8 @@ def _cotangent(seed: jax.Array, primal: jax.Array) -> jax.Array:
     spec = sharding.spec
     target = with_reduced(P(*partitions(spec)), unreduced_axes(spec))
     target = with_unreduced(target, reduced_axes(spec))
+    # TAG: the seed must have the swapped tags, else the traced backward pass
+    # (what the guard inspects) reduces where the real one does not.
     return lax.broadcast_in_dim(
         seed, primal.shape, (), out_sharding=NamedSharding(sharding.mesh, target)
     )
@@ -479,6 +482,24 @@ def find_dropped_tags(
     tag in the forward pass, if any. Empty when every gradient stays
     unreduced over `axes` until the accumulator (a forward drop whose
     transpose reduces nothing is not reported).
+
+    Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
+
+    >>> def drops_tag(params, mb):  # resharding w onto P() drops its reduced tag
+    ...     return loss_fn(jax.reshard(params["w"], P()), mb)
+    >>> found = []
+    >>> with jax.set_mesh(mesh):
+    ...     _ = jax.eval_shape(
+    ...         lambda p, b: found.append(
+    ...             accum.find_dropped_tags(
+    ...                 drops_tag, accum.tag_reduced(p, ("data",)), b, axes=("data",)
+    ...             )
+    ...         ),
+    ...         {"w": w},
+    ...         batch,
+    ...     )
+    >>> list(found[0])  # the parameter whose gradient the backward pass reduces per microbatch
+    ["['w']"]
     """
     if not axes:
         return {}

@@ -89,6 +89,8 @@ class LeafPlan:
         """The accumulator's full type: its partitions, unreduced over `per_step`."""
         if not self.per_step:
             return self.accumulator_spec
+        # TAG: the carry's type: unreduced over the per-step axes, so adding a microbatch
+        # moves nothing and the one reduction waits for the end of the step.
         return P(*partitions(self.accumulator_spec), unreduced=set(self.per_step))
 
 
@@ -234,6 +236,12 @@ def make_plan(
     tagged reshard, or consumes them in a shard_map); False: a batch axis that
     shards any parameter is reduced per microbatch for all (plain matmuls).
     Raises PlanError for a policy that cannot apply.
+
+    Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
+
+    >>> plan = accum.make_plan({"w": w}, batch_axes=("data",), mesh_shape=dict(mesh.shape))
+    >>> plan.leaves["w"].when, plan.strict_axes
+    ((('data', 'once per step'),), ('data',))
     """
     if policy not in POLICIES:
         raise PlanError(f"gradient reduction policy {policy!r} is not one of {POLICIES}")

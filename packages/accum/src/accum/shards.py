@@ -8,11 +8,7 @@ from collections.abc import Iterable, Mapping
 
 from jax.sharding import PartitionSpec as P
 
-from pspec_tags import mesh_axes_used, partitions, untagged
-
-
-def _entry_axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+from pspec_tags import entry_axes, entry_from_axes, mesh_axes_used, partitions, untagged
 
 
 def add_axis_to_free_dim(
@@ -26,12 +22,12 @@ def add_axis_to_free_dim(
         return untagged(spec)
     for want_free in (True,) if free_only else (True, False):
         for d, entry in enumerate(parts):
-            axes = _entry_axes(entry)
+            axes = entry_axes(entry)
             if want_free == bool(axes):
                 continue
             if shape[d] % (math.prod(sizes[a] for a in axes) * sizes[axis]) == 0:
                 new = (*axes, axis)
-                parts[d] = new[0] if len(new) == 1 else new
+                parts[d] = entry_from_axes(new)
                 return P(*parts)
     return P(*parts)
 

@@ -16,7 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 from accum.plan import ReductionPlan, make_plan, mesh_shape_of
 from pspec_tags import (
-    mesh_axes_used,
+    entry_axes,
+    entry_from_axes,
     partitions,
     spec_of,
     unreduced_axes,
@@ -49,6 +50,13 @@ def tag_reduced(params: Any, plan: Any) -> Any:
     the point is the cotangent type: autodiff maps reduced primals to unreduced
     cotangents, so each microbatch's gradients stay per-device partial sums.
     `plan`: a `ReductionPlan` (or a tuple of deferred axes).
+
+    Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
+
+    >>> with jax.set_mesh(mesh):
+    ...     tagged = jax.eval_shape(lambda w: accum.tag_reduced(w, ("data",)), w)
+    >>> pt.reduced_axes(tagged.sharding.spec)
+    frozenset({'data'})
     """
     if not plan:
         return params
@@ -58,7 +66,8 @@ def tag_reduced(params: Any, plan: Any) -> Any:
         spec = spec_of(p)
         if spec is None or not _floating(p) or not leaf_plan.tagged:
             return p
-        # with_reduced keeps the partitions and any existing tags (never spec[...]).
+        # TAG: reduced over the tagged axes makes the cotangent unreduced there (the
+        # deferral itself); with_reduced keeps partitions and existing tags.
         return jax.reshard(p, _named(p, with_reduced(spec, leaf_plan.tagged)))
 
     return plan.map(tag, params)
@@ -71,6 +80,13 @@ def unreduced_zeros(params: Any, plan: Any, dtype: Any | None) -> Any:
     `per_step` axes. The carry must have the same type as what it adds up: an
     untagged (replicated) zero plus an unreduced gradient would force the
     gradient's all-reduce at the addition, inside the loop.
+
+    Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
+
+    >>> with jax.set_mesh(mesh):
+    ...     acc = jax.eval_shape(lambda w: accum.unreduced_zeros(w, ("data",), jnp.float32), w)
+    >>> pt.unreduced_axes(acc.sharding.spec)
+    frozenset({'data'})
     """
     plan = as_plan(params, plan) if plan else None
 
@@ -125,6 +141,8 @@ def zeros_of_type(struct: jax.ShapeDtypeStruct) -> jax.Array:
     sharding = getattr(struct, "sharding", None)
     if not isinstance(sharding, NamedSharding) or spec_of(struct) is None:
         return jnp.zeros(struct.shape, struct.dtype)
+    # TAG: the zero takes the sum's own type, unreduced tag included, so adding
+    # an unreduced loss/aux sum to it is local (no per-microbatch all-reduce).
     return lax.broadcast_in_dim(
         jnp.zeros((), struct.dtype), struct.shape, (), out_sharding=sharding
     )
@@ -137,6 +155,7 @@ def reduce_unreduced(tree: Any) -> Any:
         spec = spec_of(x)
         if spec is None or not unreduced_axes(spec):
             return x
+        # TAG: onto its own partitions, untagged: this is the sum's one all-reduce.
         return jax.reshard(x, _named(x, untagged(spec)))
 
     return jax.tree.map(reduce, tree)
@@ -167,11 +186,12 @@ def place(x: jax.Array, target: Any, mode: str) -> jax.Array:
         scatter = _scatter_dims(own, destination)
         if scatter:
             return _reduce_scatter(x, own, destination, scatter)
-        # Untagged destination: dropping `unreduced` here is the point (the
+        # TAG: untagged destination: dropping `unreduced` here is the point (the
         # reduction), and a reduced tag could not coexist with the unreduced source.
         return jax.reshard(x, _named(x, destination))
     if spec is None:
         return x
+    # TAG: auto mode cannot carry tags: stripped, XLA places the reduction.
     if isinstance(target, NamedSharding):
         return lax.with_sharding_constraint(x, NamedSharding(target.mesh, untagged(spec)))
     return lax.with_sharding_constraint(x, untagged(spec))
@@ -192,7 +212,7 @@ def _scatter_dims(own: P, destination: P) -> dict[int, tuple[str, ...]]:
     for dim, (src, dst) in enumerate(zip(source_parts, target_parts, strict=True)):
         if src == dst:
             continue
-        axes = mesh_axes_used(P(dst))
+        axes = entry_axes(dst)
         if src is not None or not axes or not set(axes) <= unreduced:
             return {}
         scatter[dim] = axes
@@ -216,8 +236,9 @@ def _reduce_scatter(
 
     def body(block):
         for dim, axes in scatter.items():
-            axis = axes[0] if len(axes) == 1 else axes
-            block = lax.psum_scatter(block, axis, scatter_dimension=dim, tiled=True)
+            block = lax.psum_scatter(
+                block, entry_from_axes(axes), scatter_dimension=dim, tiled=True
+            )
         if rest:
             block = lax.psum(block, rest)
         return block

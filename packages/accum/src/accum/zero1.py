@@ -18,15 +18,24 @@ from jax.sharding import PartitionSpec as P
 from accum.accumulate import accumulate_gradients
 from accum.gating import resolve_mode
 from accum.shards import add_axis_to_free_dim
-from accum.step import apply_updates
-from accum.tags import place, place_tree
+from accum.step import optimizer_update
+from accum.tags import as_spec, place, place_tree
 from pspec_tags import spec_of, untagged
 
 
 def check_zero1_compatible(
     mesh: Any, *, data_axis: str = "data", fsdp_axes: Iterable[str] = ("fsdp",)
 ) -> None:
-    """Reject ZeRO-1 on a mesh that also does FSDP, naming both settings (ValueError)."""
+    """Reject ZeRO-1 on a mesh that also does FSDP, naming both settings (ValueError).
+
+    Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
+
+    >>> fsdp_mesh = jax.make_mesh((4, 2), ("data", "fsdp"), axis_types=(AxisType.Explicit,) * 2)
+    >>> accum.check_zero1_compatible(fsdp_mesh)
+    Traceback (most recent call last):
+    ...
+    ValueError: ZeRO-1 (zero1_shardings / shard_optimizer_over_data) cannot be combined ...
+    """
     sizes = dict(mesh.shape)
     if data_axis not in sizes:
         raise ValueError(f"ZeRO-1 shards over mesh axis {data_axis!r}, absent from {tuple(sizes)}")
@@ -60,6 +69,11 @@ def zero1_shardings(
     the first dimension it divides; leaves too small stay replicated. `params`
     may hold arrays or ShapeDtypeStructs with shardings; `mesh` defaults to
     theirs. Raises ValueError when the mesh also does FSDP.
+
+    Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
+
+    >>> pt.mesh_axes_used(accum.zero1_shardings({"w": w})["w"].spec)  # w is replicated
+    ('data',)
     """
     leaves = jax.tree.leaves(params)
     if mesh is None:
@@ -82,6 +96,14 @@ def zero1_state_shardings(opt_state: Any, params: Any, master_shardings: Any, me
 
     `opt_state` may be abstract (`jax.eval_shape(optimizer.init, params)`).
     Use as `jax.jit(optimizer.init, out_shardings=...)` so auto mode shards it too.
+
+    Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
+
+    >>> masters = accum.zero1_shardings({"w": w})
+    >>> state = {"mu": {"w": w}, "count": jnp.zeros((), jnp.int32)}  # Adam-like
+    >>> shardings = accum.zero1_state_shardings(state, {"w": w}, masters, mesh)
+    >>> pt.mesh_axes_used(shardings["mu"]["w"].spec), pt.mesh_axes_used(shardings["count"].spec)
+    (('data',), ())
     """
     target = jax.tree.structure(params)
     replicated = NamedSharding(mesh, P())
@@ -92,6 +114,53 @@ def zero1_state_shardings(opt_state: Any, params: Any, master_shardings: Any, me
         return replicated
 
     return jax.tree.map(one, opt_state, is_leaf=lambda n: jax.tree.structure(n) == target)
+
+
+def _is_target_leaf(t: Any) -> bool:
+    return t is None or isinstance(t, P | NamedSharding)
+
+
+def zero1_gather(
+    master_params: Any,
+    compute_shardings: Any,
+    *,
+    compute_dtype: Any = None,
+    cast: Any = None,
+    mode: str | None = None,
+) -> Any:
+    """The masters gathered onto `compute_shardings`: ZeRO-1's once-per-step gather.
+
+    Each master is cast to `compute_dtype` first (all of them, or those `cast`,
+    a pytree of bools shaped like the masters, marks), so the all-gather moves
+    compute-dtype bytes. The target is untagged: `accumulate_gradients` then
+    tags the gathered copies itself. A leaf already in place is not moved.
+    `compute_shardings` leaves: PartitionSpecs, NamedShardings or None (leave it).
+
+    Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
+
+    >>> master = jax.device_put({"w": w}, accum.zero1_shardings({"w": w}))  # over 'data'
+    >>> with jax.set_mesh(mesh):
+    ...     gather = jax.jit(lambda m: accum.zero1_gather(m, {"w": P()}, compute_dtype="bfloat16"))
+    ...     gathered = gather(master)["w"]
+    >>> pt.mesh_axes_used(gathered.sharding.spec), str(gathered.dtype)
+    ((), 'bfloat16')
+    """
+    mode = resolve_mode(mode, master_params)
+    if cast is None:
+        cast = jax.tree.map(lambda _: True, master_params)
+
+    def gather(target, p, c):
+        q = p.astype(compute_dtype) if compute_dtype is not None and c else p
+        spec = as_spec(target)
+        if spec is None or (mode == "explicit" and spec_of(q) == untagged(spec)):
+            # Already there: a reshard would be a new value, which a shard_map
+            # inside a scanned layer saves as a residual (see pspec_tags.shard).
+            return q
+        # TAG: untagged on purpose: accumulate_gradients then tags the gathered copies
+        # reduced over the batch axes, so the loop carries unreduced sums as usual.
+        return place(q, target, mode)
+
+    return jax.tree.map(gather, compute_shardings, master_params, cast, is_leaf=_is_target_leaf)
 
 
 def zero1_step(
@@ -114,6 +183,25 @@ def zero1_step(
     are the layouts the model computes with (the non-ZeRO parameter shardings).
     `master_shardings` defaults to the masters' own shardings in explicit mode
     (required in auto mode). Call inside `jax.jit`.
+
+    Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
+
+    >>> master = jax.device_put({"w": w}, accum.zero1_shardings({"w": w}))  # over 'data'
+    >>> with jax.set_mesh(mesh):
+    ...     step = jax.jit(
+    ...         lambda m, s, b: accum.zero1_step(
+    ...             lambda p, mb: loss_fn(p["w"], mb),
+    ...             SGD(),
+    ...             m,
+    ...             s,
+    ...             b,
+    ...             num_microbatches=2,
+    ...             compute_shardings={"w": P()},
+    ...         )
+    ...     )
+    ...     master, state, loss, aux = step(master, (), batch)
+    >>> float(loss), master["w"].tolist()[:2], pt.mesh_axes_used(master["w"].sharding.spec)
+    (8.0, [0.5, 0.5], ('data',))
     """
     mode = resolve_mode(mode, master_params)
     if master_shardings is None:
@@ -121,17 +209,7 @@ def zero1_step(
             raise ValueError("zero1_step in auto mode needs master_shardings=")
         master_shardings = jax.tree.map(lambda p: untagged(spec_of(p)), master_params)
 
-    def gather(p, target):
-        # Cast before the gather: the all-gather then moves compute_dtype bytes.
-        q = p.astype(compute_dtype) if compute_dtype is not None else p
-        return place(q, target, mode)
-
-    params = jax.tree.map(
-        lambda t, p: gather(p, t),
-        compute_shardings,
-        master_params,
-        is_leaf=lambda t: t is None or isinstance(t, P | NamedSharding),
-    )
+    params = zero1_gather(master_params, compute_shardings, compute_dtype=compute_dtype, mode=mode)
     # grad_shardings = the masters' layout: the single post-loop reduction
     # lands there directly (reduce-scatter), never as a full all-reduce + slice.
     loss, aux, grads = accumulate_gradients(
@@ -143,6 +221,6 @@ def zero1_step(
         grad_shardings=master_shardings,
         **accum_kwargs,
     )
-    updates, opt_state = optimizer.update(grads, opt_state, master_params)
-    new_master = place_tree(apply_updates(master_params, updates), master_shardings, mode)
-    return new_master, opt_state, loss, aux
+    new_master, opt_state = optimizer_update(optimizer, grads, opt_state, master_params)
+    # TAG: the updated masters leave on the masters' own untagged shards.
+    return place_tree(new_master, master_shardings, mode), opt_state, loss, aux

@@ -38,7 +38,10 @@ from jax.sharding import PartitionSpec as P
 from moe_kernels.config import DEFAULT_RULES, MoEConfig
 from moe_kernels.routing import route
 from pspec_tags import (
+    MODES,
     carry_reduced_axes,
+    entry_axes,
+    entry_from_axes,
     fit_to_shape,
     logical_to_spec,
     mesh_axes_used,
@@ -51,7 +54,6 @@ from pspec_tags import (
 
 EXPERT_PARAMS = ("wi_0", "wi_1", "wo")
 SHARED_PARAMS = ("shared_wi_0", "shared_wi_1", "shared_wo")
-MODES = ("explicit", "auto")
 
 Params = Mapping[str, jax.Array]
 
@@ -119,7 +121,7 @@ def param_specs(
 
 def _check_expert_dim(spec: P, num_experts: int, config: MoEConfig, mesh: Any) -> None:
     entry = partitions(spec)[0] if partitions(spec) else None
-    axes = _axes(entry)
+    axes = entry_axes(entry)
     if not axes:
         return
     if axes != (config.expert_axis,):
@@ -134,12 +136,6 @@ def _check_expert_dim(spec: P, num_experts: int, config: MoEConfig, mesh: Any) -
             f"num_experts={num_experts} is not divisible by the size {size} of the mesh axis "
             f"{config.expert_axis!r} that shards the experts"
         )
-
-
-def _axes(entry: Any) -> tuple[str, ...]:
-    if entry is None or entry is P.UNCONSTRAINED:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _check_params(params: Params, config: MoEConfig, embed_dim: int) -> None:
@@ -210,11 +206,11 @@ def _plan(
             # shard_map by the in_spec itself.
             keep = [
                 a
-                for a in _axes(entry)
+                for a in entry_axes(entry)
                 if a in token_axes
                 or (sparse and name in EXPERT_PARAMS and dim == 0 and a == config.expert_axis)
             ]
-            entries.append(None if not keep else keep[0] if len(keep) == 1 else tuple(keep))
+            entries.append(entry_from_axes(keep))
         spec = P(*entries)
         if sparse and name in EXPERT_PARAMS and partitions(spec) and partitions(spec)[0]:
             ep = sizes[config.expert_axis]
@@ -248,10 +244,10 @@ def _gather(w: jax.Array, spec: P, skip_dims: tuple[int, ...] = ()) -> jax.Array
     spec's `reduced` set are left alone, so their reduction stays deferred.
     """
     for dim, entry in enumerate(partitions(spec)):
-        axes = _axes(entry)
+        axes = entry_axes(entry)
         if dim in skip_dims or not axes:
             continue
-        w = lax.all_gather(w, axes[0] if len(axes) == 1 else axes, axis=dim, tiled=True)
+        w = lax.all_gather(w, entry_from_axes(axes), axis=dim, tiled=True)
     return w
 
 
@@ -442,6 +438,8 @@ def _moe(x_BxSxD, params, *, config, mesh, rules, mode, keep_tags, sparse, recom
         # keeps a tag that is there (the carried one) and, with keep_tags=False,
         # drops it: that is the pre-fix behaviour the tests and bench measure.
         x_BxSxD = shard(x_BxSxD, plan.token_spec, mode)
+        # TAG: onto the in_specs, reduced tags included (pt.shard keeps them): an
+        # untagged weight here would have its cotangent psummed in the body.
         params = {n: shard(w, param_in_specs[n], mode) for n, w in params.items()}
     stat_spec = P(plan.token_axes or None)
     stats_specs = {
@@ -456,7 +454,8 @@ def _moe(x_BxSxD, params, *, config, mesh, rules, mode, keep_tags, sparse, recom
     layer = jax.shard_map(
         body,
         mesh=mesh,
-        # TAG: in auto mode the specs are untagged (auto axes cannot carry tags).
+        # TAG: explicit in_specs carry each weight's reduced tag (shard_map then leaves
+        # its cotangent unreduced); in auto mode they are untagged (auto axes cannot).
         in_specs=(plan.token_spec, param_in_specs),
         out_specs=(plan.token_spec, stats_specs),
     )
@@ -469,7 +468,8 @@ def _moe(x_BxSxD, params, *, config, mesh, rules, mode, keep_tags, sparse, recom
         layer = jax.checkpoint(layer, policy=_save_all_but_casts)
     y, shard_stats = layer(x_BxSxD, params)
     if mode == "explicit" and x_spec is not None:
-        # Hand the output back in the caller's sharding (a no-op when equal).
+        # TAG: back in the caller's sharding (a no-op when equal); activations carry
+        # no tag, so nothing deferred is reduced here.
         y = shard(y, x_spec, mode)
     return y, _finish_stats(shard_stats)
 

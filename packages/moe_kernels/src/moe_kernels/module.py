@@ -63,13 +63,15 @@ class MoE(nnx.Module):
         values = init_params(rngs.params(), config, embed_dim, param_dtype)
         if mesh is not None and place:
             specs = param_specs(config, self.rules, mesh, {n: v.shape for n, v in values.items()})
-            # Fresh parameters carry no tags; placement only decides partitions.
+            # TAG: fresh parameters carry no tags (accum tags them each step);
+            # placement only decides partitions.
             values = {
                 n: jax.device_put(v, NamedSharding(mesh, specs[n])) for n, v in values.items()
             }
         axes = config.logical_axes
         for name, value in values.items():
             kind = RoutingBias if name == "bias" else nnx.Param
+            # TAG: logical axes only (no tag): accum tags the parameter each step.
             meta = (
                 dict(out_sharding=axes[name], eager_sharding=False)
                 if metadata is None

@@ -13,6 +13,8 @@ from pspec_tags.ops import (
 )
 from pspec_tags.specs import (
     check_spec,
+    entry_axes,
+    entry_from_axes,
     fit_to_shape,
     mesh_axes_used,
     partitions,
@@ -37,6 +39,8 @@ __all__ = [
     "check_spec",
     "check_unreduced",
     "embed_lookup",
+    "entry_axes",
+    "entry_from_axes",
     "find_untagged",
     "fit_to_shape",
     "is_explicit",

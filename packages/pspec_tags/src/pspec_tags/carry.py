@@ -38,4 +38,6 @@ def carry_reduced_axes(spec: P | None, value: Any) -> P | None:
     tag = reduced_axes(source)
     if not tag or tag & set(mesh_axes_used(spec)):
         return spec
+    # TAG: the value's reduced axes back on the rebuilt spec: without them the
+    # reshard or shard_map this spec feeds reduces the gradient per use.
     return with_reduced(spec if spec is not None else P(), tag)

@@ -7,17 +7,13 @@ from typing import Any
 
 from jax.sharding import PartitionSpec as P
 
+from pspec_tags.specs import entry_axes, entry_from_axes
+
 Rules = Sequence[tuple[str, Any]] | Mapping[str, Any]
 
 
 def _rule_list(rules: Rules) -> list[tuple[str, Any]]:
     return list(rules.items()) if isinstance(rules, Mapping) else list(rules)
-
-
-def _as_axes(mesh_axes: Any) -> tuple[str, ...]:
-    if mesh_axes is None:
-        return ()
-    return (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
 
 
 def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules, mesh: Any) -> P:
@@ -59,11 +55,13 @@ def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules, mesh: Any)
         for rule_name, mesh_axes in rule_list:
             if rule_name != name:
                 continue
-            chosen = tuple(a for a in _as_axes(mesh_axes) if sizes.get(a, 1) > 1 and a not in used)
+            chosen = tuple(
+                a for a in entry_axes(mesh_axes) if sizes.get(a, 1) > 1 and a not in used
+            )
             if chosen:
                 break
         used.update(chosen)
-        entries.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)
+        entries.append(entry_from_axes(chosen))
     return P(*entries)
 
 
@@ -78,5 +76,6 @@ def batch_mesh_axes(mesh: Any, rules: Rules, batch_axis: str = "activation_batch
     >>> pt.batch_mesh_axes(AbstractMesh((4, 1), ("data", "fsdp")), rules)
     ('data',)
     """
+    # TAG: `.partitions`, not unpacking the spec: the tag-safe read every helper uses.
     (entry,) = logical_to_spec((batch_axis,), rules, mesh).partitions
-    return _as_axes(entry)
+    return entry_axes(entry)

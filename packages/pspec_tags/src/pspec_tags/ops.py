@@ -43,7 +43,10 @@ def shard(x: jax.Array, spec: P | None, mode: str) -> jax.Array:
             # saved as a residual for the backward pass (a stacked copy of the
             # weights it carries), where the original would just be re-sliced.
             return x
+        # TAG: the spec as given, tags kept: onto an untagged spec an unreduced x is
+        # reduced right here.
         return jax.reshard(x, spec)
+    # TAG: auto mode cannot carry tags: stripped.
     return lax.with_sharding_constraint(x, untagged(spec))
 
 
@@ -75,6 +78,8 @@ def broadcast_param(param: jax.Array, like: jax.Array) -> jax.Array:
     if param.ndim > like.ndim:
         raise ValueError(f"param of rank {param.ndim} cannot broadcast to rank {like.ndim}")
     dims = tuple(range(like.ndim - param.ndim, like.ndim))
+    # TAG: in `like`'s sharding, so the op with `like` is elementwise and a reduced
+    # param's cotangent stays a local (unreduced) sum.
     return lax.broadcast_in_dim(param, like.shape, dims, out_sharding=_out_sharding_like(like))
 
 
@@ -118,12 +123,13 @@ def embed_lookup(table: jax.Array, ids: jax.Array, out_spec: P | None = None) ->
     rows = jax.shard_map(
         lambda table_block, ids_block: table_block[ids_block],
         mesh=mesh,
-        # The table's own spec, tags included: an untagged in_spec here would make
-        # shard_map psum the table's cotangent inside the body.
+        # TAG: the table's own spec, tags included: an untagged in_spec here would
+        # make shard_map psum the table's cotangent inside the body.
         in_specs=(table_spec, P(*lead)),
         out_specs=rows_spec,
     )(table, ids)
     if out_spec is not None and untagged(out_spec) != rows_spec:
+        # TAG: rows are activations (no tag to keep); untagged, as a rebuilt spec is.
         rows = jax.reshard(rows, untagged(out_spec))
     return rows
 

@@ -30,7 +30,7 @@ def partitions(spec: P | None) -> tuple[Entry, ...]:
     if spec is None:
         return ()
     if isinstance(spec, P):
-        # `.partitions` is the only tag-safe view: `tuple(spec)` raises on tagged specs.
+        # TAG: `.partitions` is the only tag-safe view: `tuple(spec)` raises on tagged specs.
         return tuple(spec.partitions)
     return tuple(spec)
 
@@ -61,8 +61,17 @@ def unreduced_axes(spec: P | None) -> frozenset[str]:
     return frozenset(getattr(spec, "unreduced", None) or ())
 
 
-def _entry_axes(entry: Entry) -> tuple[str, ...]:
-    """Mesh axis names in one entry (`None` and `UNCONSTRAINED` name none)."""
+def entry_axes(entry: Entry) -> tuple[str, ...]:
+    """The mesh axes one spec entry names, as a tuple (`None` and `UNCONSTRAINED`
+    name none); the inverse of `entry_from_axes`.
+
+    Example:
+
+    >>> from jax.sharding import PartitionSpec as P
+    >>> import pspec_tags as pt
+    >>> [pt.entry_axes(e) for e in pt.partitions(P("data", ("fsdp", "expert"), None))]
+    [('data',), ('fsdp', 'expert'), ()]
+    """
     if entry is None or entry is P.UNCONSTRAINED:
         return ()
     if isinstance(entry, str):
@@ -70,8 +79,16 @@ def _entry_axes(entry: Entry) -> tuple[str, ...]:
     return tuple(entry)
 
 
-def _entry_from_axes(axes: Sequence[str]) -> Entry:
-    """The canonical entry for a run of mesh axes: None, a name, or a tuple."""
+def entry_from_axes(axes: Sequence[str]) -> Entry:
+    """The canonical spec entry for a run of mesh axes: `None`, a name, or a tuple;
+    the inverse of `entry_axes`.
+
+    Example:
+
+    >>> import pspec_tags as pt
+    >>> [pt.entry_from_axes(a) for a in ((), ["data"], ("fsdp", "expert"))]
+    [None, 'data', ('fsdp', 'expert')]
+    """
     if not axes:
         return None
     return axes[0] if len(axes) == 1 else tuple(axes)
@@ -89,11 +106,12 @@ def _rebuild(
     unred = frozenset(unreduced) if unreduced is not None else unreduced_axes(spec)
     entries = tuple(entries)
     _check_tags_disjoint(entries, red, unred)
+    # TAG: both tag sets copied onto the rebuilt spec: every helper here keeps them.
     return P(*entries, reduced=red, unreduced=unred)
 
 
 def _check_tags_disjoint(entries: tuple, red: frozenset, unred: frozenset) -> None:
-    used = {a for e in entries for a in _entry_axes(e)}
+    used = {a for e in entries for a in entry_axes(e)}
     for name, tagged in (("reduced", red), ("unreduced", unred)):
         overlap = sorted(tagged & used)
         if overlap:
@@ -116,6 +134,7 @@ def with_reduced(spec: P | None, axes: Iterable[str]) -> P:
     >>> pt.with_reduced(P("fsdp", None), {"data"})
     P('fsdp', None, reduced={'data'})
     """
+    # TAG: the spec's own reduced axes plus `axes` (added, never replaced).
     return _rebuild(spec, partitions(spec), reduced=reduced_axes(spec) | frozenset(axes))
 
 
@@ -129,6 +148,7 @@ def with_unreduced(spec: P | None, axes: Iterable[str]) -> P:
     >>> pt.unreduced_axes(pt.with_unreduced(P(), {"data"}))
     frozenset({'data'})
     """
+    # TAG: the spec's own unreduced axes plus `axes` (added, never replaced).
     return _rebuild(spec, partitions(spec), unreduced=unreduced_axes(spec) | frozenset(axes))
 
 
@@ -155,7 +175,7 @@ def mesh_axes_used(spec: P | None) -> tuple[str, ...]:
     >>> pt.mesh_axes_used(P(("data", "fsdp"), None, reduced={"expert"}))
     ('data', 'fsdp')
     """
-    return tuple(a for e in partitions(spec) for a in _entry_axes(e))
+    return tuple(a for e in partitions(spec) for a in entry_axes(e))
 
 
 def _mesh_sizes(mesh: Any) -> Mapping[str, int]:
@@ -217,7 +237,7 @@ def remove_size_one_mesh_axes(spec: P | None, mesh: Any) -> P | None:
     def keep(entry: Entry) -> Entry:
         if entry is P.UNCONSTRAINED:
             return entry
-        return _entry_from_axes([a for a in _entry_axes(entry) if sizes[a] != 1])
+        return entry_from_axes([a for a in entry_axes(entry) if sizes[a] != 1])
 
     return _rebuild(spec, (keep(e) for e in partitions(spec)))
 
@@ -245,11 +265,11 @@ def fit_to_shape(spec: P | None, shape: Sequence[int], mesh: Any) -> P | None:
         if entry is P.UNCONSTRAINED:
             return entry
         kept: list[str] = []
-        for axis in _entry_axes(entry):
+        for axis in entry_axes(entry):
             if dim % (math.prod(sizes[a] for a in kept) * sizes[axis]) != 0:
                 break
             kept.append(axis)
-        return _entry_from_axes(kept)
+        return entry_from_axes(kept)
 
     return _rebuild(spec, (fit(e, d) for e, d in zip(partitions(spec), shape, strict=False)))
 

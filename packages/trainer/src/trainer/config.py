@@ -14,7 +14,8 @@ import types
 import typing
 from typing import Any, Literal
 
-SHARD_MODES = ("explicit", "auto")
+from pspec_tags import MODES as SHARD_MODES
+
 # The in-slice (ICI) axes, sized by ici_<axis>_parallelism.
 ICI_AXES = ("data", "fsdp", "tensor", "tensor_transpose", "context", "expert")
 # The cross-slice (DCN) axes, sized by dcn_<axis>_parallelism: each is its own mesh
@@ -82,7 +83,7 @@ class Config:
     ici_context_parallelism: int = 1
     ici_expert_parallelism: int = 1
     expert_shard_attention_option: Literal["fsdp", "context"] = "fsdp"
-    shard_mode: Literal["explicit", "auto"] = "explicit"
+    shard_mode: Literal[SHARD_MODES] = "explicit"
     shard_optimizer_over_data: bool = False
     # Training.
     per_device_batch_size: float = 1.0

@@ -24,13 +24,14 @@ def synthetic_batch(
     """
     rng = np.random.default_rng([config.seed, step, stream] if stream else [config.seed, step])
     length, vocab = config.max_target_length, config.vocab_size
-    start_B = rng.integers(0, vocab, size=(batch_size, 1))
-    stride_B = rng.integers(1, 4, size=(batch_size, 1))
-    seq_BxS1 = (start_B + stride_B * np.arange(length + 1)) % vocab
+    start_Bx1 = rng.integers(0, vocab, size=(batch_size, 1))
+    stride_Bx1 = rng.integers(1, 4, size=(batch_size, 1))
+    # (B, S + 1): inputs and targets are its two shifted views.
+    sequence = (start_Bx1 + stride_Bx1 * np.arange(length + 1)) % vocab
     ones = np.ones((batch_size, length), np.int32)
     return {
-        "inputs": seq_BxS1[:, :-1].astype(np.int32),
-        "targets": seq_BxS1[:, 1:].astype(np.int32),
+        "inputs": sequence[:, :-1].astype(np.int32),
+        "targets": sequence[:, 1:].astype(np.int32),
         "positions": np.broadcast_to(np.arange(length, dtype=np.int32), (batch_size, length)),
         "segments": ones,
         "weights": ones.astype(np.float32),

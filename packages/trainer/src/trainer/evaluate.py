@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-import pspec_tags as pt
+import accum
 from trainer import data, input_pipeline
 from trainer import model as model_lib
 from trainer.config import Config
@@ -108,7 +108,7 @@ def make_evaluator(
 
     def eval_step(params: dict, router: dict, batch: dict, acc: dict) -> dict:
         if compute is not None:
-            params = jax.tree.map(lambda p, spec: pt.shard(p, spec, ctx.mode), params, compute)
+            params = accum.zero1_gather(params, compute, mode=ctx.mode)
         logits, _ = model_lib.apply(
             model, params, router, batch["inputs"], batch["positions"], batch["segments"]
         )

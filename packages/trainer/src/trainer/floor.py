@@ -94,6 +94,8 @@ def make_floor_step(config: Config, ctx: ShardCtx, tx: optax.GradientTransformat
     batch_spec = ctx.spec(("activation_batch", "activation_length"))
 
     def step(state: dict, batch: dict) -> tuple[dict, dict]:
+        # TAG: no tags by design: every axis is manual, and the body's one psum
+        # after the scan is the step's only reduction.
         return jax.shard_map(
             per_device,
             mesh=ctx.mesh,

@@ -19,6 +19,8 @@ def token_cross_entropy(logits_BxSxV: jax.Array, targets_BxS: jax.Array) -> jax.
         jnp.int32,
         logits_BxSxV.shape,
         2,
+        # TAG: laid out like the logits: the comparison below stays elementwise,
+        # with no gather or reshard of the (possibly vocab-sharded) logits.
         out_sharding=jax.typeof(logits_BxSxV).sharding if spec is not None else None,
     )
     hit_BxSxV = vocab_BxSxV == targets_BxS[..., None]

@@ -71,29 +71,10 @@ def setup(config: Config, devices: list | None = None) -> Run:
     source = input_pipeline.make_source(config, batch)
     eval_set = eval_data.make_eval_set(config, len(devices), sizes)
     checkpoints = checkpoint.open_checkpointer(config, batch)
-    mesh = make_mesh(sizes, config.shard_mode, devices)
-    ctx = ShardCtx(mesh, logical_rules(config), config.shard_mode)
-    model = model_lib.define(config, ctx)
-    params, router = model_lib.init(config, ctx, model)
-    plan = reduction_plan(config, ctx, params)
-    tx = make_optimizer(config)
-    params, opt_shardings, zero1 = _optimizer_layout(config, mesh, tx, params)
-    fns = make_step(config, ctx, model, tx, zero1, plan)
-    with jax.set_mesh(mesh):
-        opt_state = jax.jit(fns.init_opt_state, out_shardings=opt_shardings)(params)
-    state = {
-        "params": params,
-        "opt_state": opt_state,
-        "router": router,
-        # On the mesh (replicated) like the rest of the state, so the step's
-        # pinned output shardings all live on one device set.
-        "step": jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P())),
-    }
-    step_fn = jit_step(fns.step, state)
-    run = Run(config, ctx, model, state, step_fn, batch, plan)
+    run = _build(config, devices, sizes, batch, abstract=False)
     run.source, run.checkpoints = source, checkpoints
-    run.evaluator = evaluate.make_evaluator(config, ctx, model, eval_set)
-    restored = checkpoints.restore_latest(state, mesh) if checkpoints else None
+    run.evaluator = evaluate.make_evaluator(config, run.ctx, run.model, eval_set)
+    restored = checkpoints.restore_latest(run.state, run.ctx.mesh) if checkpoints else None
     if restored:
         run.state, run.start_step, run.restored_from = restored.state, restored.step, restored.path
     return run
@@ -148,26 +129,38 @@ def abstract_setup(config: Config, devices: list) -> Run:
     compile-only devices; lower with `abstract_batch(run)`."""
     num_slices = slices.num_slices(config, devices)
     sizes = validate(config, len(devices), num_slices)
+    return _build(config, devices, sizes, global_batch_size(config, len(devices)), abstract=True)
+
+
+def _build(config: Config, devices: list, sizes: dict, batch: int, *, abstract: bool) -> Run:
+    """Mesh, model, state and the jitted step, for `setup` and `abstract_setup` alike.
+
+    `abstract`: the state as ShapeDtypeStructs carrying their shardings (nothing
+    initialised or allocated); else initialised on the mesh.
+    """
     mesh = make_mesh(sizes, config.shard_mode, devices)
     ctx = ShardCtx(mesh, logical_rules(config), config.shard_mode)
     model = model_lib.define(config, ctx)
-    params, router = model_lib.abstract_state(model, ctx)
+    if abstract:
+        params, router = model_lib.abstract_state(model, ctx)
+    else:
+        params, router = model_lib.init(config, ctx, model)
     plan = reduction_plan(config, ctx, params)
     tx = make_optimizer(config)
     params, opt_shardings, zero1 = _optimizer_layout(config, mesh, tx, params)
     fns = make_step(config, ctx, model, tx, zero1, plan)
     with jax.set_mesh(mesh):
         init = jax.jit(fns.init_opt_state, out_shardings=opt_shardings)
-        opt_state = jax.eval_shape(init, params)
-    state = {
-        "params": params,
-        "opt_state": opt_state,
-        "router": router,
-        "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())),
-    }
-    step_fn = jit_step(fns.step, state)
-    batch = global_batch_size(config, len(devices))
-    return Run(config, ctx, model, state, step_fn, batch, plan)
+        opt_state = jax.eval_shape(init, params) if abstract else init(params)
+    # On the mesh (replicated) like the rest of the state, so the step's pinned
+    # output shardings all live on one device set.
+    replicated = NamedSharding(mesh, P())
+    if abstract:
+        step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+    else:
+        step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
+    state = {"params": params, "opt_state": opt_state, "router": router, "step": step}
+    return Run(config, ctx, model, state, jit_step(fns.step, state), batch, plan)
 
 
 def abstract_batch(run: Run) -> dict:

@@ -73,7 +73,7 @@ def logical_rules(config: Config) -> tuple[tuple[str, Any], ...]:
     )
 
 
-CTX_MODES = ("explicit", "auto", "manual")
+CTX_MODES = (*pt.MODES, "manual")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +115,7 @@ class ShardCtx:
         """Constrain an activation (never a parameter: that would drop its tag)."""
         if self.manual:
             return x
+        # TAG: activations only: a rebuilt, untagged spec is right for them.
         return pt.shard(x, self.spec(logical, x.shape), self.mode)
 
     @property
@@ -146,9 +147,13 @@ class ShardCtx:
     def _reshard_param(self, w: jax.Array, target: P) -> jax.Array:
         source = pt.spec_of(w)
         if not self.explicit or source is None or not pt.reduced_axes(source):
+            # TAG: carry w's reduced axes onto the rebuilt target, or this reshard
+            # all-reduces the deferred gradient once per use.
             return pt.shard(w, pt.carry_reduced_axes(target, w), self.mode)
         gathered = set(pt.mesh_axes_used(source)) - set(pt.mesh_axes_used(target))
         tag = pt.reduced_axes(source) | (gathered & set(self.token_axes))
+        # TAG: reduced over the gathered token axes too: FSDP's reduce-scatter stays
+        # per use, the other batch axes stay deferred (JAX rejects a subset).
         return jax.reshard(w, pt.with_reduced(target, tag))
 
     def weight(self, w: jax.Array, logical: Sequence[str | None]) -> jax.Array:
@@ -164,8 +169,7 @@ class ShardCtx:
         spec = self.spec(logical, w.shape)
         entries = []
         for entry in pt.partitions(spec):
-            kept = tuple(a for a in pt.mesh_axes_used(P(entry)) if a not in batch)
-            entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+            entries.append(pt.entry_from_axes([a for a in pt.entry_axes(entry) if a not in batch]))
         if list(pt.partitions(source)) == entries:
             return w
         return self._reshard_param(w, P(*entries))
@@ -181,6 +185,8 @@ class ShardCtx:
             return jnp.einsum(equation, *operands)
         if self.explicit:
             out_shape = _einsum_out_shape(equation, operands)
+            # TAG: explicit mode must name where a contraction over a sharded dim
+            # lands (JAX raises otherwise); an untagged logical spec suits activations.
             return jnp.einsum(equation, *operands, out_sharding=self.spec(out, out_shape))
         return self.act(jnp.einsum(equation, *operands), out)
 

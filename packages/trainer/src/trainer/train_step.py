@@ -12,7 +12,6 @@ import optax
 
 import accum
 import moe_kernels
-import pspec_tags as pt
 from trainer import model as model_lib
 from trainer.config import Config
 from trainer.loss import cross_entropy_sum
@@ -98,18 +97,15 @@ def make_step(
         grad_shardings, params = None, state["params"]
         if zero1 is not None:
             compute_shardings, grad_shardings = zero1
-            # One gather per step, before the loop. Its target is untagged on
-            # purpose: accum then tags the gathered copies reduced over the batch
-            # axes, so the loop carries unreduced partial sums as usual. Weights
-            # the model casts to the compute dtype at use are cast before the
-            # gather: the same values in half the bytes, held through the loop.
-            params = jax.tree.map(
-                lambda p, s, cast: pt.shard(
-                    p.astype(compute_dtype) if cast else p, s.spec, ctx.mode
-                ),
+            # One gather per step, before the loop. Weights the model casts to
+            # the compute dtype at use are cast before the gather: the same
+            # values in half the bytes, held through the loop.
+            params = accum.zero1_gather(
                 params,
                 compute_shardings,
-                model.param_cast_at_use,
+                compute_dtype=compute_dtype,
+                cast=model.param_cast_at_use,
+                mode=ctx.mode,
             )
         loss, aux, grads = accum.accumulate_gradients(
             make_loss_fn(config, model, state["router"]),
@@ -130,12 +126,10 @@ def apply_gradients(
 ) -> tuple[dict, dict]:
     """The rest of a step once the batch's gradients are reduced: AdamW, router
     biases, step counter and metrics. `aux` is `loss_fn`'s, summed over the batch."""
-    # The gradients may be f32 while the optimizer state follows the parameters'
-    # dtype (weight_dtype): cast so the step's types stay fixed across steps.
+    # The gradients as the optimizer sees them, in the parameters' dtype
+    # (weight_dtype; accum.optimizer_update casts the same way): grad_norm's input.
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state["params"])
-    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
-    params = jax.tree.map(lambda p, old: p.astype(old.dtype), params, state["params"])
+    params, opt_state = accum.optimizer_update(tx, grads, state["opt_state"], state["params"])
     by_shard = aux.get("tokens_per_expert_by_shard")
     tokens = None if by_shard is None else jnp.sum(by_shard, axis=1)
     router = state["router"] if tokens is None else _update_router(config, state["router"], tokens)

@@ -1,0 +1,41 @@
+"""Every public function's docstring example runs (on the 8 virtual CPU devices the
+root conftest sets up, from the setup in the package docstring), and the package
+README's name list is `accum.__all__`: the examples and the list cannot drift from
+the code."""
+
+import doctest
+import pathlib
+
+import pytest
+
+import accum
+from accum import accumulate, dispatch, gating, guard, microbatch, plan, step, tags, zero1
+
+MODULES = (accumulate, dispatch, gating, guard, microbatch, plan, step, tags, zero1)
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _setup_globs() -> dict:
+    """The names the package docstring's example defines (mesh, w, batch, ...)."""
+    test = doctest.DocTestParser().get_doctest(accum.__doc__, {}, "accum", None, 0)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    runner.run(test, clear_globs=False)
+    assert runner.failures == 0
+    return test.globs
+
+
+def test_package_docstring_setup_runs():
+    assert {"mesh", "w", "batch", "loss_fn", "SGD"} <= set(_setup_globs())
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
+def test_docstring_examples_run(module, api_docs):
+    api_docs.run_examples(module, extraglobs=_setup_globs())
+
+
+def test_every_public_function_has_an_example(api_docs):
+    assert not api_docs.functions_without_example(accum)
+
+
+def test_readme_name_list_is_all(api_docs):
+    api_docs.check_readme_lists_all(README, accum)
