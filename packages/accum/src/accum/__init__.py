@@ -11,6 +11,7 @@ from accum.gating import (
     plan_for_values,
     resolve_mode,
 )
+from accum.fused import scan_layers
 from accum.guard import find_dropped_tags
 from accum.microbatch import split_microbatches
 from accum.plan import (
@@ -61,6 +62,7 @@ __all__ = [
     "param_mesh_axes",
     "plan_for_values",
     "resolve_mode",
+    "scan_layers",
     "split_microbatches",
     "start",
     "tag_reduced",

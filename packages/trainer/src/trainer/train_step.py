@@ -119,6 +119,8 @@ def make_step(
             mode=config.shard_mode,
             plan=plan,
             grad_shardings=grad_shardings,
+            fused=config.fused_gradient_accumulation,
+            overlap=config.overlap_gradient_reduction,
         )
         return apply_gradients(config, tx, state, loss, aux, grads)
 
