@@ -70,17 +70,20 @@ def table(columns: Sequence[str], rows: Sequence[Sequence[str]], align: str = ""
     return out
 
 
-def write(name: str, lines: Sequence[str], rows: Sequence[dict] = ()) -> None:
-    """benchmarks/results/<name>.md (and .csv from `rows`); echoes the page."""
-    os.makedirs(RESULTS, exist_ok=True)
+def write(name: str, lines: Sequence[str], rows: Sequence[dict] = (), directory: str = "") -> None:
+    """<directory>/<name>.md (and .csv from `rows`); echoes the page.
+
+    `directory` defaults to benchmarks/results."""
+    directory = directory or RESULTS
+    os.makedirs(directory, exist_ok=True)
     if rows:
         fields = list(dict.fromkeys(k for r in rows for k in r))
-        with open(os.path.join(RESULTS, f"{name}.csv"), "w", newline="") as f:
+        with open(os.path.join(directory, f"{name}.csv"), "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=fields)
             writer.writeheader()
             writer.writerows(rows)
     text = "\n".join(lines) + "\n"
-    with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
+    with open(os.path.join(directory, f"{name}.md"), "w") as f:
         f.write(text)
     print(text, flush=True)
 

@@ -25,7 +25,10 @@ def test_table_for_replicated_dump(capsys, data_dir, programs):
     # Columns are separated by two or more spaces; both sizes stay under 1 KiB.
     cells = re.split(r"\s{2,}", row)
     assert cells[1:] == ["all-reduce", "1", f"{per_exec} B", str(times), f"{per_exec * times} B"]
-    assert lines[-1].startswith("FAIL") and lines[-2].startswith("total")
+    assert lines[-1].startswith("FAIL") and lines[-3].startswith("total")
+    assert lines[-2].startswith(
+        "overlapped (async, compute between start and done): gradient reductions 0.0%"
+    )
 
 
 def test_check_exit_codes(capsys, data_dir):

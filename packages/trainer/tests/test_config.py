@@ -1,5 +1,7 @@
 """Config: presets, overrides, and a table of bad configurations caught before compiling."""
 
+import dataclasses
+
 import pytest
 
 from trainer.config import PRESETS, Config, ConfigError, make_config, mesh_shape, parse_overrides
@@ -67,6 +69,10 @@ BAD = [
     ({"steps": "0"}, r"steps=0 must be >= 1"),
     ({"capacity_factor": "-1"}, r"capacity_factor=-1.0 must be >= 0"),
     ({"learning_rate": "-1"}, r"learning_rate=-1.0 must be > 0"),
+    (
+        {"accum_dtype": "float16"},
+        r"^accum_dtype='float16' is not one of \('float32', 'bfloat16'\)$",
+    ),
 ]
 
 
@@ -74,6 +80,18 @@ BAD = [
 def test_bad_config_names_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate(make_config(overrides), 8)
+
+
+def test_accum_dtype_defaults_to_float32_and_takes_bfloat16():
+    assert make_config().accum_dtype == "float32"
+    assert make_config({"accum_dtype": "bfloat16"}).accum_dtype == "bfloat16"
+    validate(make_config({"accum_dtype": "bfloat16"}), 8)
+
+
+def test_accum_dtype_set_past_make_config_is_caught_by_validate():
+    bad = dataclasses.replace(make_config(), accum_dtype="int8")
+    with pytest.raises(ConfigError, match=r"^accum_dtype='int8' is not one of"):
+        validate(bad, 8)
 
 
 def test_at_least_fifteen_bad_configurations():

@@ -15,8 +15,17 @@ from hlo_tools.jitted import assert_jitted_reduced_once_per_step, compiled_text,
 from hlo_tools.lines import cross_replica_all_reduce_sizes, split_by_entry_loop
 from hlo_tools.mesh_axes import axis_index, spanned_axes, spans_mesh_axis
 from hlo_tools.module import Computation, HloModule, Instruction
+from hlo_tools.overlap import (
+    Overlap,
+    async_overlap,
+    format_overlap,
+    is_gradient_reduction,
+    overlap_report,
+    overlap_summary,
+)
 from hlo_tools.parser import parse, parse_instruction
 from hlo_tools.report import format_table, to_json, verdict
+from hlo_tools.schedule import AsyncPair, async_pairs
 from hlo_tools.shapes import ArrayType, TupleType
 from hlo_tools.slices import (
     crosses_slices,
@@ -32,6 +41,7 @@ __all__ = [
     "KINDS",
     "REDUCTION_KINDS",
     "ArrayType",
+    "AsyncPair",
     "Collective",
     "Computation",
     "Context",
@@ -39,8 +49,11 @@ __all__ = [
     "HloParseError",
     "Instruction",
     "Loop",
+    "Overlap",
     "TupleType",
     "assert_jitted_reduced_once_per_step",
+    "async_overlap",
+    "async_pairs",
     "axis_index",
     "assert_reduced_once_per_step",
     "collectives",
@@ -48,9 +61,13 @@ __all__ = [
     "cross_replica_all_reduce_sizes",
     "crosses_slices",
     "format_slice_traffic",
+    "format_overlap",
     "format_table",
     "gradient_reductions_outside",
     "in_loop_reductions",
+    "is_gradient_reduction",
+    "overlap_report",
+    "overlap_summary",
     "parse",
     "parse_instruction",
     "report_jitted",

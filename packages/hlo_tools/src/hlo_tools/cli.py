@@ -9,6 +9,7 @@ import sys
 
 from hlo_tools.collectives import KINDS, collectives
 from hlo_tools.errors import HloParseError
+from hlo_tools.overlap import format_overlap, overlap_report
 from hlo_tools.parser import parse
 from hlo_tools.report import format_table, to_json, verdict
 from hlo_tools.slices import format_slice_traffic, slice_traffic
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         if args.slices > 1:
             data["slice_traffic"] = slice_traffic(module, args.slices)
+        data["overlap"] = overlap_report(module, args.max_in_loop_elements)
         print(json.dumps(data, indent=2))
     else:
         print(
@@ -97,14 +99,15 @@ def main(argv: list[str] | None = None) -> int:
                 args.min_bytes,
                 args.max_in_loop_elements,
                 args.details,
-                mesh_shape=mesh_shape,
-                over=args.over,
+                verdict_line=False,
             )
         )
         if args.slices > 1:
             print(
                 f"{args.slices} slices: {format_slice_traffic(slice_traffic(module, args.slices))}"
             )
+        print(format_overlap(overlap_report(module, args.max_in_loop_elements)))
+        print(judged["message"])
     if args.check and judged["status"] != "OK":
         return 1
     return 0

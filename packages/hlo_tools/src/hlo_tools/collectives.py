@@ -21,6 +21,9 @@ KINDS = (
 # Kinds that sum across devices: the ones a gradient reduction compiles to.
 REDUCTION_KINDS = ("all-reduce", "reduce-scatter")
 
+# TPU async collective fusions: the custom-calls that end the start and done fusions.
+TPU_START, TPU_DONE = "AsyncCollectiveStart", "AsyncCollectiveDone"
+
 # A multi-slice TPU program is one slice's program: its collectives across slices
 # are host-transfer sends to the megascale (DCN) runtime, tagged with their kind.
 _MEGASCALE_KIND = re.compile(r'_xla_megascale_transfer_type="([A-Z_]+)"')
@@ -35,6 +38,29 @@ def megascale_kind(instr: Instruction) -> str | None:
         return None
     m = _MEGASCALE_KIND.search(instr.attributes.get("frontend_attributes", ""))
     return m.group(1).lower().replace("_", "-") if m else None
+
+
+def custom_call_target(instr: Instruction) -> str:
+    """A custom-call's ``custom_call_target`` without quotes ('' for other ops)."""
+    return instr.attributes.get("custom_call_target", "").strip('"')
+
+
+def custom_call_targets(module: HloModule, computation: str) -> set[str]:
+    """``custom_call_target`` of every custom-call in a computation."""
+    comp = module.computations.get(computation)
+    if comp is None:
+        return set()
+    return {custom_call_target(i) for i in comp.instructions if i.opcode == "custom-call"}
+
+
+def is_async_fusion_copy(module: HloModule, instr: Instruction) -> bool:
+    """Whether a collective is a TPU async collective fusion's repeat of it in a
+    continuation or done fusion; only the start fusion's copy is the collective."""
+    if instr.opcode not in KINDS:
+        return False
+    if "async_collective_fusion_config" not in instr.attributes.get("backend_config", ""):
+        return False
+    return TPU_START not in custom_call_targets(module, instr.computation)
 
 
 def collective_kind(opcode: str) -> str | None:
@@ -135,6 +161,8 @@ def collectives(module: HloModule | str) -> list[Collective]:
     instructions. A collective inside a fusion, a called computation, an async
     wrapper or a conditional branch is found through the call graph; each
     branch of a conditional is counted (an upper bound; see ``conditional``).
+    A TPU async collective fusion repeats its collective in each continuation
+    and in its done; only the start's copy is counted.
     """
     module = _as_module(module)
     graph = module.call_graph
@@ -146,7 +174,7 @@ def collectives(module: HloModule | str) -> list[Collective]:
         for instr in comp.instructions:
             kind = collective_kind(instr.opcode)
             dcn_kind = megascale_kind(instr)
-            if kind is None and dcn_kind is None:
+            if (kind is None and dcn_kind is None) or is_async_fusion_copy(module, instr):
                 continue
             if dcn_kind is not None:
                 # Payload: the value sent (first tuple element); no replica groups.

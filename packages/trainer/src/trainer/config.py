@@ -93,6 +93,9 @@ class Config:
     # Empty: from defer_gradient_reduction (true = deferred, false = per_microbatch).
     gradient_reduction_policy: Literal["", "deferred", "per_microbatch", "hierarchical"] = ""
     defer_gradient_reduction: bool = True
+    # The gradient accumulator's dtype (the scan carry summing microbatches):
+    # bfloat16 halves its memory; sums then differ from float32's by bf16 rounding.
+    accum_dtype: Literal["float32", "bfloat16"] = "float32"
     # Print the reduction plan (parameter group x mesh axis -> when) at startup.
     print_reduction_plan: bool = False
     # Add each layer's gradient into the accumulator inside the backward layer scan,

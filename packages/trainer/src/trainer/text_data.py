@@ -24,11 +24,14 @@ import json
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import grain
 import numpy as np
 
 from trainer.config import Config, ConfigError
+
+if TYPE_CHECKING:
+    import grain
 
 SUFFIXES = (".txt", ".jsonl")
 EOS_BYTE = 256
@@ -285,6 +288,8 @@ def load_packed(config: Config, path: str, key: str = "dataset_path") -> PackedT
 
 def make_text_source(config: Config, global_batch: int) -> TextSource:
     """The training stream over `dataset_path`; raise ConfigError on any bad input."""
+    import grain  # here, not at import: synthetic runs (device_check.sh's host) need no grain
+
     text = load_packed(config, config.dataset_path)
     dataset = (
         grain.MapDataset.source(text.packed)

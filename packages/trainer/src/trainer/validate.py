@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainer.config import Config, ConfigError, mesh_shape
+from trainer.config import DTYPES, Config, ConfigError, mesh_shape
 
 
 def _require(ok: bool, message: str) -> None:
@@ -77,6 +77,10 @@ def _check_training(config: Config) -> None:
         f"warmup_steps_fraction={config.warmup_steps_fraction} must be in [0, 1]",
     )
     _require(config.log_period >= 1, f"log_period={config.log_period} must be >= 1")
+    # make_config parses these; a Config edited with dataclasses.replace is checked here.
+    for key in ("dtype", "weight_dtype", "accum_dtype"):
+        value = getattr(config, key)
+        _require(value in DTYPES, f"{key}={value!r} is not one of {DTYPES}")
     _require(
         config.gradient_clipping_threshold >= 0,
         f"gradient_clipping_threshold={config.gradient_clipping_threshold} must be >= 0",

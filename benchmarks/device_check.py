@@ -1,0 +1,248 @@
+"""Device check: the trainer on this host's accelerator, deferred vs per-microbatch reduction.
+
+deepseek3-small with GA=4 on one GPU (on CPU: tagtrain-tiny on 8 virtual devices,
+so CI keeps the script working), a few steps per path. Per path: median step
+time after the first step, tokens/s, MFU (trainer.flops), peak memory
+(`memory_stats()['peak_bytes_in_use']`, a high-water mark that never resets, so
+every path runs in a process of its own), compiled memory per device, the
+gradient-reduction bytes per step in the microbatch loop and after it, and the
+share of those bytes the compiled schedule overlaps with compute
+(hlo_tools.overlap_report). `--variant NAME:key=value,...` adds a path: the
+deferred one with those overrides (a key the trainer lacks gives an error row).
+If deepseek3-small does not fit, a 6-layer cut of it runs instead.
+
+    benchmarks/device_check.sh [--cpu] [--steps N] [--variant fused:fused_accumulation=true]
+
+Writes device_check.md and .csv to benchmarks/results (or --out DIR) and prints
+the page. Needs only JAX, Flax, Optax and NumPy: the .sh puts packages/*/src on
+PYTHONPATH, nothing is installed, nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+COMMAND = "benchmarks/device_check.sh"
+PATHS = {
+    "deferred": {"gradient_reduction_policy": "deferred"},
+    "per_microbatch": {"gradient_reduction_policy": "per_microbatch"},
+}
+SHAPES = {
+    "accelerator": {"model_name": "deepseek3-small", "per_device_batch_size": "2"},
+    "fallback": {
+        "model_name": "deepseek3-small",
+        "base_num_decoder_layers": "6",
+        "per_device_batch_size": "1",
+    },
+    "cpu": {"model_name": "tagtrain-tiny", "per_device_batch_size": "1"},
+}
+BUDGET_S = 420  # stop starting paths after this: the whole check stays under 8 minutes
+GIB = 1 << 30
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cpu", action="store_true", help="8 virtual CPU devices, tagtrain-tiny")
+    p.add_argument("--steps", type=int, default=0, help="steps per path (default 6; 3 on CPU)")
+    p.add_argument("--ga", type=int, default=4, help="gradient_accumulation_steps")
+    p.add_argument("--variant", action="append", default=[], help="NAME:key=value,... (repeat)")
+    p.add_argument("--out", default="", help="results folder (default benchmarks/results)")
+    p.add_argument("--budget-s", type=float, default=BUDGET_S)
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def variant(text: str) -> tuple[str, dict[str, str]]:
+    """``fused:fused_accumulation=true,accum_dtype=bfloat16`` -> (name, overrides)."""
+    name, _, rest = text.partition(":")
+    pairs = [kv.partition("=") for kv in rest.split(",") if kv]
+    if not name or any(not sep for _, sep, _ in pairs):
+        raise SystemExit(f"--variant {text!r}: expected NAME:key=value,...")
+    return name, {k: v for k, _, v in pairs}
+
+
+def child(spec: dict) -> dict:
+    """One path in this process: build, compile, step; the measurements as a dict."""
+    import jax
+
+    if spec["cpu"]:
+        jax.config.update("jax_num_cpu_devices", 8)
+    import benchlib as bl
+
+    import hlo_tools as ht
+    from trainer import flops
+
+    device = jax.devices()[0]
+    out = {"device": device.device_kind, "devices": jax.device_count()}
+    try:
+        step = bl.TrainerStep(spec["overrides"])
+        times = []
+        for _ in range(spec["steps"]):
+            start = time.perf_counter()
+            _, metrics = jax.block_until_ready(step.step())
+            times.append(time.perf_counter() - start)
+    except Exception as e:  # an OOM or a key this trainer lacks: a row, not a crash
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        oom = "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
+        return {**out, "status": "OOM" if oom else f"error: {text[:160]}"}
+    config = step.config
+    seconds = statistics.median(times[1:] or times)
+    tokens_per_s = step.run.batch_size * config.max_target_length / seconds
+    peak = flops.peak_tflops(config, device.device_kind)
+    stats = device.memory_stats() or {}
+    overlap = ht.overlap_report(step.module)["gradient_reductions"]["share"]
+    return {
+        **out,
+        "status": "ok",
+        "model": config.model_name,
+        "layers": config.base_num_decoder_layers,
+        "tokens_per_step": step.run.batch_size * config.max_target_length,
+        "step_ms": 1e3 * seconds,
+        "tokens_per_s": tokens_per_s,
+        "mfu": flops.training_flops_per_token(config)
+        * tokens_per_s
+        / (peak * 1e12 * out["devices"])
+        if peak
+        else None,
+        "peak_gib": stats["peak_bytes_in_use"] / GIB if "peak_bytes_in_use" in stats else None,
+        "compiled_gib": step.memory["total"] / GIB,
+        "reduce_mib_in_loop": step.reduction_bytes("in_loop") / (1 << 20),
+        "reduce_mib_after": step.reduction_bytes("outside") / (1 << 20),
+        "overlapped": overlap,
+        "loss": float(metrics["loss"]),
+        "compile_s": step.compile_s,
+    }
+
+
+def run_path(spec: dict, timeout: float) -> dict:
+    """`child(spec)` in a fresh process; a failed or timed-out one comes back as a status."""
+    env = dict(os.environ, **({"JAX_PLATFORMS": "cpu"} if spec["cpu"] else {}))
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"status": f"timeout after {timeout:.0f} s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if lines:
+        return json.loads(lines[-1].removeprefix("RESULT "))
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"status": f"exit {proc.returncode}: {tail[:160]}"}
+
+
+def accelerator() -> bool:
+    """Whether JAX finds an accelerator, asked in a throwaway process (this one must
+    not initialise the GPU: the paths' processes need its memory)."""
+    probe = "import jax; print(jax.default_backend())"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    return out.returncode == 0 and out.stdout.strip().splitlines()[-1:] != ["cpu"]
+
+
+def fmt(value, spec: str = ".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def page(args, shape: dict, rows: list[dict], notes: list[str]) -> list[str]:
+    import benchlib as bl
+
+    first = next((r for r in rows if r.get("status") == "ok"), rows[0])
+    where = f"{first.get('devices', '?')} x {first.get('device', '?')}"
+    title = f"Device check: {shape['model_name']} GA={args.ga} on {where}"
+    command = (
+        COMMAND + (" --cpu" if args.cpu else "") + "".join(f" --variant {v}" for v in args.variant)
+    )
+    lines = bl.header(title, command, notes)
+    columns = (
+        "path",
+        "overrides",
+        "step ms",
+        "tokens/s",
+        "MFU",
+        "peak GiB",
+        "compiled GiB/device",
+        "grad reduce MiB/step in loop",
+        "after loop",
+        "overlapped",
+        "loss",
+        "compile s",
+        "status",
+    )
+    body = [
+        (
+            r["path"],
+            r["overrides"],
+            fmt(r.get("step_ms")),
+            fmt(r.get("tokens_per_s"), ",.0f"),
+            fmt(r.get("mfu"), ".1%"),
+            fmt(r.get("peak_gib"), ".2f"),
+            fmt(r.get("compiled_gib"), ".3f"),
+            fmt(r.get("reduce_mib_in_loop"), ".2f"),
+            fmt(r.get("reduce_mib_after"), ".2f"),
+            fmt(r.get("overlapped"), ".0%"),
+            fmt(r.get("loss"), ".4f"),
+            fmt(r.get("compile_s")),
+            r["status"],
+        )
+        for r in rows
+    ]
+    return lines + bl.table(columns, body, "ll" + "r" * 10 + "l")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        print("RESULT " + json.dumps(child(json.loads(args.child))), flush=True)
+        return 0
+    args.cpu = args.cpu or not accelerator()
+    steps = args.steps or (3 if args.cpu else 6)
+    paths = dict(PATHS)
+    paths.update({name: {**PATHS["deferred"], **o} for name, o in map(variant, args.variant)})
+    start = time.monotonic()
+    shape_name = "cpu" if args.cpu else "accelerator"
+    rows: list[dict] = []
+    while True:
+        shape = SHAPES[shape_name]
+        rows = []
+        for name, overrides in paths.items():
+            left = args.budget_s - (time.monotonic() - start)
+            row = {"path": name, "overrides": " ".join(f"{k}={v}" for k, v in overrides.items())}
+            if left <= 0:
+                rows.append({**row, "status": "skipped: time budget spent"})
+                continue
+            spec = {
+                "cpu": args.cpu,
+                "steps": steps,
+                "overrides": {**shape, "gradient_accumulation_steps": str(args.ga), **overrides},
+            }
+            # A started path may run past the budget by up to a minute: still under 8.
+            rows.append({**row, **run_path(spec, timeout=left + 60)})
+        if shape_name == "accelerator" and rows[0]["status"] == "OOM":
+            shape_name = "fallback"  # deepseek3-small does not fit: a 6-layer cut of it
+            continue
+        break
+    notes = [
+        f"shape: {' '.join(f'{k}={v}' for k, v in shape.items())}, "
+        f"gradient_accumulation_steps={args.ga}; {steps} steps per path, each in its own "
+        "process; step ms: median after the first step",
+        "MFU: trainer.flops (6 x active matmul params + attention) over the peak in "
+        "trainer.flops.PEAK_TFLOPS (none listed for CPU); peak GiB: memory_stats() "
+        "(not reported on CPU); compiled GiB: compiled.memory_analysis() per device",
+        "grad reduce: all-reduce/reduce-scatter bytes per step per device (none on one device); "
+        "overlapped: share of gradient-reduction bytes issued async with compute "
+        "between start and done (hlo_tools)",
+    ]
+    if shape_name == "fallback":
+        notes.append("deepseek3-small ran out of memory: the fallback shape ran instead")
+    import benchlib as bl
+
+    bl.write("device_check", page(args, shape, rows, notes), rows, args.out)
+    return 0 if any(r.get("status") == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

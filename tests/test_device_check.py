@@ -1,0 +1,78 @@
+"""benchmarks/device_check.sh keeps working on CPU: one row per path on the page it writes."""
+
+import csv
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+
+
+def _device_check():
+    sys.path.insert(0, str(BENCHMARKS))  # device_check imports benchlib from there
+    spec = importlib.util.spec_from_file_location("device_check", BENCHMARKS / "device_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _rows(page: str) -> list[list[str]]:
+    table = [ln for ln in page.splitlines() if ln.startswith("|")][2:]
+    return [[cell.strip() for cell in ln.strip("|").split("|")] for ln in table]
+
+
+def test_variant_parsing_and_the_page_without_running_anything():
+    dc = _device_check()
+    assert dc.variant("fused:fused_accumulation=true,accum_dtype=bfloat16") == (
+        "fused",
+        {"fused_accumulation": "true", "accum_dtype": "bfloat16"},
+    )
+    with pytest.raises(SystemExit, match="expected NAME:key=value"):
+        dc.variant("fused:fused_accumulation")
+    args = dc.parse_args(["--cpu", "--variant", "fused:fused_accumulation=true"])
+    rows = [
+        {"path": "deferred", "overrides": "", "status": "ok", "step_ms": 12.5, "devices": 8},
+        {"path": "fused", "overrides": "fused_accumulation=true", "status": "OOM"},
+    ]
+    page = "\n".join(dc.page(args, dc.SHAPES["cpu"], rows, ["a note"]))
+    assert "--cpu --variant fused:fused_accumulation=true" in page
+    cells = _rows(page)
+    assert [(r[0], r[2], r[-1]) for r in cells] == [
+        ("deferred", "12.5", "ok"),
+        ("fused", "-", "OOM"),
+    ]
+
+
+@pytest.mark.slow
+def test_cpu_run_writes_one_row_per_path(tmp_path):
+    # Minutes on the 2-core machine under load (two tagtrain-tiny compiles); no timing asserted.
+    env = dict(os.environ, PYTHON=sys.executable, JAX_PLATFORMS="cpu")
+    args = ["--cpu", "--steps", "2", "--out", str(tmp_path), "--variant", "bogus:no_such_key=1"]
+    proc = subprocess.run(
+        ["bash", str(BENCHMARKS / "device_check.sh"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    page = (tmp_path / "device_check.md").read_text()
+    assert page in proc.stdout  # the page is printed too
+    rows = {r[0]: r for r in _rows(page)}
+    assert list(rows) == ["deferred", "per_microbatch", "bogus"]
+    assert rows["deferred"][-1] == rows["per_microbatch"][-1] == "ok"
+    # A key the trainer lacks is an error row, not a failed check.
+    assert rows["bogus"][-1] == "error: unknown config key 'no_such_key'"
+    with open(tmp_path / "device_check.csv") as f:
+        table = list(csv.DictReader(f))
+    assert [r["path"] for r in table] == ["deferred", "per_microbatch", "bogus"]
+    deferred, per_microbatch = table[0], table[1]
+    # Deferred reduces after the loop only; per microbatch in it; same first loss.
+    assert float(deferred["reduce_mib_in_loop"]) == 0 < float(per_microbatch["reduce_mib_in_loop"])
+    assert float(deferred["tokens_per_s"]) > 0
+    assert float(deferred["loss"]) == pytest.approx(float(per_microbatch["loss"]), rel=1e-4)
