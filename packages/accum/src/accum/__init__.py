@@ -3,6 +3,7 @@ hierarchical across slices), and ZeRO-1."""
 
 from accum.accumulate import ON_TAG_LOST, accumulate_gradients
 from accum.dispatch import Accumulator, add, finish, start
+from accum.fused import scan_layers
 from accum.gating import (
     batch_axes_of,
     data_is_only_batch_axis,
@@ -11,7 +12,6 @@ from accum.gating import (
     plan_for_values,
     resolve_mode,
 )
-from accum.fused import scan_layers
 from accum.guard import find_dropped_tags
 from accum.microbatch import split_microbatches
 from accum.plan import (

@@ -8,8 +8,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from accum.gating import plan_for_values, resolve_mode
 from accum.fused_accumulate import fused_microbatch
+from accum.gating import plan_for_values, resolve_mode
 from accum.guard import find_dropped_tags, report_dropped_tags
 from accum.microbatch import split_microbatches
 from accum.plan import ReductionPlan
@@ -171,8 +171,16 @@ def accumulate_gradients(
         )
     if fused or overlap:
         return _accumulate_fused(
-            loss_fn, params, batch, num_microbatches, plan, grad_shardings, rng,
-            on_tag_lost, accum_dtype, overlap,
+            loss_fn,
+            params,
+            batch,
+            num_microbatches,
+            plan,
+            grad_shardings,
+            rng,
+            on_tag_lost,
+            accum_dtype,
+            overlap,
         )
     mode = plan.mode
     microbatches = split_microbatches(batch, num_microbatches)
@@ -212,8 +220,16 @@ def final_targets(plan: ReductionPlan, grad_shardings: Any) -> Any:
 
 
 def _accumulate_fused(
-    loss_fn, params, batch, num_microbatches, plan, grad_shardings, rng, on_tag_lost,
-    accum_dtype, overlap,
+    loss_fn,
+    params,
+    batch,
+    num_microbatches,
+    plan,
+    grad_shardings,
+    rng,
+    on_tag_lost,
+    accum_dtype,
+    overlap,
 ):
     """`accumulate_gradients` with fused accumulation (and `overlap`): see there."""
     microbatches = split_microbatches(batch, num_microbatches)
@@ -223,7 +239,9 @@ def _accumulate_fused(
     if axes and on_tag_lost != "ignore":
         first = jax.tree.map(lambda x: x[0], microbatches)
         args = (first,) if rng is None else (first, jax.random.fold_in(rng, 0))
-        report_dropped_tags(find_dropped_tags(loss_fn, compute_params, *args, axes=axes), axes, on_tag_lost)
+        report_dropped_tags(
+            find_dropped_tags(loss_fn, compute_params, *args, axes=axes), axes, on_tag_lost
+        )
 
     def args_of(index, microbatch):
         return (microbatch,) if rng is None else (microbatch, jax.random.fold_in(rng, index))

@@ -42,6 +42,11 @@ from pspec_tags import check_unreduced, partitions, reduced_axes, spec_of, unred
 
 _STATE = threading.local()
 
+# The name scope of the last microbatch's per-layer reductions: hlo_tools reads it
+# (hlo_tools.OVERLAPPED_SCOPE, the same string) to tell each gradient's one
+# reduction, issued layer by layer, from a reduction repeated per microbatch.
+OVERLAPPED_SCOPE = "overlapped_gradient_reduction"
+
 
 def _floating(x: Any) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
@@ -204,13 +209,13 @@ def _fused_scan(body, carry, leaves, tree, entries):
     active = [e for e in entries if e is not None]
 
     def layer_input(free_i, sunk_i, fixed_i):
-        return jax.tree.unflatten(tree, _merge(sunk_i, _merge(free_i, fixed_i, rest_entries_mask), sunk_mask))
+        return jax.tree.unflatten(
+            tree, _merge(sunk_i, _merge(free_i, fixed_i, rest_entries_mask), sunk_mask)
+        )
 
     # Values `body` closes over become explicit inputs, so their cotangents
     # (shared weights, for instance) are summed over layers here.
-    example = layer_input(
-        [x[0] for x in free], [x[0] for x in sunk], [x[0] for x in fixed]
-    )
+    example = layer_input([x[0] for x in free], [x[0] for x in sunk], [x[0] for x in fixed])
     closed_body, consts = jax.closure_convert(body, carry, example)
 
     def layer(c, free_i, sunk_i, consts_, fixed_i):
@@ -220,7 +225,9 @@ def _fused_scan(body, carry, leaves, tree, entries):
 
     def forward(c, xs_i, consts_):
         free_i, sunk_i, fixed_i = xs_i
-        out, vjp_fn = jax.vjp(lambda c_, f_, s_, k_: layer(c_, f_, s_, k_, fixed_i), c, free_i, sunk_i, consts_)
+        out, vjp_fn = jax.vjp(
+            lambda c_, f_, s_, k_: layer(c_, f_, s_, k_, fixed_i), c, free_i, sunk_i, consts_
+        )
         res, res_tree = jax.tree.flatten(vjp_fn)
         # Residuals that are this layer's own inputs are read from the stack
         # (or the constants) in the backward scan instead of being saved twice.
@@ -236,13 +243,17 @@ def _fused_scan(body, carry, leaves, tree, entries):
     def rebuild(saved_i, free_i, sunk_i, consts_):
         saved_it = iter(saved_i)
         pools = {"free": free_i, "sunk": sunk_i, "const": jax.tree.leaves(consts_)}
-        res = [next(saved_it) if w[0] == "saved" else pools[w[0]][w[1]] for w in residual_plan["where"]]
+        res = [
+            next(saved_it) if w[0] == "saved" else pools[w[0]][w[1]] for w in residual_plan["where"]
+        ]
         return jax.tree.unflatten(residual_plan["tree"], res)
 
     @jax.custom_vjp
     def stack(c, free_, sunk_, consts_, accs_, sinks_):
         del accs_, sinks_
-        return lax.scan(lambda c_, xs: layer(c_, xs[0], xs[1], consts_, xs[2]), c, (free_, sunk_, fixed))
+        return lax.scan(
+            lambda c_, xs: layer(c_, xs[0], xs[1], consts_, xs[2]), c, (free_, sunk_, fixed)
+        )
 
     def stack_fwd(c, free_, sunk_, consts_, accs_, sinks_):
         del sinks_
@@ -262,7 +273,9 @@ def _fused_scan(body, carry, leaves, tree, entries):
         zero_slices = [np.zeros(x.shape[1:], x.dtype) for x in zero_cts]
 
         def ct_y_of(scanned_i):
-            return jax.tree.unflatten(ct_tree, _merge(scanned_i, zero_slices, [not z for z in is_zero]))
+            return jax.tree.unflatten(
+                ct_tree, _merge(scanned_i, zero_slices, [not z for z in is_zero])
+            )
 
         def step(state, xs):
             dc, dconsts, bufs, accs_ = state
@@ -282,7 +295,8 @@ def _fused_scan(body, carry, leaves, tree, entries):
                 # place, then read back and reduced. (Kept as a changing carry: an
                 # unreduced loop invariant is all-reduced on loop entry.)
                 acc = _add_at(acc, i, d)
-                total = entry.place(_slice_at(acc, i), entry.final)
+                with jax.named_scope(OVERLAPPED_SCOPE):
+                    total = entry.place(_slice_at(acc, i), entry.final)
                 new_bufs.append(_set_at(buf, i, total))
                 new_accs.append(acc)
             return (dc, dconsts, new_bufs, new_accs), dfree
@@ -290,12 +304,18 @@ def _fused_scan(body, carry, leaves, tree, entries):
         zero_dk = jax.tree.map(
             _zeros_like_type,
             jax.eval_shape(
-                lambda: step_ct_types(rebuild, saved, free_, sunk_, consts_, ct_c, ct_y_of(
-                    [x for x in scanned_cts]))
+                lambda: step_ct_types(
+                    rebuild, saved, free_, sunk_, consts_, ct_c, ct_y_of([x for x in scanned_cts])
+                )
             ),
         )
-        bufs0 = [acc if e.final is None else _zeros_like_type(e.sink) for e, acc in zip(active, accs_, strict=True)]
-        finals_in = [acc if e.final is not None else None for e, acc in zip(active, accs_, strict=True)]
+        bufs0 = [
+            acc if e.final is None else _zeros_like_type(e.sink)
+            for e, acc in zip(active, accs_, strict=True)
+        ]
+        finals_in = [
+            acc if e.final is not None else None for e, acc in zip(active, accs_, strict=True)
+        ]
         (dc0, dconsts, bufs, _), dfree = lax.scan(
             step,
             (ct_c, zero_dk, bufs0, finals_in),

@@ -100,9 +100,7 @@ def target_leaves(targets: Any, params: Any) -> list:
     if targets is None:
         return [None] * treedef.num_leaves
     is_target = lambda t: t is None or isinstance(t, P | NamedSharding)  # noqa: E731
-    return jax.tree.leaves(targets, is_leaf=is_target) if not isinstance(
-        targets, list
-    ) else targets
+    return jax.tree.leaves(targets, is_leaf=is_target) if not isinstance(targets, list) else targets
 
 
 def fused_microbatch(
@@ -127,9 +125,7 @@ def fused_microbatch(
     treedef = jax.tree.structure(params)
     finals = target_leaves(targets, params) if final else None
     entries = make_entries(plan, params, acc, finals)
-    (loss_sum, aux), grads, sink_cts = fused_value_and_grad(
-        loss_fn, params, args, entries
-    )
+    (loss_sum, aux), grads, sink_cts = fused_value_and_grad(loss_fn, params, args, entries)
     acc_leaves = treedef.flatten_up_to(acc)
     grad_leaves = treedef.flatten_up_to(grads)
     finals = finals if final else [None] * len(acc_leaves)
