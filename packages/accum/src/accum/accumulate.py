@@ -46,15 +46,24 @@ def microbatch_grads(
     the gradients' types are checked with `check_unreduced`.
     """
     args = (microbatch,) if rng is None else (microbatch, rng)
+    guard_forward(loss_fn, params, args, plan, on_tag_lost)
     axes = plan.tagged_axes
-    if axes and on_tag_lost != "ignore":
-        report_dropped_tags(find_dropped_tags(loss_fn, params, *args, axes=axes), axes, on_tag_lost)
     (loss_sum, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, *args)
     if "weight" not in aux:
         raise KeyError("loss_fn's aux must hold 'weight' (the number of counted targets)")
     if axes and on_tag_lost != "ignore":
         check_grads_unreduced(grads, plan, warn_only=on_tag_lost == "warn")
     return loss_sum, aux, grads
+
+
+def guard_forward(
+    loss_fn: Callable, params: Any, args: tuple, plan: ReductionPlan, on_tag_lost: str
+) -> None:
+    """The trace-time search for a dropped tag (`find_dropped_tags`), as
+    `microbatch_grads` runs it; for paths that differentiate on their own."""
+    axes = plan.tagged_axes
+    if axes and on_tag_lost != "ignore":
+        report_dropped_tags(find_dropped_tags(loss_fn, params, *args, axes=axes), axes, on_tag_lost)
 
 
 def check_grads_unreduced(grads: Any, plan: ReductionPlan, warn_only: bool) -> None:
@@ -235,13 +244,9 @@ def _accumulate_fused(
     microbatches = split_microbatches(batch, num_microbatches)
     compute_params = tag_reduced(params, plan)
     acc0 = unreduced_zeros(params, plan, accum_dtype)
-    axes = plan.tagged_axes
-    if axes and on_tag_lost != "ignore":
-        first = jax.tree.map(lambda x: x[0], microbatches)
-        args = (first,) if rng is None else (first, jax.random.fold_in(rng, 0))
-        report_dropped_tags(
-            find_dropped_tags(loss_fn, compute_params, *args, axes=axes), axes, on_tag_lost
-        )
+    first = jax.tree.map(lambda x: x[0], microbatches)
+    args = (first,) if rng is None else (first, jax.random.fold_in(rng, 0))
+    guard_forward(loss_fn, compute_params, args, plan, on_tag_lost)
 
     def args_of(index, microbatch):
         return (microbatch,) if rng is None else (microbatch, jax.random.fold_in(rng, index))
