@@ -14,6 +14,7 @@ from accum.fused import OVERLAPPED_SCOPE
 from pspec_tags import spec_of, unreduced_axes
 
 N = 4
+FLOATS = ("f32", "bf16")
 CASES = [
     (mesh, how)
     for mesh in ("data8", "data4_fsdp2", "data2_expert4")
@@ -92,12 +93,12 @@ def test_overlap_reduces_each_layer_once_after_the_loop(get_setup):
 
 
 def _reduction_bytes(text_or_module):
-    """Gradient-reduction bytes per step: arrays over 8 elements in cross-replica
-    reductions, trip-count weighted (XLA may combine a loss scalar into a gradient
-    reduction on one path and not the other: scalars are left out)."""
+    """Gradient-reduction bytes per step: floating arrays (not scalars: XLA may fold a
+    loss sum into a gradient reduction on one path only), trip-count weighted. A
+    per-layer reduce-scatter can leave few elements per device: no size cutoff."""
     module = ht.parse(text_or_module) if isinstance(text_or_module, str) else text_or_module
     return sum(
-        c.multiplier * sum(a.bytes for a in c.arrays if a.elements > 8)
+        c.multiplier * sum(a.bytes for a in c.arrays if a.elements > 1 and a.dtype in FLOATS)
         for c in ht.collectives(module)
         if c.kind in ht.REDUCTION_KINDS and c.cross_replica
     )
