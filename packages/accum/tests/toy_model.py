@@ -13,6 +13,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import accum
 import pspec_tags as pt
 
 VOCAB, DIM, HIDDEN, EXPERTS, EXPERT_HIDDEN, LAYERS, SEQ = 32, 16, 32, 4, 8, 2, 4
@@ -209,7 +210,8 @@ class Model:
                 moe = jnp.einsum("bted,bte->btd", e, gate)
             return x + y + moe, None
 
-        x, _ = jax.lax.scan(layer, x, params["layers"])
+        # accum.scan_layers: lax.scan, fused with accumulation when asked (test_fused.py).
+        x, _ = accum.scan_layers(layer, x, params["layers"])
         head = self._gather(params["head"], self.compute["head"], "head")
         logits = self._dot("btd,dv->btv", x, head, act)
         logp = jax.nn.log_softmax(logits, axis=-1)

@@ -2,7 +2,6 @@
 stay within bf16 rounding of float32 accumulation."""
 
 import numpy as np
-import pytest
 
 import hlo_tools as ht
 from hlo_tools.shapes import leaf_arrays
@@ -28,7 +27,6 @@ def _carried(text: str) -> dict[str, int]:
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="needs train_step wiring")
 def test_bf16_accumulator_is_carried_in_bf16_and_tracks_f32(runner):
     f32_history, f32_text = runner(6, **CASE)
     bf16_history, bf16_text = runner(6, **CASE, accum_dtype="bfloat16")

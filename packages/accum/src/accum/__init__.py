@@ -21,6 +21,7 @@ a batch sharded over 'data'; `tests/test_doctests.py` runs them all.
 
 from accum.accumulate import ON_TAG_LOST, accumulate_gradients
 from accum.dispatch import Accumulator, add, finish, start
+from accum.fused import scan_layers
 from accum.gating import (
     batch_axes_of,
     data_is_only_batch_axis,
@@ -81,6 +82,7 @@ __all__ = [
     "param_mesh_axes",
     "plan_for_values",
     "resolve_mode",
+    "scan_layers",
     "split_microbatches",
     "start",
     "tag_reduced",

@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from accum.fused_accumulate import fused_microbatch
 from accum.gating import plan_for_values, resolve_mode
 from accum.guard import find_dropped_tags, report_dropped_tags
 from accum.microbatch import split_microbatches
@@ -69,15 +70,24 @@ def microbatch_grads(
     the gradients' types are checked with `check_unreduced`.
     """
     args = (microbatch,) if rng is None else (microbatch, rng)
+    guard_forward(loss_fn, params, args, plan, on_tag_lost)
     axes = plan.tagged_axes
-    if axes and on_tag_lost != "ignore":
-        report_dropped_tags(find_dropped_tags(loss_fn, params, *args, axes=axes), axes, on_tag_lost)
     (loss_sum, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, *args)
     if "weight" not in aux:
         raise KeyError("loss_fn's aux must hold 'weight' (the number of counted targets)")
     if axes and on_tag_lost != "ignore":
         check_grads_unreduced(grads, plan, warn_only=on_tag_lost == "warn")
     return loss_sum, aux, grads
+
+
+def guard_forward(
+    loss_fn: Callable, params: Any, args: tuple, plan: ReductionPlan, on_tag_lost: str
+) -> None:
+    """The trace-time search for a dropped tag (`find_dropped_tags`), as
+    `microbatch_grads` runs it; for paths that differentiate on their own."""
+    axes = plan.tagged_axes
+    if axes and on_tag_lost != "ignore":
+        report_dropped_tags(find_dropped_tags(loss_fn, params, *args, axes=axes), axes, on_tag_lost)
 
 
 def check_grads_unreduced(grads: Any, plan: ReductionPlan, warn_only: bool) -> None:
@@ -131,6 +141,8 @@ def accumulate_gradients(
     policy: str | None = None,
     slice_axes: tuple[str, ...] = (),
     plan: ReductionPlan | None = None,
+    fused: bool = False,
+    overlap: bool = False,
 ) -> tuple[jax.Array, dict, Any]:
     """Loss, summed aux and gradients of `batch`, computed over `num_microbatches` microbatches.
 
@@ -167,6 +179,14 @@ def accumulate_gradients(
     after each microbatch into an accumulator sharded over them, the
     cross-slice ones reduced once after the loop.
 
+    `fused=True`: stacked parameters that `loss_fn` runs through
+    `accum.scan_layers` get each layer's gradient added into the accumulator
+    inside the backward layer scan (no full-size per-microbatch gradient).
+    `overlap=True` (implies fused): the last microbatch runs after the loop and
+    reduces each layer's total inside its backward scan, so the reductions can
+    overlap the remaining layers' backward compute; the first N-1 microbatches
+    hold no gradient reduction. Same numbers either way.
+
     Auto mode: same numerics, no tags; XLA places the reductions.
     Gradients come back in `accum_dtype` (None: each parameter's dtype).
 
@@ -183,6 +203,19 @@ def accumulate_gradients(
     if plan is None:
         plan = _default_plan(
             params, batch, mode, policy, defer_reduction, batch_axes, slice_axes, per_parameter_axes
+        )
+    if fused or overlap:
+        return _accumulate_fused(
+            loss_fn,
+            params,
+            batch,
+            num_microbatches,
+            plan,
+            grad_shardings,
+            rng,
+            on_tag_lost,
+            accum_dtype,
+            overlap,
         )
     mode = plan.mode
     microbatches = split_microbatches(batch, num_microbatches)
@@ -219,3 +252,53 @@ def final_targets(plan: ReductionPlan, grad_shardings: Any) -> Any:
     if grad_shardings is not None or not plan.scatters:
         return grad_shardings
     return plan.map(lambda leaf: leaf.param_spec)
+
+
+def _accumulate_fused(
+    loss_fn,
+    params,
+    batch,
+    num_microbatches,
+    plan,
+    grad_shardings,
+    rng,
+    on_tag_lost,
+    accum_dtype,
+    overlap,
+):
+    """`accumulate_gradients` with fused accumulation (and `overlap`): see there."""
+    microbatches = split_microbatches(batch, num_microbatches)
+    compute_params = tag_reduced(params, plan)
+    acc0 = unreduced_zeros(params, plan, accum_dtype)
+    first = jax.tree.map(lambda x: x[0], microbatches)
+    args = (first,) if rng is None else (first, jax.random.fold_in(rng, 0))
+    guard_forward(loss_fn, compute_params, args, plan, on_tag_lost)
+
+    def args_of(index, microbatch):
+        return (microbatch,) if rng is None else (microbatch, jax.random.fold_in(rng, index))
+
+    def body(acc, xs):
+        index, microbatch = xs
+        loss_sum, aux, acc = fused_microbatch(
+            loss_fn, compute_params, args_of(index, microbatch), plan, acc
+        )
+        return acc, (loss_sum, aux)
+
+    looped = num_microbatches - 1 if overlap else num_microbatches
+    indices = jnp.arange(num_microbatches, dtype=jnp.uint32)
+    head = jax.tree.map(lambda x: x[:looped], (indices, microbatches))
+    # The first N-1 microbatches (all N without overlap): no gradient reduction.
+    acc, (loss_sums, auxes) = jax.lax.scan(body, acc0, head)
+    loss_sum = jnp.sum(loss_sums, axis=0)
+    aux = jax.tree.map(lambda a: jnp.sum(a, axis=0), auxes)
+    targets = final_targets(plan, grad_shardings)
+    if not overlap:
+        return normalize(loss_sum, aux, reduce_to(acc, targets, plan.mode))
+    # The last microbatch reduces each layer's total inside its backward pass.
+    index, last = jax.tree.map(lambda x: x[looped], (indices, microbatches))
+    last_loss, last_aux, grads = fused_microbatch(
+        loss_fn, compute_params, args_of(index, last), plan, acc, final=True, targets=targets
+    )
+    loss_sum = loss_sum + last_loss.astype(loss_sum.dtype) if looped else last_loss
+    aux = jax.tree.map(lambda a, b: a + b.astype(a.dtype), aux, last_aux) if looped else last_aux
+    return normalize(loss_sum, aux, grads)

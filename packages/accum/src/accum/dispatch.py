@@ -22,9 +22,11 @@ from accum.accumulate import (
     _default_plan,
     add_grads,
     final_targets,
+    guard_forward,
     microbatch_grads,
     normalize,
 )
+from accum.fused_accumulate import fused_microbatch
 from accum.plan import ReductionPlan
 from accum.tags import reduce_to, scatter_into, tag_reduced, unreduced_zeros, zeros_of_type
 
@@ -115,11 +117,15 @@ def add(
     *,
     rng: jax.Array | None = None,
     on_tag_lost: str = "raise",
+    fused: bool = False,
 ) -> Accumulator:
     """`acc` plus one microbatch's loss, aux and (unreduced) gradients.
 
     With `rng`, the microbatch gets `fold_in(rng, acc.count)`, as the scan path
     does. The same trace-time guards as `accumulate_gradients` run here.
+    `fused=True`: stacked parameters run through `accum.scan_layers` get each
+    layer's gradient added into `acc` inside the backward scan (donate `acc`
+    so the update is in place).
 
     Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
 
@@ -134,12 +140,18 @@ def add(
     mb_rng = None if rng is None else jax.random.fold_in(rng, acc.count)
     # Free cast; parameters that stay replicated between calls are not moved.
     compute_params = tag_reduced(params, acc.plan)
-    loss_sum, aux, grads = microbatch_grads(
-        loss_fn, compute_params, microbatch, mb_rng, acc.plan, on_tag_lost
-    )
-    return Accumulator(
+    if fused:
+        args = (microbatch,) if mb_rng is None else (microbatch, mb_rng)
+        guard_forward(loss_fn, compute_params, args, acc.plan, on_tag_lost)
+        loss_sum, aux, grads = fused_microbatch(loss_fn, compute_params, args, acc.plan, acc.grads)
+    else:
+        loss_sum, aux, grads = microbatch_grads(
+            loss_fn, compute_params, microbatch, mb_rng, acc.plan, on_tag_lost
+        )
         # unreduced + unreduced: no collective over the per-step axes.
-        grads=add_grads(acc.grads, scatter_into(grads, acc.plan)),
+        grads = add_grads(acc.grads, scatter_into(grads, acc.plan))
+    return Accumulator(
+        grads=grads,
         loss_sum=acc.loss_sum + loss_sum.astype(acc.loss_sum.dtype),
         aux=jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc.aux, aux),
         count=acc.count + 1,

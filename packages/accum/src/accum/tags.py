@@ -113,15 +113,7 @@ def scatter_into(grads: Any, plan: Any) -> Any:
     axes pass through.
     """
 
-    def scatter(leaf_plan, g):
-        own = spec_of(g)
-        if own is None or not leaf_plan.scatter:
-            return g
-        target = leaf_plan.accumulator_target
-        dims = _scatter_dims(own, target)
-        return _reduce_scatter(g, own, target, dims, keep=leaf_plan.per_step)
-
-    scattered = plan.map(scatter, grads)
+    scattered = plan.map(lambda leaf_plan, g: scatter_leaf(leaf_plan, g), grads)
     if not plan.scatters:
         return scattered
     # XLA (TPU's while-loop all-reduce code motion) would otherwise sink a
@@ -129,6 +121,18 @@ def scatter_into(grads: Any, plan: Any) -> Any:
     # numbers, but the accumulator turns back into a full-size unreduced one,
     # which is the memory this schedule exists to save. The barrier keeps it here.
     return lax.optimization_barrier(scattered)
+
+
+def scatter_leaf(leaf_plan: Any, g: jax.Array, target: P | None = None) -> jax.Array:
+    """One gradient reduced over its leaf's `scatter` axes onto `target` (default: the
+    leaf's accumulator type; a layer slice's when `accum.scan_layers` passes it);
+    unchanged without scatter axes or outside explicit mode."""
+    own = spec_of(g)
+    if own is None or not leaf_plan.scatter:
+        return g
+    target = leaf_plan.accumulator_target if target is None else target
+    dims = _scatter_dims(own, target)
+    return _reduce_scatter(g, own, target, dims, keep=leaf_plan.per_step)
 
 
 def zeros_of_type(struct: jax.ShapeDtypeStruct) -> jax.Array:

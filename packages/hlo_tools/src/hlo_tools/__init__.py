@@ -4,9 +4,11 @@ Standard library only; the helpers taking a jitted function import JAX when call
 """
 
 from hlo_tools.assertions import (
+    OVERLAPPED_SCOPE,
     assert_reduced_once_per_step,
     gradient_reductions_outside,
     in_loop_reductions,
+    overlapped_reductions,
 )
 from hlo_tools.callgraph import Context, Loop
 from hlo_tools.collectives import KINDS, REDUCTION_KINDS, Collective, collectives
@@ -65,6 +67,8 @@ __all__ = [
     "format_table",
     "gradient_reductions_outside",
     "in_loop_reductions",
+    "overlapped_reductions",
+    "OVERLAPPED_SCOPE",
     "is_gradient_reduction",
     "overlap_report",
     "overlap_summary",

@@ -6,19 +6,45 @@ from hlo_tools.collectives import REDUCTION_KINDS, Collective, collectives
 from hlo_tools.module import HloModule
 from hlo_tools.parser import parse
 
+# The JAX name scope accum puts on the per-layer reductions it issues inside the
+# last microbatch's backward layer scan (overlap_gradient_reduction): each layer's
+# final gradient, reduced once, while the earlier layers still compute.
+OVERLAPPED_SCOPE = "overlapped_gradient_reduction"
+
+
+def _gradient_sized(c: Collective, max_in_loop_elements: int) -> bool:
+    return c.kind in REDUCTION_KINDS and c.cross_replica and c.elements > max_in_loop_elements
+
+
+def _overlapped(c: Collective) -> bool:
+    # One enclosing loop only: the last microbatch's backward layer scan, which
+    # runs after the microbatch loop, never inside it.
+    return OVERLAPPED_SCOPE in c.op_name and len(c.loops) == 1
+
+
+def overlapped_reductions(
+    module: HloModule | str, max_in_loop_elements: int = 8
+) -> list[Collective]:
+    """Gradient reductions of the last microbatch's backward layer scan (op_name
+    under ``OVERLAPPED_SCOPE``, inside that one loop): once per step in total,
+    one layer per iteration, so they can overlap the remaining backward compute."""
+    return [
+        c
+        for c in collectives(module)
+        if _gradient_sized(c, max_in_loop_elements) and c.in_loop and _overlapped(c)
+    ]
+
 
 def in_loop_reductions(module: HloModule | str, max_in_loop_elements: int = 8) -> list[Collective]:
     """Cross-replica all-reduces/reduce-scatters inside a while loop with more than
     ``max_in_loop_elements`` elements: the per-microbatch (or per-layer) gradient
     reductions that deferred reduction should have removed. Small ones (a loss
-    or a token count) are allowed."""
+    or a token count) are allowed, and so are `overlapped_reductions` (each
+    gradient's one reduction, issued layer by layer after the microbatch loop)."""
     return [
         c
         for c in collectives(module)
-        if c.kind in REDUCTION_KINDS
-        and c.in_loop
-        and c.cross_replica
-        and c.elements > max_in_loop_elements
+        if _gradient_sized(c, max_in_loop_elements) and c.in_loop and not _overlapped(c)
     ]
 
 
@@ -66,6 +92,7 @@ def assert_reduced_once_per_step(
             )
         raise AssertionError("\n".join(lines))
     outside = gradient_reductions_outside(module, max_in_loop_elements)
+    outside += overlapped_reductions(module, max_in_loop_elements)
     if not outside:
         raise AssertionError(
             f"vacuous: no all-reduce or reduce-scatter larger than {max_in_loop_elements} "

@@ -99,6 +99,14 @@ class Config:
     accum_dtype: Literal["float32", "bfloat16"] = "float32"
     # Print the reduction plan (parameter group x mesh axis -> when) at startup.
     print_reduction_plan: bool = False
+    # Add each layer's gradient into the accumulator inside the backward layer scan,
+    # so no full-size per-microbatch gradient buffer exists beside the accumulator
+    # (accum.scan_layers; needs scan_layers=true). Same numbers.
+    fused_gradient_accumulation: bool = False
+    # Run the last microbatch after the loop and reduce each layer's gradient inside
+    # its backward layer scan, so the reduction can overlap the remaining layers'
+    # backward compute (implies fused accumulation). Same numbers, same bytes.
+    overlap_gradient_reduction: bool = False
     steps: int = 10
     learning_rate: float = 3e-3
     warmup_steps_fraction: float = 0.1

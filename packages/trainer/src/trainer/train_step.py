@@ -115,6 +115,9 @@ def make_step(
             mode=config.shard_mode,
             plan=plan,
             grad_shardings=grad_shardings,
+            accum_dtype=jnp.dtype(config.accum_dtype),
+            fused=config.fused_gradient_accumulation,
+            overlap=config.overlap_gradient_reduction,
         )
         return apply_gradients(config, tx, state, loss, aux, grads)
 

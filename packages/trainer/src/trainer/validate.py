@@ -51,6 +51,7 @@ def validate(config: Config, num_devices: int, num_slices: int | None = None) ->
     _check_model(config)
     _check_parallelism(config, sizes)
     _check_reduction_policy(config, sizes)
+    _check_fused_accumulation(config)
     microbatch = microbatch_size(config, num_devices)
     shards = batch_shard_count(config, sizes)
     _require(
@@ -126,6 +127,14 @@ def _check_routing(config: Config) -> None:
         f"num_experts_per_tok={k} exceeds the {top_groups * (experts // groups)} experts in "
         f"topk_routing_group={top_groups} groups of {experts // groups}",
     )
+
+
+def _check_fused_accumulation(config: Config) -> None:
+    for key in ("fused_gradient_accumulation", "overlap_gradient_reduction"):
+        _require(
+            not getattr(config, key) or config.scan_layers,
+            f"{key}=true needs scan_layers=true (it works inside the backward layer scan)",
+        )
 
 
 def _check_reduction_policy(config: Config, sizes: dict[str, int]) -> None:

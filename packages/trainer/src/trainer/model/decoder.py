@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import accum
 import pspec_tags as pt
 from trainer.config import Config
 from trainer.model.attention import MLA
@@ -91,7 +92,9 @@ def _run_stack(stack: nnx.Module, x_BxSxD, positions_BxS, segments_BxS, config: 
     if REMAT[config.remat_policy] is not None:
         body = jax.checkpoint(body, policy=REMAT[config.remat_policy])
     if config.scan_layers:
-        return jax.lax.scan(body, x_BxSxD, state)
+        # accum.scan_layers is lax.scan, except inside fused gradient accumulation:
+        # there each layer's gradient is added into the accumulator in the backward scan.
+        return accum.scan_layers(body, x_BxSxD, state)
     count = jax.tree.leaves(state)[0].shape[0]
     per_layer = []
     for i in range(count):

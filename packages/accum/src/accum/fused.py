@@ -1,0 +1,421 @@
+"""Gradient accumulation fused into the backward pass of a scanned layer stack.
+
+`scan_layers(body, carry, stacked)` is `lax.scan` over a stack of layers. Inside
+`accumulate_gradients(..., fused=True)` (or `add(..., fused=True)`), each
+stacked parameter's gradient is added into its accumulator's slice *inside* the
+backward layer scan, as each layer's gradient is produced: no full-size
+per-microbatch gradient exists beside the accumulator (Megatron's
+gradient-accumulation fusion). On the step's last microbatch (`overlap`), each
+layer's final sum is reduced right there instead — all-reduce, or
+reduce-scatter onto ZeRO-1 shards — so the collective of layer l can run while
+layers l-1..0 still compute their backward.
+
+How: the stack is a `custom_vjp` whose forward is the plain scan (saving each
+layer's VJP residuals) and whose backward is a reverse scan that carries the
+accumulator and updates it in place. The new accumulator leaves the backward
+pass as the cotangent of a *sink*: a dummy zero input whose cotangent type is
+the accumulator's (a `reduced` sink for an `unreduced` accumulator, since
+autodiff maps reduced primals to unreduced cotangents). A *probe* on each
+parameter sees, with symbolic zeros, whether the parameter also reached the
+loss outside `scan_layers` (weight decay, tied weights), so that gradient is
+added the ordinary way instead of being lost.
+
+Outside an accumulation context `scan_layers` is exactly `lax.scan`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pspec_tags import check_unreduced, partitions, reduced_axes, spec_of, unreduced_axes
+
+_STATE = threading.local()
+
+# The name scope of the last microbatch's per-layer reductions: hlo_tools reads it
+# (hlo_tools.OVERLAPPED_SCOPE, the same string) to tell each gradient's one
+# reduction, issued layer by layer, from a reduction repeated per microbatch.
+OVERLAPPED_SCOPE = "overlapped_gradient_reduction"
+
+
+def _floating(x: Any) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def without_leading(spec: P | None) -> P | None:
+    """`spec` of one layer's slice: the leading (layer) entry dropped, tags kept."""
+    if spec is None:
+        return None
+    # TAG: rebuilt from partitions + both tag sets; spec[1:] would drop them.
+    return P(*partitions(spec)[1:], unreduced=unreduced_axes(spec), reduced=reduced_axes(spec))
+
+
+@dataclasses.dataclass
+class SinkLeaf:
+    """One parameter leaf's fused accumulation (built by accum, read by `scan_layers`).
+
+    `acc`: the running accumulator (stacked like the parameter). `final`: None to
+    accumulate into `acc`; else the slice-level target (PartitionSpec) the last
+    microbatch reduces each layer's total onto. `prepare(d_slice)`: a layer's
+    gradient made addable to an accumulator slice (checked, scattered, cast).
+    `place(total_slice, target)`: the reduction. `sink`: the dummy primal whose
+    cotangent returns the result. `claimed`/`used_elsewhere` are set at trace time.
+    """
+
+    acc: jax.Array
+    final: Any
+    prepare: Callable[[jax.Array], jax.Array]
+    place: Callable[[jax.Array, Any], jax.Array]
+    sink: Any = None
+    claimed: bool = False
+    used_elsewhere: bool = False
+
+
+@contextlib.contextmanager
+def sinks_active(by_id: dict[int, SinkLeaf]):
+    """Within this context, `scan_layers` fuses the leaves whose `id` is in `by_id`."""
+    stack = getattr(_STATE, "stack", [])
+    _STATE.stack = [*stack, by_id]
+    try:
+        yield
+    finally:
+        _STATE.stack = stack
+
+
+def _active() -> dict[int, SinkLeaf] | None:
+    stack = getattr(_STATE, "stack", [])
+    return stack[-1] if stack else None
+
+
+def _leading_unsharded(x: jax.Array) -> bool:
+    parts = partitions(spec_of(x))
+    return not parts or parts[0] is None
+
+
+def scan_layers(body: Callable, carry: Any, stacked: Any) -> tuple[Any, Any]:
+    """`lax.scan(body, carry, stacked)` over a layer stack, fused with gradient accumulation.
+
+    `body(carry, layer) -> (carry, y)`; `stacked` holds the layers' parameters on
+    a leading axis. Outside `accumulate_gradients(..., fused=True)` this is
+    `lax.scan`. Inside, every stacked parameter leaf accum accumulates (and
+    whose layer axis is not sharded) has its gradient added into its
+    accumulator slice inside the backward scan. `body` may close over other
+    values (positions, masks, shared weights): their gradients flow as usual.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from accum import scan_layers
+    >>> w_LxDxD = jnp.stack([jnp.eye(2), 2 * jnp.eye(2)])
+    >>> x_D, ys = scan_layers(lambda x, w: (x @ w, x.sum()), jnp.ones(2), w_LxDxD)
+    >>> x_D.tolist(), ys.tolist()
+    ([2.0, 2.0], [2.0, 2.0])
+    """
+    by_id = _active()
+    leaves, tree = jax.tree.flatten(stacked)
+    entries = [None] * len(leaves)
+    if by_id is not None:
+        for k, leaf in enumerate(leaves):
+            entry = by_id.get(id(leaf))
+            # A second use of the same stack is an ordinary use (its gradient
+            # reaches the probe and is added by accum); a sharded layer axis
+            # cannot be sliced in place.
+            if entry is not None and not entry.claimed and _leading_unsharded(leaf):
+                entry.claimed = True
+                entries[k] = entry
+    if not any(entries):
+        return lax.scan(body, carry, stacked)
+    return _fused_scan(body, carry, leaves, tree, entries)
+
+
+def _split(items: list, mask: list[bool]) -> tuple[list, list]:
+    return [x for x, m in zip(items, mask, strict=True) if m], [
+        x for x, m in zip(items, mask, strict=True) if not m
+    ]
+
+
+def _merge(yes: list, no: list, mask: list[bool]) -> list:
+    yes_it, no_it = iter(yes), iter(no)
+    return [next(yes_it) if m else next(no_it) for m in mask]
+
+
+def _zeros_like_type(x: Any) -> jax.Array:
+    """Zeros with `x`'s shape, dtype and sharding type (tags included)."""
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+        sharding = getattr(jax.typeof(x), "sharding", None)
+    if isinstance(sharding, NamedSharding) and spec_of(x) is not None:
+        return lax.broadcast_in_dim(jnp.zeros((), x.dtype), x.shape, (), out_sharding=sharding)
+    return jnp.zeros(x.shape, x.dtype)
+
+
+def _local(fn: Callable, out_spec: P | None, *args: jax.Array) -> jax.Array:
+    """`fn(*args)` on each device's blocks when an argument is unreduced.
+
+    JAX has no unreduced rule for dynamic_slice; per device the partial sums are
+    plain arrays, and slicing or updating them along the unsharded layer axis
+    is local. `check_vma=False`: the blocks are read as plain local arrays.
+    """
+    specs = [spec_of(a) for a in args]
+    if not any(unreduced_axes(s) for s in specs if s is not None):
+        return fn(*args)
+    mesh = jax.typeof(args[0]).sharding.mesh
+    # TAG: in/out specs are the values' own, unreduced tags included, so the
+    # result is typed as the same per-device partial sums.
+    in_specs = tuple(s if s is not None else P() for s in specs)
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=False)(
+        *args
+    )
+
+
+def _slice_at(acc: jax.Array, i: jax.Array) -> jax.Array:
+    index = jnp.asarray(i, jnp.int32)
+    return _local(
+        lambda a, j: lax.dynamic_index_in_dim(a, j, keepdims=False),
+        without_leading(spec_of(acc)),
+        acc,
+        index,
+    )
+
+
+def _add_at(acc: jax.Array, i: jax.Array, d: jax.Array) -> jax.Array:
+    """acc with acc[i] += d, in place (the carry of the backward scan)."""
+
+    def add(a, j, u):
+        current = lax.dynamic_index_in_dim(a, j, keepdims=False)
+        return lax.dynamic_update_index_in_dim(a, current + u.astype(a.dtype), j, 0)
+
+    return _local(add, spec_of(acc), acc, jnp.asarray(i, jnp.int32), d)
+
+
+def _set_at(out: jax.Array, i: jax.Array, d: jax.Array) -> jax.Array:
+    return lax.dynamic_update_index_in_dim(out, d.astype(out.dtype), jnp.asarray(i, jnp.int32), 0)
+
+
+def _fused_scan(body, carry, leaves, tree, entries):
+    sunk_mask = [e is not None for e in entries]
+    float_mask = [_floating(x) for x in leaves]
+    sunk, rest = _split(leaves, sunk_mask)
+    rest_entries_mask = [f for f, s in zip(float_mask, sunk_mask, strict=True) if not s]
+    free, fixed = _split(rest, rest_entries_mask)  # differentiable / integer stacked leaves
+    active = [e for e in entries if e is not None]
+
+    def layer_input(free_i, sunk_i, fixed_i):
+        return jax.tree.unflatten(
+            tree, _merge(sunk_i, _merge(free_i, fixed_i, rest_entries_mask), sunk_mask)
+        )
+
+    # Values `body` closes over become explicit inputs, so their cotangents
+    # (shared weights, for instance) are summed over layers here.
+    example = layer_input([x[0] for x in free], [x[0] for x in sunk], [x[0] for x in fixed])
+    closed_body, consts = jax.closure_convert(body, carry, example)
+
+    def layer(c, free_i, sunk_i, consts_, fixed_i):
+        return closed_body(c, layer_input(free_i, sunk_i, fixed_i), *consts_)
+
+    residual_plan: dict = {}
+
+    def forward(c, xs_i, consts_):
+        free_i, sunk_i, fixed_i = xs_i
+        out, vjp_fn = jax.vjp(
+            lambda c_, f_, s_, k_: layer(c_, f_, s_, k_, fixed_i), c, free_i, sunk_i, consts_
+        )
+        res, res_tree = jax.tree.flatten(vjp_fn)
+        # Residuals that are this layer's own inputs are read from the stack
+        # (or the constants) in the backward scan instead of being saved twice.
+        sources = {id(x): ("free", k) for k, x in enumerate(free_i)}
+        sources.update({id(x): ("sunk", k) for k, x in enumerate(sunk_i)})
+        sources.update({id(x): ("const", k) for k, x in enumerate(jax.tree.leaves(consts_))})
+        where = [sources.get(id(r), ("saved", None)) for r in res]
+        residual_plan["tree"], residual_plan["where"] = res_tree, where
+        saved = [r for r, w in zip(res, where, strict=True) if w[0] == "saved"]
+        new_c, y = out
+        return new_c, (y, saved)
+
+    def rebuild(saved_i, free_i, sunk_i, consts_):
+        saved_it = iter(saved_i)
+        pools = {"free": free_i, "sunk": sunk_i, "const": jax.tree.leaves(consts_)}
+        res = [
+            next(saved_it) if w[0] == "saved" else pools[w[0]][w[1]] for w in residual_plan["where"]
+        ]
+        return jax.tree.unflatten(residual_plan["tree"], res)
+
+    @jax.custom_vjp
+    def stack(c, free_, sunk_, consts_, accs_, sinks_):
+        del accs_, sinks_
+        return lax.scan(
+            lambda c_, xs: layer(c_, xs[0], xs[1], consts_, xs[2]), c, (free_, sunk_, fixed)
+        )
+
+    def stack_fwd(c, free_, sunk_, consts_, accs_, sinks_):
+        del sinks_
+        c_out, (ys, saved) = lax.scan(
+            lambda c_, xs: forward(c_, xs, consts_), c, (free_, sunk_, fixed)
+        )
+        return (c_out, ys), (saved, free_, sunk_, consts_, accs_)
+
+    def stack_bwd(res, cts):
+        saved, free_, sunk_, consts_, accs_ = res
+        ct_c, ct_ys = cts
+        count = jax.tree.leaves(sunk_)[0].shape[0]
+        # Integer outputs (counts) have float0 cotangents: rebuilt per layer, not scanned.
+        ct_leaves, ct_tree = jax.tree.flatten(ct_ys)
+        is_zero = [x.dtype == jax.dtypes.float0 for x in ct_leaves]
+        scanned_cts, zero_cts = _split(ct_leaves, [not z for z in is_zero])
+        zero_slices = [np.zeros(x.shape[1:], x.dtype) for x in zero_cts]
+
+        def ct_y_of(scanned_i):
+            return jax.tree.unflatten(
+                ct_tree, _merge(scanned_i, zero_slices, [not z for z in is_zero])
+            )
+
+        def step(state, xs):
+            dc, dconsts, bufs, accs_ = state
+            i, saved_i, free_i, sunk_i, scanned_i = xs
+            vjp_fn = rebuild(saved_i, free_i, sunk_i, consts_)
+            dc, dfree, dsunk, dk = vjp_fn((dc, ct_y_of(scanned_i)))
+            dconsts = jax.tree.map(lambda a, b: a + b.astype(a.dtype), dconsts, dk)
+            new_bufs = []
+            new_accs = []
+            for entry, buf, d, acc in zip(active, bufs, dsunk, accs_, strict=True):
+                d = entry.prepare(d)
+                if entry.final is None:
+                    new_bufs.append(_add_at(buf, i, d))
+                    new_accs.append(None)
+                    continue
+                # The layer's total is written into the running accumulator in
+                # place, then read back and reduced. (Kept as a changing carry: an
+                # unreduced loop invariant is all-reduced on loop entry.)
+                acc = _add_at(acc, i, d)
+                with jax.named_scope(OVERLAPPED_SCOPE):
+                    total = entry.place(_slice_at(acc, i), entry.final)
+                new_bufs.append(_set_at(buf, i, total))
+                new_accs.append(acc)
+            return (dc, dconsts, new_bufs, new_accs), dfree
+
+        zero_dk = jax.tree.map(
+            _zeros_like_type,
+            jax.eval_shape(
+                lambda: step_ct_types(
+                    rebuild, saved, free_, sunk_, consts_, ct_c, ct_y_of([x for x in scanned_cts])
+                )
+            ),
+        )
+        bufs0 = [
+            acc if e.final is None else _zeros_like_type(e.sink)
+            for e, acc in zip(active, accs_, strict=True)
+        ]
+        finals_in = [
+            acc if e.final is not None else None for e, acc in zip(active, accs_, strict=True)
+        ]
+        (dc0, dconsts, bufs, _), dfree = lax.scan(
+            step,
+            (ct_c, zero_dk, bufs0, finals_in),
+            (jnp.arange(count, dtype=jnp.int32), saved, free_, sunk_, scanned_cts),
+            reverse=True,
+        )
+        return dc0, dfree, None, dconsts, None, bufs
+
+    stack.defvjp(stack_fwd, stack_bwd)
+    sinks = [e.sink for e in active]
+    # The accumulators enter as inputs (residuals of the backward), not as closures.
+    return stack(carry, free, sunk, consts, [e.acc for e in active], sinks)
+
+
+def step_ct_types(rebuild, saved, free_, sunk_, consts_, ct_c, ct_ys):
+    """The cotangent types of the closed-over constants (layer 0's, as a template)."""
+    first = lambda t: jax.tree.map(lambda x: x[0] if x.dtype != jax.dtypes.float0 else x, t)  # noqa: E731
+    vjp_fn = rebuild(first(saved), first(free_), first(sunk_), consts_)
+    return vjp_fn((ct_c, first(ct_ys)))[3]
+
+
+def check_layer_grad(d: jax.Array, axes: tuple[str, ...]) -> None:
+    """A layer's gradient must be unreduced over `axes` (its leaf's tagged axes)."""
+    if axes:
+        check_unreduced(d, axes)
+
+
+def _probe(x: jax.Array, entry: SinkLeaf) -> jax.Array:
+    """Identity whose backward notes (at trace time) whether `x`'s gradient is
+    nonzero: a use of the parameter outside `scan_layers`."""
+
+    @jax.custom_vjp
+    def probe(value):
+        return value
+
+    def probe_fwd(value):
+        return value.value, None
+
+    def probe_bwd(_, ct):
+        if isinstance(ct, jax.custom_derivatives.SymbolicZero):
+            return (None,)
+        entry.used_elsewhere = True
+        return (ct,)
+
+    probe.defvjp(probe_fwd, probe_bwd, symbolic_zeros=True)
+    return probe(x)
+
+
+def sink_type(acc: jax.Array, final_spec: P | None) -> Any:
+    """Zeros whose cotangent type is the result's: `final_spec` (untagged) when
+    reducing, else the accumulator's own type, via a `reduced` tag where it is
+    `unreduced` (autodiff pairs the two)."""
+    spec = spec_of(acc)
+    if final_spec is not None:
+        target = final_spec
+    elif spec is None:
+        return jnp.zeros(acc.shape, acc.dtype)
+    else:
+        # TAG: reduced over exactly the accumulator's unreduced axes, so the
+        # sink's cotangent is typed like the accumulator (no reshard on return).
+        target = P(*partitions(spec), reduced=unreduced_axes(spec))
+    mesh = jax.typeof(acc).sharding.mesh
+    return lax.broadcast_in_dim(
+        jnp.zeros((), acc.dtype), acc.shape, (), out_sharding=NamedSharding(mesh, target)
+    )
+
+
+def fused_value_and_grad(
+    loss_fn: Callable,
+    params: Any,
+    args: tuple,
+    entry_leaves: list,
+) -> tuple[tuple[jax.Array, dict], Any, list]:
+    """`((loss_sum, aux), grads, sink_results)` with `entry_leaves` (a SinkLeaf or
+    None per parameter leaf, flattened) offered to `scan_layers` inside `loss_fn`.
+
+    For a claimed leaf, `sink_results` holds the new accumulator (or the reduced
+    gradient) and `grads` its gradient from other uses (valid only when the
+    entry's `used_elsewhere` is set); other leaves' `grads` are as usual.
+    """
+    treedef = jax.tree.structure(params)
+    param_leaves = treedef.flatten_up_to(params)
+    sinks = [None if e is None else e.sink for e in entry_leaves]
+
+    def loss_with_sinks(param_leaves_, sinks_):
+        by_id = {}
+        probed = []
+        for p, e, s in zip(param_leaves_, entry_leaves, sinks_, strict=True):
+            if e is not None:
+                p = _probe(p, e)
+                e.sink = s
+                by_id[id(p)] = e
+            probed.append(p)
+        with sinks_active(by_id):
+            return loss_fn(jax.tree.unflatten(treedef, probed), *args)
+
+    (loss_sum, aux), (grad_leaves, sink_cts) = jax.value_and_grad(
+        loss_with_sinks, argnums=(0, 1), has_aux=True
+    )(param_leaves, sinks)
+    for e, s in zip(entry_leaves, sinks, strict=True):
+        if e is not None:
+            e.sink = s
+    return (loss_sum, aux), jax.tree.unflatten(treedef, grad_leaves), sink_cts

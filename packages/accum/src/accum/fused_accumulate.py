@@ -1,0 +1,150 @@
+"""One microbatch's gradients added into the accumulator inside the backward pass.
+
+The plan's schedule is unchanged; only where the additions (and, on the last
+microbatch with `overlap`, the reductions) happen moves: into the backward
+layer scan of `accum.scan_layers` for stacked parameters, after the backward
+pass for the others (as `accumulate_gradients` always does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from accum.fused import SinkLeaf, fused_value_and_grad, sink_type, without_leading
+from accum.plan import LeafPlan, ReductionPlan
+from accum.tags import as_spec, place, scatter_leaf
+from pspec_tags import check_unreduced, partitions, spec_of, untagged
+
+
+def _leading_free(spec: P | None) -> bool:
+    parts = partitions(spec)
+    return not parts or parts[0] is None
+
+
+def _final_spec(acc: jax.Array, target: Any) -> P | None:
+    """The reduced gradient's stacked spec: `target`'s, else the accumulator's partitions."""
+    spec = as_spec(target)
+    if spec is None:
+        own = spec_of(acc)
+        return None if own is None else untagged(own)
+    return untagged(spec)
+
+
+def _prepare(leaf: LeafPlan, mode: str, slice_target: P | None) -> Callable:
+    """A layer's gradient made addable to its accumulator slice: checked unreduced
+    over the leaf's tagged axes, reduce-scattered over its scatter axes."""
+
+    def prepare(d):
+        if mode == "explicit" and leaf.tagged:
+            check_unreduced(d, leaf.tagged)
+        if leaf.scatter and slice_target is not None:
+            # Same barrier as scatter_into: keeps XLA from sinking the
+            # reduce-scatter out of the loop into a full-size accumulator.
+            return lax.optimization_barrier(scatter_leaf(leaf, d, slice_target))
+        return d
+
+    return prepare
+
+
+def make_entries(plan: ReductionPlan, params: Any, acc: Any, targets: Any) -> list:
+    """A SinkLeaf per stackable parameter leaf (floating, layer axis unsharded), else
+    None, in the parameters' flattened order.
+
+    `targets`: None to accumulate; else the per-leaf list of where the last
+    microbatch reduces the total (NamedSharding, PartitionSpec, or None for the
+    accumulator's own partitions).
+    """
+    mode = plan.mode
+    treedef = jax.tree.structure(params)
+    param_leaves = treedef.flatten_up_to(params)
+    acc_leaves = treedef.flatten_up_to(acc)
+    target_leaves = [None] * len(param_leaves) if targets is None else targets
+
+    def entry(leaf: LeafPlan, p, a, target):
+        if not jnp.issubdtype(p.dtype, jnp.inexact) or p.ndim == 0:
+            return None
+        if not _leading_free(spec_of(p)) or not _leading_free(spec_of(a)):
+            return None
+        final_stacked = None
+        if targets is not None:
+            final_stacked = _final_spec(a, target)
+            if final_stacked is not None and not _leading_free(final_stacked):
+                return None  # the layer axis is sharded: reduced after the pass
+        final = None
+        if targets is not None:
+            final = without_leading(final_stacked) if final_stacked is not None else P()
+        return SinkLeaf(
+            acc=a,
+            final=final,
+            prepare=_prepare(leaf, mode, without_leading(spec_of(a))),
+            place=lambda x, t: place(x, t, mode),
+            sink=sink_type(a, final_stacked),
+        )
+
+    return [
+        entry(*args)
+        for args in zip(plan.leaf_list, param_leaves, acc_leaves, target_leaves, strict=True)
+    ]
+
+
+def target_leaves(targets: Any, params: Any) -> list:
+    """`targets` (None: each leaf on its accumulator's partitions) as a flat list."""
+    treedef = jax.tree.structure(params)
+    if targets is None:
+        return [None] * treedef.num_leaves
+    is_target = lambda t: t is None or isinstance(t, P | NamedSharding)  # noqa: E731
+    return jax.tree.leaves(targets, is_leaf=is_target) if not isinstance(targets, list) else targets
+
+
+def fused_microbatch(
+    loss_fn: Callable,
+    params: Any,
+    args: tuple,
+    plan: ReductionPlan,
+    acc: Any,
+    *,
+    final: bool = False,
+    targets: Any = None,
+) -> tuple[jax.Array, dict, Any]:
+    """(loss_sum, aux, new_acc) of one microbatch, gradients added inside the backward.
+
+    `final=False`: `new_acc` is the running accumulator. `final=True`: this is
+    the step's last microbatch and `new_acc` holds the reduced gradients on
+    `targets` (a tree of NamedSharding/PartitionSpec/None; None: each
+    accumulator's own partitions): stacked leaves reduced layer by layer inside
+    the backward pass, the rest right after it.
+    """
+    mode = plan.mode
+    treedef = jax.tree.structure(params)
+    finals = target_leaves(targets, params) if final else None
+    entries = make_entries(plan, params, acc, finals)
+    (loss_sum, aux), grads, sink_cts = fused_value_and_grad(loss_fn, params, args, entries)
+    acc_leaves = treedef.flatten_up_to(acc)
+    grad_leaves = treedef.flatten_up_to(grads)
+    finals = finals if final else [None] * len(acc_leaves)
+    new = []
+    for leaf, a, g, e, s, target in zip(
+        plan.leaf_list, acc_leaves, grad_leaves, entries, sink_cts, finals, strict=True
+    ):
+        claimed = e is not None and e.claimed
+        # The ordinary gradient: of an unclaimed leaf, or of a claimed leaf's
+        # uses outside scan_layers (seen by its probe).
+        extra = None
+        if not claimed or e.used_elsewhere:
+            extra = scatter_leaf(leaf, g, spec_of(a)) if leaf.scatter else g
+        if claimed:
+            if extra is not None:
+                extra = place(extra, target, mode) if final else extra
+                s = s + extra.astype(s.dtype)
+            new.append(s)
+            continue
+        total = a + extra.astype(a.dtype)
+        new.append(place(total, target, mode) if final else total)
+    return loss_sum, aux, jax.tree.unflatten(treedef, new)

@@ -1,0 +1,240 @@
+"""Fused accumulation (gradients added inside the backward layer scan) and the overlapped
+last-microbatch reduction: same numbers as the plain path, reductions where they belong."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import accum
+import hlo_tools as ht
+from accum.fused import OVERLAPPED_SCOPE
+from pspec_tags import spec_of, unreduced_axes
+
+N = 4
+FLOATS = ("f32", "bf16")
+CASES = [
+    (mesh, how)
+    for mesh in ("data8", "data4_fsdp2", "data2_expert4")
+    for how in ("fused", "overlap")
+]
+
+
+def _compiled(setup, how, n=N, **kw):
+    def build():
+        def fn(params, batch):
+            return accum.accumulate_gradients(
+                setup.model.loss_fn, params, batch, num_microbatches=n, **{how: True}, **kw
+            )
+
+        return jax.jit(fn).lower(setup.params, setup.batch).compile()
+
+    return setup.cached(("accumulate", how, n, tuple(sorted(kw))), build)
+
+
+def _plain(setup, n=N):
+    def build():
+        def fn(params, batch):
+            return accum.accumulate_gradients(
+                setup.model.loss_fn, params, batch, num_microbatches=n
+            )
+
+        return jax.jit(fn).lower(setup.params, setup.batch).compile()
+
+    return setup.cached(("accumulate", n, True), build)
+
+
+@pytest.mark.parametrize(("mesh", "how"), CASES)
+def test_same_numbers_as_full_batch(get_setup, close, mesh, how):
+    setup = get_setup(mesh)
+    (ref_loss, ref_aux), ref_grads = setup.reference()
+    loss, aux, grads = _compiled(setup, how)(setup.params, setup.batch)
+    close(loss, ref_loss, rtol=1e-5)
+    close(aux, ref_aux, rtol=1e-5)
+    close(grads, ref_grads, rtol=1e-5, atol=1e-6)
+    for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(setup.params), strict=True):
+        assert not unreduced_axes(spec_of(g))
+        assert spec_of(g).partitions == spec_of(p).partitions
+
+
+@pytest.mark.parametrize("how", ["fused", "overlap"])
+def test_auto_mode_same_numbers(get_setup, close, how):
+    setup = get_setup("data8", "auto")
+    (ref_loss, _), ref_grads = setup.reference()
+    loss, _, grads = _compiled(setup, how, n=3)(setup.params, setup.batch)
+    close(loss, ref_loss, rtol=1e-5)
+    close(grads, ref_grads, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_loop_holds_no_reduction_and_bytes_match(get_setup):
+    setup = get_setup("data8")
+    fused = _compiled(setup, "fused").as_text()
+    plain = _plain(setup).as_text()
+    ht.assert_reduced_once_per_step(fused)
+    assert _reduction_bytes(fused) == _reduction_bytes(plain)
+
+
+def test_overlap_reduces_each_layer_once_after_the_loop(get_setup):
+    setup = get_setup("data8")
+    module = ht.parse(_compiled(setup, "overlap").as_text())
+    # Nothing in the loop over the first N-1 microbatches (a per-microbatch
+    # reduction there would be in_loop_reductions), and the stacked layers'
+    # reductions run inside the last microbatch's backward layer scan.
+    ht.assert_reduced_once_per_step(module)
+    overlapped = ht.overlapped_reductions(module)
+    assert overlapped
+    assert all(OVERLAPPED_SCOPE in c.op_name and len(c.loops) == 1 for c in overlapped)
+    # Once per step in total: trip-count-weighted bytes equal the plain path's.
+    assert _reduction_bytes(module) == _reduction_bytes(_plain(setup).as_text())
+    layers = jax.tree.leaves(setup.params["layers"])[0].shape[0]
+    assert {c.multiplier for c in overlapped} == {layers}
+
+
+def _reduction_bytes(text_or_module):
+    """Gradient-reduction bytes per step: floating arrays (not scalars: XLA may fold a
+    loss sum into a gradient reduction on one path only), trip-count weighted. A
+    per-layer reduce-scatter can leave few elements per device: no size cutoff."""
+    module = ht.parse(text_or_module) if isinstance(text_or_module, str) else text_or_module
+    return sum(
+        c.multiplier * sum(a.bytes for a in c.arrays if a.elements > 1 and a.dtype in FLOATS)
+        for c in ht.collectives(module)
+        if c.kind in ht.REDUCTION_KINDS and c.cross_replica
+    )
+
+
+def test_overlap_onto_zero1_shards(get_setup, close):
+    """The last microbatch's per-layer reduction lands on ZeRO-1 shards (reduce-scatter)."""
+    setup = get_setup("data8")
+    targets = accum.zero1_shardings(setup.params)
+    _, ref_grads = setup.reference()
+    fn = setup.cached(
+        ("overlap-zero1",),
+        lambda: (
+            jax.jit(
+                lambda p, b: accum.accumulate_gradients(
+                    setup.model.loss_fn,
+                    p,
+                    b,
+                    num_microbatches=N,
+                    overlap=True,
+                    grad_shardings=targets,
+                )
+            )
+            .lower(setup.params, setup.batch)
+            .compile()
+        ),
+    )
+    _, _, grads = fn(setup.params, setup.batch)
+    close(grads, ref_grads, rtol=1e-5, atol=1e-6)
+    for g, t in zip(jax.tree.leaves(grads), jax.tree.leaves(targets), strict=True):
+        assert spec_of(g).partitions == t.spec.partitions
+    overlapped = ht.overlapped_reductions(fn.as_text())
+    assert overlapped and all(c.kind == "reduce-scatter" for c in overlapped)
+
+
+# A standalone stack: closed-over weights, a second use of the stack (weight decay),
+# integer outputs, and the single-microbatch edge.
+L, D = 3, 8
+
+
+def _mesh():
+    return jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+
+def _stack_problem(mode):
+    mesh = jax.make_mesh(
+        (8,),
+        ("data",),
+        axis_types=(
+            jax.sharding.AxisType.Explicit if mode == "explicit" else jax.sharding.AxisType.Auto,
+        ),
+    )
+    rng = np.random.default_rng(0)
+    params = {
+        "stack": {"w": rng.normal(size=(L, D, D)).astype(np.float32) * 0.3},
+        "shared": np.ones((D,), np.float32),
+    }
+    batch = {
+        "x": rng.normal(size=(32, D)).astype(np.float32),
+        "weight": np.ones((32,), np.float32),
+    }
+    with jax.set_mesh(mesh):
+        params = jax.device_put(params, NamedSharding(mesh, P()))
+        batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    return mesh, params, batch
+
+
+def _stack_loss(decay):
+    def loss_fn(p, mb):
+        shared = p["shared"]
+
+        def body(h, layer):
+            h = jnp.tanh(h @ (layer["w"] * shared[None, :]))
+            return h, (jnp.sum(h), jnp.argmax(jnp.sum(h, axis=0)))
+
+        h, (sums, _) = accum.scan_layers(body, mb["x"], p["stack"])
+        loss = jnp.sum(h * h * mb["weight"][:, None]) + 0.1 * jnp.sum(sums)
+        if decay:
+            loss = loss + 1e-2 * jnp.sum(p["stack"]["w"] * p["stack"]["w"])
+        return loss, {"weight": jnp.sum(mb["weight"])}
+
+    return loss_fn
+
+
+@pytest.mark.parametrize(
+    ("mode", "decay", "n"),
+    [("explicit", False, 4), ("explicit", False, 1), ("auto", True, 4)],
+)
+def test_closures_second_uses_and_integer_outputs(close, mode, decay, n):
+    mesh, params, batch = _stack_problem(mode)
+    loss_fn = _stack_loss(decay)
+    with jax.set_mesh(mesh):
+        plain = jax.jit(lambda p, b: accum.accumulate_gradients(loss_fn, p, b, num_microbatches=n))
+        want = plain(params, batch)
+        for how in ("fused", "overlap"):
+            got = jax.jit(
+                lambda p, b, how=how: accum.accumulate_gradients(
+                    loss_fn, p, b, num_microbatches=n, **{how: True}
+                )
+            )(params, batch)
+            close(got[0], want[0], rtol=1e-6)
+            close(got[2], want[2], rtol=1e-5, atol=1e-7)
+
+
+def test_scan_layers_is_lax_scan_outside_accumulation():
+    w = jnp.arange(2 * 3 * 3, dtype=jnp.float32).reshape(2, 3, 3) / 10
+
+    def body(x, w_layer):
+        return jnp.tanh(x @ w_layer), x.sum()
+
+    got = accum.scan_layers(body, jnp.ones(3), w)
+    want = jax.lax.scan(body, jnp.ones(3), w)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+
+
+def test_overlapped_scope_is_hlo_tools_contract():
+    assert OVERLAPPED_SCOPE == ht.OVERLAPPED_SCOPE
+
+
+def test_add_fused_matches_add(get_setup, close):
+    """start / add(fused=True) / finish: same result as the plain add, per microbatch."""
+    setup = get_setup("data8")
+    microbatches = accum.split_microbatches(setup.batch, 2)
+
+    def run(fused):
+        def fn(params, batch):
+            acc = accum.start(setup.model.loss_fn, params, jax.tree.map(lambda x: x[0], batch))
+            for i in range(2):
+                mb = jax.tree.map(lambda x, i=i: x[i], batch)
+                acc = accum.add(acc, setup.model.loss_fn, params, mb, fused=fused)
+            return accum.finish(acc)
+
+        with jax.set_mesh(setup.mesh):
+            return jax.jit(fn)(setup.params, microbatches)
+
+    want, got = run(False), run(True)
+    close(got[0], want[0], rtol=1e-6)
+    close(got[2], want[2], rtol=1e-5, atol=1e-7)
