@@ -81,7 +81,8 @@ CACHE = os.path.join(tempfile.gettempdir(), "bench_aot_fused")
 
 
 def compile_variant(slug: str, variant: dict, reuse: bool) -> dict:
-    """{"hlo", "memory", "hbm", "slices", "params", "data", "compile_s"}; cached under CACHE."""
+    """{"hlo", "memory", "hbm", "slices", "params", "data", "compile_s", "tree"}; cached
+    under CACHE (tree: `git describe` when the compile ran)."""
     from trainer import aot
     from trainer.config import make_config
 
@@ -91,6 +92,7 @@ def compile_variant(slug: str, variant: dict, reuse: bool) -> dict:
             return json.load(f)
     config = make_config({**COMMON, **variant, "base_output_directory": tempfile.mkdtemp()})
     os.makedirs(CACHE, exist_ok=True)
+    tree = bl.revision()
     start = time.perf_counter()
     result = aot.compile_for_topology(config, hlo_path)
     meta = {
@@ -101,6 +103,7 @@ def compile_variant(slug: str, variant: dict, reuse: bool) -> dict:
         "params": int(sum(x.size for x in jax.tree.leaves(result.run.state["params"]))),
         "data": dict(result.run.ctx.mesh.shape)["data"],
         "compile_s": time.perf_counter() - start,
+        "tree": tree,
     }
     with open(meta_path, "w") as f:
         json.dump(meta, f)
@@ -160,6 +163,7 @@ def measure(slug: str, variant: dict, reuse: bool) -> dict:
         "data": meta["data"],
         "slices": meta["slices"],
         "compile_s": round(meta["compile_s"], 1),
+        "tree": meta.get("tree", "unknown"),
         "memory_bytes": mem["total"],
         "argument_bytes": mem["argument"],
         "output_bytes": mem["output"],
@@ -278,7 +282,8 @@ def main() -> int:
             "compute scheduled between start and done (overlap_summary's share)",
             f"run: {len(rows)} compiles, "
             f"{sum(r.get('compile_s', 0) for r in rows) / 60:.1f} min of compile time "
-            "(compile_s per row in the csv)"
+            "(compile_s per row in the csv); compiled at "
+            + ", ".join(dict.fromkeys(r["tree"] for r in rows if "tree" in r))
             + (f"; this analysis pass {wall / 60:.1f} min, reading cached HLO" if reuse else "")
             + (
                 "; --short: left out "
@@ -330,9 +335,10 @@ def main() -> int:
         lines.append("")
     lines += [
         "The async share is what the compiled schedule shows, not a projection: this "
-        "libtpu's v5e compile from a CPU host keeps all-reduce and reduce-scatter "
-        "synchronous (hlo_tools README), so a share of 0% with 0 async ops means no "
-        "gradient reduction is issued asynchronously, whichever loop it sits in.",
+        "libtpu's TPU compile from a CPU host keeps in-slice all-reduce and "
+        "reduce-scatter synchronous (hlo_tools README), wherever they sit; on two slices "
+        "the asynchronous ones are the cross-slice (megascale DCN) reductions, each with "
+        "compute scheduled between start and done.",
         "",
         "## Two slices: 2 x v5e-8, dcn_data=2 x data=8",
         "",
