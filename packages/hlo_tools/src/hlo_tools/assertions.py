@@ -16,23 +16,33 @@ def _gradient_sized(c: Collective, max_in_loop_elements: int) -> bool:
     return c.kind in REDUCTION_KINDS and c.cross_replica and c.elements > max_in_loop_elements
 
 
-def _overlapped(c: Collective) -> bool:
-    # One enclosing loop only: the last microbatch's backward layer scan, which
-    # runs after the microbatch loop, never inside it.
-    return OVERLAPPED_SCOPE in c.op_name and len(c.loops) == 1
+def _overlapped_loops(records: list[Collective]) -> set[str]:
+    """The loops holding a scoped reduction: the last microbatch's backward layer
+    scans. One enclosing loop only: they run after the microbatch loop, never in it."""
+    return {c.loops[0].name for c in records if OVERLAPPED_SCOPE in c.op_name and len(c.loops) == 1}
+
+
+def _split_in_loop(
+    module: HloModule | str, max_in_loop_elements: int
+) -> tuple[list[Collective], list[Collective]]:
+    """(overlapped, other) gradient-sized reductions inside loops. A reduction in
+    an overlapped loop counts as overlapped even without the scope in its op_name:
+    XLA's combiner may merge several into one op and keep another op's name."""
+    inside = [
+        c for c in collectives(module) if _gradient_sized(c, max_in_loop_elements) and c.in_loop
+    ]
+    loops = _overlapped_loops(inside)
+    overlapped = [c for c in inside if len(c.loops) == 1 and c.loops[0].name in loops]
+    return overlapped, [c for c in inside if c not in overlapped]
 
 
 def overlapped_reductions(
     module: HloModule | str, max_in_loop_elements: int = 8
 ) -> list[Collective]:
-    """Gradient reductions of the last microbatch's backward layer scan (op_name
-    under ``OVERLAPPED_SCOPE``, inside that one loop): once per step in total,
-    one layer per iteration, so they can overlap the remaining backward compute."""
-    return [
-        c
-        for c in collectives(module)
-        if _gradient_sized(c, max_in_loop_elements) and c.in_loop and _overlapped(c)
-    ]
+    """Gradient reductions of the last microbatch's backward layer scan (a loop, not
+    nested in another, holding reductions under ``OVERLAPPED_SCOPE``): once per step
+    in total, one layer per iteration, so they can overlap the remaining backward."""
+    return _split_in_loop(module, max_in_loop_elements)[0]
 
 
 def in_loop_reductions(module: HloModule | str, max_in_loop_elements: int = 8) -> list[Collective]:
@@ -41,11 +51,7 @@ def in_loop_reductions(module: HloModule | str, max_in_loop_elements: int = 8) -
     reductions that deferred reduction should have removed. Small ones (a loss
     or a token count) are allowed, and so are `overlapped_reductions` (each
     gradient's one reduction, issued layer by layer after the microbatch loop)."""
-    return [
-        c
-        for c in collectives(module)
-        if _gradient_sized(c, max_in_loop_elements) and c.in_loop and not _overlapped(c)
-    ]
+    return _split_in_loop(module, max_in_loop_elements)[1]
 
 
 def gradient_reductions_outside(
