@@ -33,7 +33,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -270,7 +269,8 @@ def _fused_scan(body, carry, leaves, tree, entries):
         ct_leaves, ct_tree = jax.tree.flatten(ct_ys)
         is_zero = [x.dtype == jax.dtypes.float0 for x in ct_leaves]
         scanned_cts, zero_cts = _split(ct_leaves, [not z for z in is_zero])
-        zero_slices = [np.zeros(x.shape[1:], x.dtype) for x in zero_cts]
+        # float0 cotangents are host arrays: one layer's is a slice of them.
+        zero_slices = [x[0] for x in zero_cts]
 
         def ct_y_of(scanned_i):
             return jax.tree.unflatten(
