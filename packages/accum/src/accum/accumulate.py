@@ -204,28 +204,25 @@ def accumulate_gradients(
         plan = _default_plan(
             params, batch, mode, policy, defer_reduction, batch_axes, slice_axes, per_parameter_axes
         )
-    if fused or overlap:
-        return _accumulate_fused(
-            loss_fn,
-            params,
-            batch,
-            num_microbatches,
-            plan,
-            grad_shardings,
-            rng,
-            on_tag_lost,
-            accum_dtype,
-            overlap,
-        )
     mode = plan.mode
     microbatches = split_microbatches(batch, num_microbatches)
     # Free cast outside the loop: forward reads of a reduced array are reads of
     # a replicated one; only the cotangents change type (to unreduced).
     compute_params = tag_reduced(params, plan)
     acc0 = unreduced_zeros(params, plan, accum_dtype)
+    fused = fused or overlap
+
+    def args_of(index, microbatch):
+        return (microbatch,) if rng is None else (microbatch, jax.random.fold_in(rng, index))
 
     def body(acc, xs):
         index, microbatch = xs
+        if fused:
+            # Each layer's gradient is added into `acc` inside the backward scan.
+            args = args_of(index, microbatch)
+            guard_forward(loss_fn, compute_params, args, plan, on_tag_lost)
+            loss_sum, aux, acc = fused_microbatch(loss_fn, compute_params, args, plan, acc)
+            return acc, (loss_sum, aux)
         mb_rng = None if rng is None else jax.random.fold_in(rng, index)
         loss_sum, aux, grads = microbatch_grads(
             loss_fn, compute_params, microbatch, mb_rng, plan, on_tag_lost
@@ -235,14 +232,30 @@ def accumulate_gradients(
         return add_grads(acc, scatter_into(grads, plan)), (loss_sum, aux)
 
     indices = jnp.arange(num_microbatches, dtype=jnp.uint32)
-    acc, (loss_sums, auxes) = jax.lax.scan(body, acc0, (indices, microbatches))
+    xs = (indices, microbatches)
+    # With overlap the loop takes the first N-1 microbatches: no gradient
+    # reduction in it; the last one runs after it (below).
+    looped = num_microbatches - 1 if overlap else num_microbatches
+    if overlap:
+        xs = jax.tree.map(lambda x: x[:looped], xs)
+    acc, (loss_sums, auxes) = jax.lax.scan(body, acc0, xs)
     # Per-microbatch losses/aux are stacked by the scan and summed here: scalars.
     loss_sum = jnp.sum(loss_sums, axis=0)
     aux = jax.tree.map(lambda a: jnp.sum(a, axis=0), auxes)
-    # The one gradient reduction of the step (all-reduce, or reduce-scatter onto
-    # ZeRO-1 shardings). Normalizing afterwards keeps the scale off unreduced
-    # values (an unreduced array times a replicated scalar does not type-check).
-    grads = reduce_to(acc, final_targets(plan, grad_shardings), mode)
+    targets = final_targets(plan, grad_shardings)
+    if not overlap:
+        # The one gradient reduction of the step (all-reduce, or reduce-scatter
+        # onto ZeRO-1 shardings). Normalizing afterwards keeps the scale off
+        # unreduced values (an unreduced array times a replicated scalar does
+        # not type-check).
+        return normalize(loss_sum, aux, reduce_to(acc, targets, mode))
+    # The last microbatch reduces each layer's total inside its backward pass.
+    index, last = jax.tree.map(lambda x: x[looped], (indices, microbatches))
+    last_loss, last_aux, grads = fused_microbatch(
+        loss_fn, compute_params, args_of(index, last), plan, acc, final=True, targets=targets
+    )
+    loss_sum = loss_sum + last_loss.astype(loss_sum.dtype) if looped else last_loss
+    aux = jax.tree.map(lambda a, b: a + b.astype(a.dtype), aux, last_aux) if looped else last_aux
     return normalize(loss_sum, aux, grads)
 
 
@@ -252,53 +265,3 @@ def final_targets(plan: ReductionPlan, grad_shardings: Any) -> Any:
     if grad_shardings is not None or not plan.scatters:
         return grad_shardings
     return plan.map(lambda leaf: leaf.param_spec)
-
-
-def _accumulate_fused(
-    loss_fn,
-    params,
-    batch,
-    num_microbatches,
-    plan,
-    grad_shardings,
-    rng,
-    on_tag_lost,
-    accum_dtype,
-    overlap,
-):
-    """`accumulate_gradients` with fused accumulation (and `overlap`): see there."""
-    microbatches = split_microbatches(batch, num_microbatches)
-    compute_params = tag_reduced(params, plan)
-    acc0 = unreduced_zeros(params, plan, accum_dtype)
-    first = jax.tree.map(lambda x: x[0], microbatches)
-    args = (first,) if rng is None else (first, jax.random.fold_in(rng, 0))
-    guard_forward(loss_fn, compute_params, args, plan, on_tag_lost)
-
-    def args_of(index, microbatch):
-        return (microbatch,) if rng is None else (microbatch, jax.random.fold_in(rng, index))
-
-    def body(acc, xs):
-        index, microbatch = xs
-        loss_sum, aux, acc = fused_microbatch(
-            loss_fn, compute_params, args_of(index, microbatch), plan, acc
-        )
-        return acc, (loss_sum, aux)
-
-    looped = num_microbatches - 1 if overlap else num_microbatches
-    indices = jnp.arange(num_microbatches, dtype=jnp.uint32)
-    head = jax.tree.map(lambda x: x[:looped], (indices, microbatches))
-    # The first N-1 microbatches (all N without overlap): no gradient reduction.
-    acc, (loss_sums, auxes) = jax.lax.scan(body, acc0, head)
-    loss_sum = jnp.sum(loss_sums, axis=0)
-    aux = jax.tree.map(lambda a: jnp.sum(a, axis=0), auxes)
-    targets = final_targets(plan, grad_shardings)
-    if not overlap:
-        return normalize(loss_sum, aux, reduce_to(acc, targets, plan.mode))
-    # The last microbatch reduces each layer's total inside its backward pass.
-    index, last = jax.tree.map(lambda x: x[looped], (indices, microbatches))
-    last_loss, last_aux, grads = fused_microbatch(
-        loss_fn, compute_params, args_of(index, last), plan, acc, final=True, targets=targets
-    )
-    loss_sum = loss_sum + last_loss.astype(loss_sum.dtype) if looped else last_loss
-    aux = jax.tree.map(lambda a, b: a + b.astype(a.dtype), aux, last_aux) if looped else last_aux
-    return normalize(loss_sum, aux, grads)
