@@ -238,3 +238,43 @@ def test_add_fused_matches_add(get_setup, close):
     want, got = run(False), run(True)
     close(got[0], want[0], rtol=1e-6)
     close(got[2], want[2], rtol=1e-5, atol=1e-7)
+
+
+def _loop_buffers(setup, fused, targets=None):
+    """hlo_tools.loop_buffers of the accumulation compiled for `setup` (own compile: the
+    buffer assignment is only written when asked for)."""
+
+    def build():
+        def fn(params, batch):
+            return accum.accumulate_gradients(
+                setup.model.loss_fn,
+                params,
+                batch,
+                num_microbatches=N,
+                fused=fused,
+                grad_shardings=targets,
+            )
+
+        lowered = jax.jit(fn).lower(setup.params, setup.batch)
+        return ht.loop_buffers(ht.compile_with_buffers(lowered)[1])
+
+    return setup.cached(("loop_buffers", fused, targets is not None), build)
+
+
+@pytest.mark.parametrize(
+    ("mesh", "zero1"), [("data8", False), ("data8", True), ("data4_fsdp2", False)]
+)
+def test_fused_holds_no_per_microbatch_gradient_buffer(get_setup, mesh, zero1):
+    """The plain path's backward layer scan carries each stacked leaf's gradient of
+    the current microbatch beside the accumulator: one more loop-carried buffer of
+    that leaf's (per-device) shape than the fused path, which adds in place."""
+    setup = get_setup(mesh)
+    targets = accum.zero1_shardings(setup.params) if zero1 else None
+    plain, fused = _loop_buffers(setup, False, targets), _loop_buffers(setup, True, targets)
+    stacked = {}
+    for leaf in jax.tree.leaves(setup.params["layers"]):
+        shard = leaf.sharding.shard_shape(leaf.shape)
+        shape = f"f32[{','.join(map(str, shard))}]"
+        stacked[shape] = stacked.get(shape, 0) + 1
+    for shape, leaves in stacked.items():
+        assert plain.get(shape, 0) - fused.get(shape, 0) == leaves, (shape, plain, fused)

@@ -10,10 +10,16 @@ from hlo_tools.assertions import (
     in_loop_reductions,
     overlapped_reductions,
 )
+from hlo_tools.buffers import Allocation, BufferValue, loop_buffers, parse_buffer_assignment
 from hlo_tools.callgraph import Context, Loop
 from hlo_tools.collectives import KINDS, REDUCTION_KINDS, Collective, collectives
 from hlo_tools.errors import HloParseError
-from hlo_tools.jitted import assert_jitted_reduced_once_per_step, compiled_text, report_jitted
+from hlo_tools.jitted import (
+    assert_jitted_reduced_once_per_step,
+    compile_with_buffers,
+    compiled_text,
+    report_jitted,
+)
 from hlo_tools.lines import cross_replica_all_reduce_sizes, split_by_entry_loop
 from hlo_tools.mesh_axes import axis_index, spanned_axes, spans_mesh_axis
 from hlo_tools.module import Computation, HloModule, Instruction
@@ -42,8 +48,10 @@ __version__ = "0.1.0"
 __all__ = [
     "KINDS",
     "REDUCTION_KINDS",
+    "Allocation",
     "ArrayType",
     "AsyncPair",
+    "BufferValue",
     "Collective",
     "Computation",
     "Context",
@@ -59,6 +67,7 @@ __all__ = [
     "axis_index",
     "assert_reduced_once_per_step",
     "collectives",
+    "compile_with_buffers",
     "compiled_text",
     "cross_replica_all_reduce_sizes",
     "crosses_slices",
@@ -67,12 +76,14 @@ __all__ = [
     "format_table",
     "gradient_reductions_outside",
     "in_loop_reductions",
+    "loop_buffers",
     "overlapped_reductions",
     "OVERLAPPED_SCOPE",
     "is_gradient_reduction",
     "overlap_report",
     "overlap_summary",
     "parse",
+    "parse_buffer_assignment",
     "parse_instruction",
     "report_jitted",
     "slice_traffic",

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import glob
+import os
+import tempfile
+
 from hlo_tools.assertions import assert_reduced_once_per_step
 from hlo_tools.collectives import Collective
 from hlo_tools.parser import parse
@@ -32,3 +36,22 @@ def assert_jitted_reduced_once_per_step(
     return assert_reduced_once_per_step(
         compiled_text(fn, *args, **kwargs), max_in_loop_elements=max_in_loop_elements
     )
+
+
+def compile_with_buffers(lowered) -> tuple[object, str]:
+    """(compiled, buffer-assignment text) of a ``jax.stages.Lowered``.
+
+    The buffer assignment (see :mod:`hlo_tools.buffers`) is not on the compiled
+    object; XLA writes it when asked to dump, which this asks for this one
+    compile only (``compiler_options``), into a temporary directory.
+    """
+    with tempfile.TemporaryDirectory(prefix="hlo_tools_") as directory:
+        options = {"xla_dump_to": directory, "xla_dump_hlo_as_text": True}
+        compiled = lowered.compile(compiler_options=options)
+        pattern = os.path.join(directory, "*after_optimizations-buffer-assignment.txt")
+        found = sorted(glob.glob(pattern))
+        if len(found) != 1:
+            names = sorted(os.listdir(directory))[:10]
+            raise RuntimeError(f"expected one buffer-assignment dump, found {found} among {names}")
+        with open(found[0]) as f:
+            return compiled, f.read()
