@@ -115,6 +115,11 @@ def bench(session: nox.Session) -> None:
 ROOT = Path(__file__).parent
 WHEELS = ["pspec-tags", "hlo-tools", "accum", "moe-kernels", "tagtrain"]
 SMALL_PACKAGES = ["pspec_tags", "hlo_tools", "accum", "moe_kernels"]
+# The trainer tests that exercise the dependencies the 2-step train does not import
+# (orbax-checkpoint, grain, tokenizers, matplotlib): run at the declared minimums.
+TRAINER_DEPENDENCY_TESTS = tuple(
+    f"packages/trainer/tests/test_{name}.py" for name in ("checkpoint", "text_data", "outputs")
+)
 UNIT_TESTS = "not aot and not integration and not slow"
 
 
@@ -139,7 +144,9 @@ def declared_minimums() -> dict[str, str]:
     return floors
 
 
-def _wheels_session(session: nox.Session, constraints: dict[str, str]) -> None:
+def _wheels_session(
+    session: nox.Session, constraints: dict[str, str], extra_tests: tuple[str, ...] = ()
+) -> None:
     """Build the five wheels, pip-install them into this fresh venv, test, train 2 steps.
 
     No uv.lock here: pip resolves the wheels' declared requirements (newest releases,
@@ -184,6 +191,7 @@ def _wheels_session(session: nox.Session, constraints: dict[str, str]) -> None:
         "-m",
         UNIT_TESTS,
         *[f"packages/{p}" for p in SMALL_PACKAGES],
+        *extra_tests,
         *session.posargs,
         env=CPU_ENV,
     )
@@ -207,4 +215,4 @@ def wheels_newest(session: nox.Session) -> None:
 @nox.session(python="3.11", venv_backend="uv", reuse_venv=False)
 def wheels_minimum(session: nox.Session) -> None:
     """The five wheels on Python 3.11 with every dependency at its declared minimum."""
-    _wheels_session(session, declared_minimums())
+    _wheels_session(session, declared_minimums(), TRAINER_DEPENDENCY_TESTS)
