@@ -156,3 +156,22 @@ def test_table_prints_groups_by_axes():
     table = plan.table()
     assert table[0].split() == ["parameters", "dcn_data", "data"]
     assert any(row.startswith("w ") and "once per step" in row and SCATTER in row for row in table)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_a_gathered_copy_is_tagged_as_the_plan_says(name):
+    """reduced_at_use (ShardCtx's tag on a weight gathered over the batch axes) is
+    the plan read at the use: the axes accum reduces (tagged) plus the per-use ones;
+    a leaf accum does not tag (all its axes per use) is left to JAX untagged."""
+    for policy in ("deferred", "hierarchical"):
+        if policy == "hierarchical" and "slices" not in name:
+            continue
+        plan, _ = _schedule(name, policy)
+        for key, leaf in plan.leaves.items():
+            source = P(*leaf.param_spec, reduced=set(leaf.tagged))
+            gathered = P(*[None] * len(leaf.param_spec))  # every batch axis gathered
+            want = set(leaf.tagged) | set(leaf.axes(USE)) if leaf.tagged else set()
+            assert accum.reduced_at_use(source, gathered, plan.batch_axes) == want, key
+            # Nothing gathered: the tag stays the parameter's own.
+            assert accum.reduced_at_use(source, source, plan.batch_axes) == set(leaf.tagged)
+    assert accum.reduced_at_use(P("fsdp"), P(None), ("fsdp",)) == frozenset()  # untagged

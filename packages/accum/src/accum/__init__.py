@@ -43,6 +43,7 @@ from accum.plan import (
     PlanError,
     ReductionPlan,
     make_plan,
+    reduced_at_use,
 )
 from accum.step import apply_updates, optimizer_update, train_step
 from accum.tags import tag_reduced, unreduced_zeros
@@ -81,6 +82,7 @@ __all__ = [
     "optimizer_update",
     "param_mesh_axes",
     "plan_for_values",
+    "reduced_at_use",
     "resolve_mode",
     "scan_layers",
     "split_microbatches",

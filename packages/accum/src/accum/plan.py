@@ -11,6 +11,7 @@ batch axis the plan says when that sum is taken:
 - `PER_USE`: inside the model, per use. The leaf is sharded over the axis
   (FSDP gathers it per use, the expert shard_map sums over 'expert'), so the
   transpose of the gather (a reduce-scatter) or the kernel reduces it.
+  `reduced_at_use` gives the tag of such a gathered copy.
 - `PER_MICROBATCH`: in each microbatch's backward pass, where JAX puts it
   (the leaf is left untagged over the axis).
 - `SCATTER`: after each microbatch's backward pass, by accum, reduce-scattered
@@ -36,7 +37,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from accum.shards import add_axes_to_free_dims
-from pspec_tags import mesh_axes_used, partitions, spec_of, untagged
+from pspec_tags import mesh_axes_used, partitions, reduced_axes, spec_of, untagged
 
 POLICIES = ("deferred", "per_microbatch", "hierarchical")
 
@@ -277,6 +278,35 @@ def make_plan(
     flat, treedef = jax.tree.flatten(leaves, is_leaf=_is_leaf_plan)
     slices = tuple(a for a in sizes if a in sliced)
     return ReductionPlan(policy, mode, tuple(sizes.items()), batch, slices, treedef, tuple(flat))
+
+
+def reduced_at_use(source: P | None, target: P | None, batch_axes: Iterable[str]) -> frozenset[str]:
+    """The axes a parameter resharded from `source` to `target` for one use (a
+    weight gathered before a matmul) is tagged `reduced` over: `make_plan`'s
+    `PER_USE` rule, seen from the use.
+
+    A parameter tagged reduced (its gradient deferred or scattered by accum)
+    keeps its tag. The batch axes the reshard gathers it over (FSDP: `source`
+    sharded over them, `target` not) are added: the gathered copy is identical
+    across them, its cotangent comes out unreduced over every batch axis as a
+    matmul contracting over the tokens produces, and the transpose of the
+    reshard (a reduce-scatter) reduces the gathered axes per use while the
+    others stay unreduced for accum. An untagged parameter gets no tag (empty):
+    its reductions are JAX's, in the backward pass.
+
+    Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
+
+    >>> fsdp_w = P("fsdp", None, reduced={"data"})  # deferred over data, FSDP-sharded
+    >>> sorted(accum.reduced_at_use(fsdp_w, P(None, None), ("data", "fsdp")))
+    ['data', 'fsdp']
+    >>> accum.reduced_at_use(P("fsdp", None), P(None, None), ("data", "fsdp"))
+    frozenset()
+    """
+    tag = reduced_axes(source)
+    if not tag:
+        return frozenset()
+    gathered = set(mesh_axes_used(source)) - set(mesh_axes_used(target))
+    return tag | (gathered & set(batch_axes))
 
 
 def policy_of(defer_reduction: bool, policy: str | None) -> str:

@@ -138,7 +138,8 @@ class ShardCtx:
         identical across them, so it is tagged reduced over those too: its
         cotangent is then unreduced over every batch axis, which is what a
         matmul contracting over the batch produces, and the transpose of this
-        reshard is the FSDP reduce-scatter, leaving 'data' unreduced.
+        reshard is the FSDP reduce-scatter, leaving 'data' unreduced. That rule is
+        the reduction plan's (`accum.reduced_at_use`); this only applies it.
         """
         if self.manual:
             return w
@@ -150,10 +151,10 @@ class ShardCtx:
             # TAG: carry w's reduced axes onto the rebuilt target, or this reshard
             # all-reduces the deferred gradient once per use.
             return pt.shard(w, pt.carry_reduced_axes(target, w), self.mode)
-        gathered = set(pt.mesh_axes_used(source)) - set(pt.mesh_axes_used(target))
-        tag = pt.reduced_axes(source) | (gathered & set(self.token_axes))
-        # TAG: reduced over the gathered token axes too: FSDP's reduce-scatter stays
-        # per use, the other batch axes stay deferred (JAX rejects a subset).
+        # TAG: the plan's per-use rule (accum.reduced_at_use): reduced over the gathered
+        # token axes too, so FSDP's reduce-scatter stays per use and the other batch
+        # axes stay deferred (JAX rejects a subset).
+        tag = accum.reduced_at_use(source, target, self.token_axes)
         return jax.reshard(w, pt.with_reduced(target, tag))
 
     def weight(self, w: jax.Array, logical: Sequence[str | None]) -> jax.Array:
