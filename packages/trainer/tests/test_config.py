@@ -4,7 +4,15 @@ import dataclasses
 
 import pytest
 
-from trainer.config import PRESETS, Config, ConfigError, make_config, mesh_shape, parse_overrides
+from trainer.config import (
+    OTHER_DCN_KEYS,
+    PRESETS,
+    Config,
+    ConfigError,
+    make_config,
+    mesh_shape,
+    parse_overrides,
+)
 from trainer.validate import validate
 
 BAD = [
@@ -69,6 +77,11 @@ BAD = [
     ({"steps": "0"}, r"steps=0 must be >= 1"),
     ({"capacity_factor": "-1"}, r"capacity_factor=-1.0 must be >= 0"),
     ({"learning_rate": "-1"}, r"learning_rate=-1.0 must be > 0"),
+    (
+        {"dcn_tensor_parallelism": "2"},
+        r"^dcn_tensor_parallelism=2 is not supported: only dcn_data_parallelism and "
+        r"dcn_fsdp_parallelism cross slices here \(.*per-layer collectives on DCN\)",
+    ),
     (
         {"accum_dtype": "float16"},
         r"^accum_dtype='float16' is not one of \('float32', 'bfloat16'\)$",
@@ -158,3 +171,39 @@ def test_mesh_fill():
         "context": 1,
         "expert": 1,
     }
+
+
+# MaxText's configs/base.yml: every cross-slice key it has.
+MAXTEXT_DCN_KEYS = (
+    "dcn_data_parallelism",
+    "dcn_fsdp_parallelism",
+    "dcn_fsdp_transpose_parallelism",
+    "dcn_sequence_parallelism",
+    "dcn_context_parallelism",
+    "dcn_context_autoregressive_parallelism",
+    "dcn_tensor_parallelism",
+    "dcn_tensor_transpose_parallelism",
+    "dcn_tensor_sequence_parallelism",
+    "dcn_pipeline_parallelism",
+    "dcn_expert_parallelism",
+    "dcn_autoregressive_parallelism",
+    "dcn_diloco_parallelism",
+)
+
+
+def test_every_maxtext_dcn_key_parses_and_only_data_and_fsdp_may_exceed_one():
+    # A MaxText command line with every dcn_ key at its default parses and validates.
+    defaults = {key: "-1" if key == "dcn_data_parallelism" else "1" for key in MAXTEXT_DCN_KEYS}
+    assert validate(make_config(parse_overrides([f"{k}={v}" for k, v in defaults.items()])), 8)
+    assert set(OTHER_DCN_KEYS) == set(MAXTEXT_DCN_KEYS) - {
+        "dcn_data_parallelism",
+        "dcn_fsdp_parallelism",
+    }
+    for key in OTHER_DCN_KEYS:
+        config = make_config({key: "2", "num_slices": "2", "dcn_data_parallelism": "1"})
+        # One line naming the key, raised before any mesh is sized (so before compiling).
+        with pytest.raises(ConfigError, match=rf"^{key}=2 is not supported: only dcn_data") as e:
+            validate(config, 8, 2)
+        assert "\n" not in str(e.value)
+        with pytest.raises(ConfigError, match=rf"^{key}=2 "):
+            mesh_shape(config, 16, 2)  # what the AOT path checks before libtpu loads

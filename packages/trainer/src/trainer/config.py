@@ -23,6 +23,26 @@ ICI_AXES = ("data", "fsdp", "tensor", "tensor_transpose", "context", "expert")
 # the mesh and a gradient can be unreduced over the slices while sharded inside one.
 DCN_AXES = ("dcn_data", "dcn_fsdp")
 MESH_AXES = DCN_AXES + ICI_AXES
+# MaxText's other cross-slice keys (configs/base.yml), accepted so a MaxText command
+# line parses, and held to 1: only the batch (dcn_data, dcn_fsdp) is split across
+# slices here; tensor, expert or context parallelism across slices would put
+# per-layer collectives on the slow DCN links.
+OTHER_DCN_KEYS = tuple(
+    f"dcn_{axis}_parallelism"
+    for axis in (
+        "fsdp_transpose",
+        "sequence",
+        "context",
+        "context_autoregressive",
+        "tensor",
+        "tensor_transpose",
+        "tensor_sequence",
+        "pipeline",
+        "expert",
+        "autoregressive",
+        "diloco",
+    )
+)
 REDUCTION_POLICIES = ("deferred", "per_microbatch", "hierarchical")
 REMAT_POLICIES = ("none", "full", "minimal")
 DTYPES = ("float32", "bfloat16")
@@ -76,6 +96,18 @@ class Config:
     num_slices: int = -1
     dcn_data_parallelism: int = -1
     dcn_fsdp_parallelism: int = 1
+    # OTHER_DCN_KEYS: MaxText's names, accepted; anything but 1 stops before compiling.
+    dcn_fsdp_transpose_parallelism: int = 1
+    dcn_sequence_parallelism: int = 1
+    dcn_context_parallelism: int = 1
+    dcn_context_autoregressive_parallelism: int = 1
+    dcn_tensor_parallelism: int = 1
+    dcn_tensor_transpose_parallelism: int = 1
+    dcn_tensor_sequence_parallelism: int = 1
+    dcn_pipeline_parallelism: int = 1
+    dcn_expert_parallelism: int = 1
+    dcn_autoregressive_parallelism: int = 1
+    dcn_diloco_parallelism: int = 1
     ici_data_parallelism: int = -1
     ici_fsdp_parallelism: int = 1
     ici_tensor_parallelism: int = 1
@@ -425,9 +457,23 @@ def _fill(sizes: dict[str, int], total: int, prefix: str, what: str) -> dict[str
     return sizes
 
 
+def _check_other_dcn_keys(config: Config) -> None:
+    """ConfigError naming the first of OTHER_DCN_KEYS not left at 1."""
+    for key in OTHER_DCN_KEYS:
+        value = getattr(config, key)
+        if value != 1:
+            raise ConfigError(
+                f"{key}={value} is not supported: only dcn_data_parallelism and "
+                "dcn_fsdp_parallelism cross slices here (cross-slice tensor, expert or "
+                "context parallelism would put per-layer collectives on DCN); set it to 1"
+            )
+
+
 def mesh_shape(config: Config, num_devices: int, num_slices: int = 1) -> dict[str, int]:
     """Mesh axis sizes (MESH_AXES order): the dcn_ axes fill `num_slices`, the ici_
-    axes the devices of one slice; a -1 fills what the others leave."""
+    axes the devices of one slice; a -1 fills what the others leave. MaxText's other
+    dcn_ keys (OTHER_DCN_KEYS) must be 1."""
+    _check_other_dcn_keys(config)
     if num_slices < 1 or num_devices % num_slices:
         raise ConfigError(
             f"num_slices={num_slices} does not divide the {num_devices} devices into equal slices"
