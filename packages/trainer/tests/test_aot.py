@@ -4,6 +4,7 @@
 import re
 
 import jax
+import numpy as np
 import pytest
 
 import hlo_tools
@@ -160,3 +161,35 @@ def test_two_v5e8_slices_hierarchical(tmp_path):
     assert in_loop and all(c.multiplier == 4 for c in in_loop)
     lines = aot.report_lines(result)
     assert any("cross-slice" in line and "(0 B in loops)" in line for line in lines)
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [{"dcn_data": 2, "data": 8}, {"dcn_data": 2, "data": 2, "fsdp": 4}, {"dcn_fsdp": 2, "fsdp": 8}],
+    ids=lambda sizes: "x".join(f"{a}{n}" for a, n in sizes.items()),
+)
+def test_two_v5e8_slices_place_one_slice_per_dcn_block_laid_out_by_ici(sizes):
+    """The mesh of 2 x v5e-8 (no compile): each block along the dcn_ axes holds one
+    slice's devices, laid out as jax.make_mesh lays out one v5e-8 slice (its ICI
+    ring), not in id order."""
+    from jax.experimental import topologies
+
+    from trainer.config import DCN_AXES, MESH_AXES
+    from trainer.sharding import make_mesh
+
+    topo = aot.TOPOLOGIES["v5e-8"]
+    mesh = make_mesh(sizes, "explicit", aot.devices_for(topo, 2))
+    ndcn = len(DCN_AXES)
+    assert MESH_AXES[:ndcn] == DCN_AXES  # the dcn_ axes lead
+    ici_shape = mesh.devices.shape[ndcn:]
+    one_slice = topologies.get_topology_desc(topo.libtpu_name, "tpu").devices
+    want = jax.make_mesh(ici_shape, MESH_AXES[ndcn:], devices=one_slice).devices
+    want_coords = [tuple(d.coords) for d in want.flat]
+    assert want_coords != [tuple(d.coords) for d in sorted(one_slice, key=lambda d: d.id)]
+    seen = set()
+    for index in np.ndindex(mesh.devices.shape[:ndcn]):
+        block = mesh.devices[index]
+        (slice_index,) = {d.slice_index for d in block.flat}
+        seen.add(slice_index)
+        assert [tuple(d.coords) for d in block.flat] == want_coords
+    assert seen == {0, 1}

@@ -140,6 +140,32 @@ def test_slice_count_from_devices_config_and_topology():
     assert [d.id for d in slices.slice_major(real[::-1])] == list(range(8))
 
 
+def test_devices_that_report_slices_get_one_slice_per_dcn_block(monkeypatch):
+    """slices.device_array: devices with a slice_index go through MaxText's hybrid
+    mesh (grouped by slice, whatever their order); CPU devices, which report none,
+    keep the order given. The TPU layout inside a slice: test_aot.py."""
+    import types
+
+    from trainer import slices
+
+    fake = [types.SimpleNamespace(id=i, slice_index=i % 2, device_kind="cpu", platform="cpu")
+            for i in range(8)]  # fmt: skip
+    array = slices.device_array({"dcn_data": 2, "data": 4}, fake)
+    assert array.shape == (2, 1, 4, 1, 1, 1, 1, 1)
+    assert [[d.id for d in array[i].flat] for i in range(2)] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    cpu = slices.device_array({"dcn_data": 2, "data": 4}, jax.devices())
+    assert [d.id for d in cpu.flat] == [d.id for d in jax.devices()]
+
+    # A layout the hybrid mesh refuses falls back to the order given, saying why.
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("no such torus")
+
+    monkeypatch.setattr(slices.mesh_utils, "create_hybrid_device_mesh", refuse)
+    with pytest.warns(UserWarning, match=r"hybrid device mesh .* refused \(no such torus\)"):
+        array = slices.device_array({"dcn_data": 2, "data": 4}, fake)
+    assert [d.id for d in array.flat] == list(range(8))
+
+
 def test_hierarchical_fused_matches_and_keeps_cross_slice_out_of_the_loop(runner, grads_runner):
     """fused_gradient_accumulation=true reduce-scatters each layer's in-slice partial
     sums inside the backward layer scan: same numbers as unfused hierarchical, and

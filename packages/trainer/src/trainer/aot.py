@@ -93,12 +93,14 @@ def resolve(config: Config) -> Topology:
 
 
 def devices_for(topo: Topology, num_slices: int) -> list:
-    """Compile-only TPU devices, slice-major (so the data axis spans the slices)."""
+    """Compile-only TPU devices, slice-major; with several slices they carry their
+    `slice_index`, so the mesh is the hybrid one (slices.device_array)."""
     from jax.experimental import topologies
 
+    from trainer.slices import slice_major
+
     kwargs = {"num_slices": num_slices} if num_slices > 1 else {}
-    devices = topologies.get_topology_desc(topo.libtpu_name, "tpu", **kwargs).devices
-    return sorted(devices, key=lambda d: (getattr(d, "slice_index", 0) or 0, d.id))
+    return slice_major(topologies.get_topology_desc(topo.libtpu_name, "tpu", **kwargs).devices)
 
 
 @dataclasses.dataclass

@@ -15,28 +15,28 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import accum
 import pspec_tags as pt
 from trainer.config import MESH_AXES, Config
-from trainer.slices import slice_axes
+from trainer.slices import device_array, slice_axes
 
 
 def make_mesh(sizes: dict[str, int], mode: str, devices: Sequence[Any] | None = None) -> Mesh:
     """Every mesh axis (size one when unused or absent from `sizes`), Explicit or Auto.
 
-    The cross-slice (dcn_) axes come first: with `devices` in slice-major order
-    each slice is one contiguous block, so those axes are exactly the ones whose
-    collectives cross slices (the hybrid mesh of a multi-slice run).
+    The cross-slice (dcn_) axes come first and each slice is one block along them
+    (`slices.device_array`: the hybrid mesh on devices that report their slice,
+    slice-major order otherwise), so those axes are exactly the ones whose
+    collectives cross slices.
     """
     axis_type = AxisType.Explicit if mode == "explicit" else AxisType.Auto
-    shape = tuple(sizes.get(a, 1) for a in MESH_AXES)
     if devices is None:
+        shape = tuple(sizes.get(a, 1) for a in MESH_AXES)
         return jax.make_mesh(shape, MESH_AXES, axis_types=(axis_type,) * len(MESH_AXES))
-    array = np.asarray(devices).reshape(shape)
+    array = device_array(sizes, devices)
     return Mesh(array, MESH_AXES, axis_types=(axis_type,) * len(MESH_AXES))
 
 

@@ -5,14 +5,21 @@ cross-slice part its own outermost axes (config.DCN_AXES), so one slice is a
 contiguous block of the mesh. On real slices the count comes from the devices'
 `slice_index`; on CPU, `num_slices=N` emulates N slices as equal contiguous
 blocks of the devices; an AOT compile takes `compile_topology_num_slices`.
+Devices that report their slice are placed as MaxText places them
+(`device_array`: the hybrid device mesh, each slice laid out by its ICI topology).
 """
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from trainer.config import DCN_AXES, Config, ConfigError
+import numpy as np
+from jax.experimental import mesh_utils
+
+from trainer.config import DCN_AXES, MESH_AXES, Config, ConfigError
 
 
 def detected_slices(devices: Sequence[Any]) -> int:
@@ -50,3 +57,33 @@ def slice_major(devices: Sequence[Any]) -> list:
 def slice_axes(mesh_shape: dict[str, int]) -> tuple[str, ...]:
     """The mesh axes (size > 1) whose devices sit in different slices."""
     return tuple(a for a in DCN_AXES if mesh_shape.get(a, 1) > 1)
+
+
+def device_array(sizes: dict[str, int], devices: Sequence[Any]) -> np.ndarray:
+    """`devices` laid out as the mesh: shape `sizes` in MESH_AXES order (absent: 1).
+
+    Devices spanning several slices by their `slice_index` (real multi-slice TPU,
+    and a multi-slice AOT compile's topology devices) get MaxText's hybrid mesh,
+    `mesh_utils.create_hybrid_device_mesh`: one slice per index along the dcn_
+    axes, and inside it the ICI topology's layout (`create_device_mesh`, as
+    `jax.make_mesh` lays out one slice), physical axes split where a shape needs it.
+    Otherwise (CPU devices emulating slices, one slice), or when that layout is
+    refused (a warning gives the reason): `devices` reshaped in the order given
+    (callers pass them `slice_major`).
+    """
+    shape = tuple(sizes.get(a, 1) for a in MESH_AXES)
+    dcn_shape = tuple(sizes.get(a, 1) if a in DCN_AXES else 1 for a in MESH_AXES)
+    ici_shape = tuple(1 if a in DCN_AXES else sizes.get(a, 1) for a in MESH_AXES)
+    found = detected_slices(devices)
+    if found > 1 and found == math.prod(dcn_shape):
+        try:
+            return mesh_utils.create_hybrid_device_mesh(
+                ici_shape, dcn_shape, devices, allow_split_physical_axes=True
+            )
+        except (ValueError, NotImplementedError) as error:
+            warnings.warn(
+                f"the hybrid device mesh (ici {ici_shape} x dcn {dcn_shape} over {found} "
+                f"slices) was refused ({error}); placing the devices slice by slice, by id",
+                stacklevel=2,
+            )
+    return np.asarray(devices).reshape(shape)
