@@ -1,4 +1,5 @@
-"""Device check: the trainer on this host's accelerator, deferred vs per-microbatch reduction.
+"""Device check: the trainer on this host's accelerator, deferred (plain and fused) vs
+per-microbatch reduction.
 
 deepseek3-small with GA=4 on one GPU (on CPU: tagtrain-tiny on 8 virtual devices,
 so CI keeps the script working), a few steps per path. Per path: median step
@@ -11,7 +12,7 @@ share of those bytes the compiled schedule overlaps with compute
 deferred one with those overrides (a key the trainer lacks gives an error row).
 If deepseek3-small does not fit, a 6-layer cut of it runs instead.
 
-    benchmarks/device_check.sh [--cpu] [--steps N] [--variant fused:fused_accumulation=true]
+    benchmarks/device_check.sh [--cpu] [--steps N] [--variant bf16:accum_dtype=bfloat16]
 
 Writes device_check.md and .csv to benchmarks/results (or --out DIR) and prints
 the page. Needs only JAX, Flax, Optax and NumPy: the .sh puts packages/*/src on
@@ -29,9 +30,16 @@ import sys
 import time
 
 COMMAND = "benchmarks/device_check.sh"
+# fused_gradient_accumulation pinned on every path: the plain deferred path, the
+# fused one (each layer's gradient added into the accumulator in the backward scan)
+# and the per-microbatch one, whatever the trainer's default.
 PATHS = {
-    "deferred": {"gradient_reduction_policy": "deferred"},
-    "per_microbatch": {"gradient_reduction_policy": "per_microbatch"},
+    "deferred": {"gradient_reduction_policy": "deferred", "fused_gradient_accumulation": "false"},
+    "fused": {"gradient_reduction_policy": "deferred", "fused_gradient_accumulation": "true"},
+    "per_microbatch": {
+        "gradient_reduction_policy": "per_microbatch",
+        "fused_gradient_accumulation": "false",
+    },
 }
 SHAPES = {
     "accelerator": {"model_name": "deepseek3-small", "per_device_batch_size": "2"},
