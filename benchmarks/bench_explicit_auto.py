@@ -64,16 +64,13 @@ def deferred_share(step: bl.TrainerStep) -> float:
 
 def main() -> None:
     layouts = EIGHT_DEVICE_LAYOUTS
-    steps, failed = {}, {}
-    for name, layout in layouts.items():
-        for mode in MODES:
-            try:
-                steps[name, mode] = bl.TrainerStep({**MODEL, **layout, "shard_mode": mode})
-            except Exception as error:  # a layout the trainer cannot build: say so
-                failed[name, mode] = f"{type(error).__name__}: {str(error).splitlines()[0]}"
-                print(f"{name} {mode}: FAILED {failed[name, mode][:200]}", flush=True)
-                continue
-            print(f"compiled {name} {mode}: {steps[name, mode].compile_s:.1f} s", flush=True)
+    steps, failed = bl.compile_steps(
+        {
+            (name, mode): {**MODEL, **layout, "shard_mode": mode}
+            for name, layout in layouts.items()
+            for mode in MODES
+        }
+    )
     samples = bl.interleaved({k: s.step for k, s in steps.items()}, WARMUP, ROUNDS)
     med = {k: bl.median(v) for k, v in samples.items()}
     rows = []

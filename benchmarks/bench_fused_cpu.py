@@ -55,16 +55,13 @@ def configurations() -> dict[str, dict[str, str]]:
 
 
 def main() -> None:
-    steps, failed = {}, {}
-    for label, overrides in configurations().items():
-        for way, extra in WAYS.items():
-            try:
-                steps[label, way] = bl.TrainerStep({**overrides, **extra})
-            except Exception as error:  # a configuration the trainer cannot build: say so
-                failed[label, way] = f"{type(error).__name__}: {str(error).splitlines()[0]}"
-                print(f"{label} {way}: FAILED {failed[label, way][:300]}", flush=True)
-                continue
-            print(f"compiled {label} {way}: {steps[label, way].compile_s:.1f} s", flush=True)
+    steps, failed = bl.compile_steps(
+        {
+            (label, way): {**overrides, **extra}
+            for label, overrides in configurations().items()
+            for way, extra in WAYS.items()
+        }
+    )
     samples = bl.interleaved({k: s.step for k, s in steps.items()}, WARMUP, ROUNDS)
     med = {k: bl.median(v) for k, v in samples.items()}
     rows = []

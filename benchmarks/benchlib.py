@@ -210,6 +210,22 @@ class TrainerStep:
         self.compiled = None
 
 
+def compile_steps(configs: dict) -> tuple[dict, dict]:
+    """({key: TrainerStep}, {key: error line}) for `configs` ({key: overrides}): a
+    configuration the trainer cannot build is recorded and reported, not fatal."""
+    steps, failed = {}, {}
+    for key, overrides in configs.items():
+        label = " ".join(map(str, key)) if isinstance(key, tuple) else str(key)
+        try:
+            steps[key] = TrainerStep(overrides)
+        except Exception as error:  # a configuration the trainer cannot build: say so
+            failed[key] = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+            print(f"{label}: FAILED {failed[key][:300]}", flush=True)
+            continue
+        print(f"compiled {label}: {steps[key].compile_s:.1f} s", flush=True)
+    return steps, failed
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
