@@ -103,13 +103,15 @@ def check_layout(runner, grads_runner):
     """Assert one step of a layout in a mode matches a single-device run.
 
     Loss, grad norm and the spot-checked gradient leaves (Adam's first moment
-    after one step), f32, rtol 1e-4.
+    after one step), f32, rtol 1e-4. `extra` overrides (gradient_accumulation_steps)
+    join the layout's; the run is `runner(1, **layout, shard_mode=mode, **extra)`, so
+    a test asking for exactly that shares its compile.
     """
     ref_metrics = runner(1, devices=1)[0][0]
     ref_grads = grads_runner(1, devices=1)
 
-    def check(name: str, mode: str) -> None:
-        overrides = dict(LAYOUTS[name], shard_mode=mode)
+    def check(name: str, mode: str, **extra: str) -> None:
+        overrides = dict(LAYOUTS[name], shard_mode=mode, **extra)
         first = runner(1, **overrides)[0][0]
         np.testing.assert_allclose(first["loss"], ref_metrics["loss"], rtol=1e-4)
         np.testing.assert_allclose(first["grad_norm"], ref_metrics["grad_norm"], rtol=1e-4)

@@ -204,7 +204,37 @@ def _wait_for_step(proc, step):
     raise AssertionError("".join(lines) + proc.stderr.read())
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_ctrl_c_stops_after_the_step_and_saves_it(resumed, tmp_path, capfd):
+    """A first Ctrl-C (SIGINT) in the loop: the step finishes, is saved, the loop stops.
+
+    In process, with the module's executable: the handler the binary installs. The
+    binary's own Ctrl-C run (a compile of its own) is in the slow tier, below.
+    """
+    run = run_lib.setup(_config(tmp_path, checkpoint_period="0"))
+    run.compiled = resumed["compiled"]
+
+    def ctrl_c_at_2(step, metrics):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    history = run_lib.train(run, ctrl_c_at_2)
+    assert [m["step"] for m in history] == [1, 2]
+    assert run.stop_reason.startswith("SIGINT: stopped after step 2; checkpoint saved in")
+    assert "Ctrl-C: stopping after this step (again to abort)" in capfd.readouterr().err
+    ckpt = Path(checkpoint.checkpoint_dir(run.config))
+    assert [p.name for p in ckpt.iterdir()] == ["2"]
+    assert checkpoint.is_complete(str(ckpt / "2"))
+
+
+# SIGTERM through the binary in the cpu tier; Ctrl-C (the same handler, tested in
+# process above) through the binary in the slow tier.
+@pytest.mark.parametrize(
+    "sig",
+    [
+        pytest.param(signal.SIGTERM, id="SIGTERM"),
+        pytest.param(signal.SIGINT, id="Ctrl-C", marks=pytest.mark.slow),
+    ],
+)
 def test_signal_saves_and_exits_cleanly(tmp_path, sig):
     args = [*(f"{k}={v}" for k, v in TINY.items()), "steps=1000", "checkpoint_period=0"]
     proc = _popen(*args, f"base_output_directory={tmp_path}", cwd=tmp_path)

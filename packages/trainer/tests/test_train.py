@@ -27,6 +27,12 @@ CASES = {
 }
 
 
+# Steps each case runs: 2, or 6 where the GA tests below train the same
+# configuration longer (one compile and run serves both).
+LONG = 6
+STEPS = {"explicit-data8-ga4": LONG}
+
+
 @pytest.fixture(scope="module")
 def reference(runner):
     history, _ = runner(1, devices=1)
@@ -35,32 +41,34 @@ def reference(runner):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_first_step_matches_single_device(name, reference, runner):
-    history, _ = runner(2, **CASES[name])
+    history, _ = runner(STEPS.get(name, 2), **CASES[name])
     first = history[0]
     # Step 1's loss is computed from the initial parameters; its grad norm from
-    # the accumulated, reduced gradients. Two steps run: the second call takes
-    # the first one's output state (auto mode once returned it resharded).
+    # the accumulated, reduced gradients. Two or more steps run: the second call
+    # takes the first one's output state (auto mode once returned it resharded).
     np.testing.assert_allclose(first["loss"], reference["loss"], rtol=1e-4)
     np.testing.assert_allclose(first["grad_norm"], reference["grad_norm"], rtol=1e-4)
     assert first["tokens"] == reference["tokens"]
 
 
 def test_explicit_ga_reduces_gradients_once_per_step(runner):
-    _, text = runner(6, **CASES["explicit-data8-ga4"])
+    _, text = runner(LONG, **CASES["explicit-data8-ga4"])
     outside = hlo_tools.assert_reduced_once_per_step(text)
     assert sum(c.elements for c in outside) > 10_000  # the gradients, not a scalar
 
 
 def test_per_microbatch_reduction_shows_in_the_loop(runner):
     # The same step with deferral off: proves the assertion above can fail.
-    _, text = runner(6, **CASES["explicit-data8-ga4"], defer_gradient_reduction="false")
+    _, text = runner(LONG, **CASES["explicit-data8-ga4"], defer_gradient_reduction="false")
     with pytest.raises(AssertionError, match="run inside a loop"):
         hlo_tools.assert_reduced_once_per_step(text)
 
 
 def test_deferred_and_per_microbatch_losses_agree_and_fall(runner):
-    deferred, _ = runner(6, **CASES["explicit-data8-ga4"])
-    per_microbatch, _ = runner(6, **CASES["explicit-data8-ga4"], defer_gradient_reduction="false")
+    deferred, _ = runner(LONG, **CASES["explicit-data8-ga4"])
+    per_microbatch, _ = runner(
+        LONG, **CASES["explicit-data8-ga4"], defer_gradient_reduction="false"
+    )
     losses = np.array([m["loss"] for m in deferred])
     np.testing.assert_allclose(losses, [m["loss"] for m in per_microbatch], rtol=1e-5)
     assert losses[4] < losses[0] - 0.2, losses  # 5 steps reduce the loss
