@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 import accum
 import pspec_tags as pt
 
-VOCAB, DIM, HIDDEN, EXPERTS, EXPERT_HIDDEN, LAYERS, SEQ = 32, 16, 32, 4, 8, 2, 4
+VOCAB, DIM, HIDDEN, EXPERTS, EXPERT_HIDDEN, LAYERS, SEQ = 32, 16, 32, 4, 8, 3, 4
 
 LOGICAL = {
     "embed": ("vocab", "embed"),

@@ -6,9 +6,10 @@ stacked parameter's gradient is added into its accumulator's slice *inside* the
 backward layer scan, as each layer's gradient is produced: no full-size
 per-microbatch gradient exists beside the accumulator (Megatron's
 gradient-accumulation fusion). On the step's last microbatch (`overlap`), each
-layer's final sum is reduced right there instead — all-reduce, or
-reduce-scatter onto ZeRO-1 shards — so the collective of layer l can run while
-layers l-1..0 still compute their backward.
+layer's final sum is reduced there instead — all-reduce, or reduce-scatter onto
+ZeRO-1 shards — pipelined by one layer: iteration l reduces layer l+1's total
+(finished in the previous iteration) while it computes layer l's backward, so
+nothing in the iteration waits for that collective and it can run under all of it.
 
 How: the stack is a `custom_vjp` whose forward is the plain scan (saving each
 layer's VJP residuals) and whose backward is a reverse scan that carries the
@@ -199,6 +200,44 @@ def _set_at(out: jax.Array, i: jax.Array, d: jax.Array) -> jax.Array:
     return lax.dynamic_update_index_in_dim(out, d.astype(out.dtype), jnp.asarray(i, jnp.int32), 0)
 
 
+def _reduce(entry: SinkLeaf, total: jax.Array) -> jax.Array:
+    """One layer's final total reduced onto its slice target (the step's one
+    reduction of that layer), under the scope hlo_tools recognises."""
+    with jax.named_scope(OVERLAPPED_SCOPE):
+        # XLA names a reduction after its operand's op. `total` is a loop carry
+        # (last iteration's slice), whose op carries the loop's name: a barrier
+        # inside the scope gives the reduction an operand op that carries the
+        # scope (and costs nothing: the carry is already computed).
+        return entry.place(lax.optimization_barrier(total), entry.final)
+
+
+def _index(x: jax.Array, k: int) -> jax.Array:
+    """`x[k]` along the layer axis, per device where `x` is unreduced."""
+    return _local(lambda a: a[k], without_leading(spec_of(x)), x)
+
+
+def _head(x: jax.Array, k: int) -> jax.Array:
+    """`x[:k]` along the layer axis, per device where `x` is unreduced."""
+    return _local(lambda a: a[:k], spec_of(x), x)
+
+
+def _stack_one(x: jax.Array) -> jax.Array:
+    """`x[None]`: one layer's value as a stack of one, per device where unreduced."""
+    spec = spec_of(x)
+    # TAG: the new leading (layer) entry is unsharded; both tag sets carried over.
+    stacked = (
+        None
+        if spec is None
+        else P(None, *partitions(spec), unreduced=unreduced_axes(spec), reduced=reduced_axes(spec))
+    )
+    return _local(lambda a: a[None], stacked, x)
+
+
+def _concat(head: jax.Array, tail: jax.Array) -> jax.Array:
+    """`head` and `tail` joined along the layer axis, per device where unreduced."""
+    return _local(lambda a, b: jnp.concatenate([a, b]), spec_of(head), head, tail)
+
+
 def _fused_scan(body, carry, leaves, tree, entries):
     sunk_mask = [e is not None for e in entries]
     float_mask = [_floating(x) for x in leaves]
@@ -278,28 +317,35 @@ def _fused_scan(body, carry, leaves, tree, entries):
             )
 
         def step(state, xs):
-            dc, dconsts, bufs, accs_ = state
+            dc, dconsts, bufs, accs_, pendings = state
             i, saved_i, free_i, sunk_i, scanned_i = xs
             vjp_fn = rebuild(saved_i, free_i, sunk_i, consts_)
             dc, dfree, dsunk, dk = vjp_fn((dc, ct_y_of(scanned_i)))
             dconsts = jax.tree.map(lambda a, b: a + b.astype(a.dtype), dconsts, dk)
-            new_bufs = []
-            new_accs = []
-            for entry, buf, d, acc in zip(active, bufs, dsunk, accs_, strict=True):
+            new_bufs, new_accs, new_pendings = [], [], []
+            for entry, buf, d, acc, pending in zip(
+                active, bufs, dsunk, accs_, pendings, strict=True
+            ):
                 d = entry.prepare(d)
                 if entry.final is None:
                     new_bufs.append(_add_at(buf, i, d))
                     new_accs.append(None)
+                    new_pendings.append(None)
                     continue
+                if pending is not None:
+                    # Layer i+1's total, finished in the previous iteration, is
+                    # reduced in this one: nothing of layer i's backward depends
+                    # on it, so an asynchronous collective can run under all of it.
+                    buf = _set_at(buf, i + 1, _reduce(entry, pending))
                 # The layer's total is written into the running accumulator in
-                # place, then read back and reduced. (Kept as a changing carry: an
-                # unreduced loop invariant is all-reduced on loop entry.)
+                # place and read back as next iteration's pending. (Kept as a
+                # changing carry: an unreduced loop invariant is all-reduced on
+                # loop entry.)
                 acc = _add_at(acc, i, d)
-                with jax.named_scope(OVERLAPPED_SCOPE):
-                    total = entry.place(_slice_at(acc, i), entry.final)
-                new_bufs.append(_set_at(buf, i, total))
+                new_bufs.append(buf)
                 new_accs.append(acc)
-            return (dc, dconsts, new_bufs, new_accs), dfree
+                new_pendings.append(_slice_at(acc, i))
+            return (dc, dconsts, new_bufs, new_accs, new_pendings), dfree
 
         zero_dk = jax.tree.map(
             _zeros_like_type,
@@ -316,12 +362,27 @@ def _fused_scan(body, carry, leaves, tree, entries):
         finals_in = [
             acc if e.final is not None else None for e, acc in zip(active, accs_, strict=True)
         ]
-        (dc0, dconsts, bufs, _), dfree = lax.scan(
-            step,
-            (ct_c, zero_dk, bufs0, finals_in),
-            (jnp.arange(count, dtype=jnp.int32), saved, free_, sunk_, scanned_cts),
-            reverse=True,
-        )
+        state0 = (ct_c, zero_dk, bufs0, finals_in, [None] * len(active))
+        xs = (jnp.arange(count, dtype=jnp.int32), saved, free_, sunk_, scanned_cts)
+        if all(e.final is None for e in active):
+            (dc0, dconsts, bufs, _, _), dfree = lax.scan(step, state0, xs, reverse=True)
+            return dc0, dfree, None, dconsts, None, bufs
+        # The last microbatch, pipelined by one layer: the top layer's backward
+        # runs before the scan (it has no pending total to reduce), each scan
+        # iteration reduces the layer above it, and layer 0's total is reduced
+        # after the scan, under whatever backward remains below the stack.
+        state, dfree_top = step(state0, jax.tree.map(lambda x: _index(x, count - 1), xs))
+        dfree = jax.tree.map(lambda x: _stack_one(x), dfree_top)
+        if count > 1:
+            state, dfree_rest = lax.scan(
+                step, state, jax.tree.map(lambda x: _head(x, count - 1), xs), reverse=True
+            )
+            dfree = jax.tree.map(_concat, dfree_rest, dfree)
+        dc0, dconsts, bufs, _, pendings = state
+        bufs = [
+            buf if pending is None else _set_at(buf, 0, _reduce(entry, pending))
+            for entry, buf, pending in zip(active, bufs, pendings, strict=True)
+        ]
         return dc0, dfree, None, dconsts, None, bufs
 
     stack.defvjp(stack_fwd, stack_bwd)

@@ -41,7 +41,8 @@ def overlapped_reductions(
 ) -> list[Collective]:
     """Gradient reductions of the last microbatch's backward layer scan (a loop, not
     nested in another, holding reductions under ``OVERLAPPED_SCOPE``): once per step
-    in total, one layer per iteration, so they can overlap the remaining backward."""
+    in total, one layer per iteration (accum pipelines them by one layer: layer 0's
+    runs after the scan), so they can overlap the remaining backward."""
     return _split_in_loop(module, max_in_loop_elements)[0]
 
 
