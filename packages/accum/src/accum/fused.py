@@ -38,7 +38,14 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pspec_tags import check_unreduced, partitions, reduced_axes, spec_of, unreduced_axes
+from pspec_tags import (
+    check_unreduced,
+    partitions,
+    reduced_axes,
+    spec_of,
+    unreduced_axes,
+    untagged,
+)
 
 _STATE = threading.local()
 
@@ -211,6 +218,77 @@ def _reduce(entry: SinkLeaf, total: jax.Array) -> jax.Array:
         return entry.place(lax.optimization_barrier(total), entry.final)
 
 
+def _bucket_axes(entry: SinkLeaf, total: jax.Array) -> frozenset | None:
+    """The axes a plain all-reduce of `total` onto `entry.final` runs over; None
+    when the reduction is anything else (a reduce-scatter onto ZeRO-1 shards, a
+    value that is not unreduced, auto mode)."""
+    spec = spec_of(total)
+    if spec is None or not unreduced_axes(spec) or entry.final is None:
+        return None
+    pad = lambda parts: tuple(parts) + (None,) * (total.ndim - len(parts))  # noqa: E731
+    if pad(partitions(entry.final)) != pad(partitions(spec)):
+        return None
+    return unreduced_axes(spec)
+
+
+def _reduce_bucket(totals: list[jax.Array], axes: frozenset) -> list[jax.Array]:
+    """All-reduce several layer totals as one flat buffer (DDP's bucket).
+
+    XLA:TPU makes a single-array all-reduce asynchronous but not a combined
+    (tuple) one, and its combiner would merge a layer's many small reductions
+    into one: flattening them into one array gives one collective per layer that
+    can run under the next layer's backward. Per device the totals are plain
+    partial sums, so raveling, joining and splitting them is local.
+    """
+    mesh = jax.typeof(totals[0]).sharding.mesh
+    names = tuple(a for a in mesh.axis_names if a in axes)
+    specs = tuple(spec_of(t) for t in totals)
+
+    def body(*blocks):
+        flat = lax.psum(jnp.concatenate([b.reshape(-1) for b in blocks]), names)
+        out, start = [], 0
+        for b in blocks:
+            out.append(flat[start : start + b.size].reshape(b.shape))
+            start += b.size
+        return tuple(out)
+
+    # TAG: in_specs are the totals' own (unreduced over `axes`); out_specs the
+    # same partitions untagged: the psum is the reduction, typed as its result.
+    with jax.named_scope(OVERLAPPED_SCOPE):
+        return list(
+            jax.shard_map(
+                body,
+                mesh=mesh,
+                in_specs=specs,
+                out_specs=tuple(untagged(sp) for sp in specs),
+                check_vma=False,
+            )(*totals)
+        )
+
+
+def _reduce_layer(entries: list[SinkLeaf], totals: list) -> list:
+    """Each layer total (None: nothing to reduce) reduced onto its entry's target:
+    plain all-reduces of one dtype over the same axes as one bucket, the rest
+    (reduce-scatters onto ZeRO-1 shards) one by one."""
+    out: list = [None] * len(totals)
+    buckets: dict = {}
+    for k, (entry, total) in enumerate(zip(entries, totals, strict=True)):
+        if total is None:
+            continue
+        axes = _bucket_axes(entry, total)
+        if axes is None:
+            out[k] = _reduce(entry, total)
+        else:
+            buckets.setdefault((total.dtype, axes), []).append(k)
+    for (_, axes), ks in buckets.items():
+        if len(ks) == 1:
+            out[ks[0]] = _reduce(entries[ks[0]], totals[ks[0]])
+            continue
+        for k, reduced in zip(ks, _reduce_bucket([totals[k] for k in ks], axes), strict=True):
+            out[k] = reduced
+    return out
+
+
 def _index(x: jax.Array, k: int) -> jax.Array:
     """`x[k]` along the layer axis, per device where `x` is unreduced."""
     return _local(lambda a: a[k], without_leading(spec_of(x)), x)
@@ -322,21 +400,20 @@ def _fused_scan(body, carry, leaves, tree, entries):
             vjp_fn = rebuild(saved_i, free_i, sunk_i, consts_)
             dc, dfree, dsunk, dk = vjp_fn((dc, ct_y_of(scanned_i)))
             dconsts = jax.tree.map(lambda a, b: a + b.astype(a.dtype), dconsts, dk)
+            # Layer i+1's totals, finished in the previous iteration, are reduced
+            # in this one: nothing of layer i's backward depends on them, so an
+            # asynchronous collective can run under all of it.
+            reduced = _reduce_layer(active, pendings)
             new_bufs, new_accs, new_pendings = [], [], []
-            for entry, buf, d, acc, pending in zip(
-                active, bufs, dsunk, accs_, pendings, strict=True
-            ):
+            for entry, buf, d, acc, total in zip(active, bufs, dsunk, accs_, reduced, strict=True):
                 d = entry.prepare(d)
                 if entry.final is None:
                     new_bufs.append(_add_at(buf, i, d))
                     new_accs.append(None)
                     new_pendings.append(None)
                     continue
-                if pending is not None:
-                    # Layer i+1's total, finished in the previous iteration, is
-                    # reduced in this one: nothing of layer i's backward depends
-                    # on it, so an asynchronous collective can run under all of it.
-                    buf = _set_at(buf, i + 1, _reduce(entry, pending))
+                if total is not None:
+                    buf = _set_at(buf, i + 1, total)
                 # The layer's total is written into the running accumulator in
                 # place and read back as next iteration's pending. (Kept as a
                 # changing carry: an unreduced loop invariant is all-reduced on
@@ -380,8 +457,8 @@ def _fused_scan(body, carry, leaves, tree, entries):
             dfree = jax.tree.map(_concat, dfree_rest, dfree)
         dc0, dconsts, bufs, _, pendings = state
         bufs = [
-            buf if pending is None else _set_at(buf, 0, _reduce(entry, pending))
-            for entry, buf, pending in zip(active, bufs, pendings, strict=True)
+            buf if total is None else _set_at(buf, 0, total)
+            for buf, total in zip(bufs, _reduce_layer(active, pendings), strict=True)
         ]
         return dc0, dfree, None, dconsts, None, bufs
 
