@@ -1,0 +1,101 @@
+"""Asynchronous gradient reductions in the compiled TPU schedule: v5e-8 and v6e-8 AOT.
+
+deepseek3-small, GA=4, one 1024-token sequence per device per microbatch, remat
+full, compiled on this CPU host with the trainer's TPU compile options
+(`tpu_async_collectives`, trainer/xla_options.py: asynchronous all-reduce and
+reduce-scatter collective fusions, no all-reduce combining). Rows: auto and
+overlap_gradient_reduction (the last microbatch's per-layer reductions inside
+its backward layer scan, pipelined by one layer and bucketed per layer) on v5e-8
+with ZeRO-1 (the seed's recipe, aot_fused.md's rows), the same on v5e-8 without
+ZeRO-1 (all-reduces instead of reduce-scatters), and on v6e-8 with ZeRO-1.
+
+Per row, as on aot_fused.md (bench_aot_fused.measure): memory, gradient reduction
+bytes per step inside / in the overlapped scan / after the loops, and the share of
+gradient reduction bytes per step the schedule issues asynchronously with compute
+scheduled between start and done (hlo_tools.async_overlap / overlap_summary).
+
+    JAX_PLATFORMS=cpu uv run --extra tpu python benchmarks/bench_aot_async.py [--reuse]
+
+Writes benchmarks/results/aot_async.md and .csv; compiles are cached as
+bench_aot_fused's are (`--reuse` reads them back).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+
+import bench_aot_fused as fused  # noqa: E402 - sets up jax and the compile cache
+import benchlib as bl  # noqa: E402
+
+COMMAND = "JAX_PLATFORMS=cpu uv run --extra tpu python benchmarks/bench_aot_async.py"
+NO_ZERO1 = {"shard_optimizer_over_data": "false"}
+V6E = {"compile_topology": "v6e-8"}
+OVERLAP = {"gradient_reduction_policy": "deferred", **fused.OVERLAP}
+ROWS = {
+    ("v5e-8, ZeRO-1", "auto"): {"shard_mode": "auto"},
+    ("v5e-8, ZeRO-1", "overlap"): OVERLAP,
+    ("v5e-8, no ZeRO-1", "overlap"): {**NO_ZERO1, **OVERLAP},
+    ("v6e-8, ZeRO-1", "overlap"): {**V6E, **OVERLAP},
+}
+
+
+def main() -> int:
+    if importlib.util.find_spec("libtpu") is None:
+        print("bench_aot_async: skipped, needs libtpu (uv run --extra tpu ...)")
+        return 0
+    reuse = "--reuse" in sys.argv[1:]
+    started = time.perf_counter()
+    rows = []
+    for (where, name), variant in ROWS.items():
+        slug = f"async_{where}_{name}".replace(", ", "_").replace(" ", "_")
+        row = {"topology": where, "variant": name, **fused.measure(slug, variant, reuse)}
+        print(row, flush=True)
+        rows.append(row)
+    wall = time.perf_counter() - started
+    lines = bl.header(
+        "Asynchronous gradient reductions in the compiled TPU schedule (AOT)",
+        COMMAND + (" --reuse" if reuse else ""),
+        [
+            "deepseek3-small, GA=4, 1 x 1024 tokens per device per microbatch, remat full, "
+            "bf16 compute, f32 weights, data=8; TPU compile options: tpu_async_collectives "
+            "(the default; trainer/xla_options.py)",
+            "columns as on aot_fused.md; async-overlapped share = gradient reduction bytes "
+            "per step issued by an async start with compute scheduled between start and done",
+            f"run: {len(rows)} compiles, "
+            f"{sum(r.get('compile_s', 0) for r in rows) / 60:.1f} min of compile time; "
+            "compiled at "
+            + ", ".join(dict.fromkeys(r["tree"] for r in rows if "tree" in r))
+            + (f"; this analysis pass {wall / 60:.1f} min, reading cached HLO" if reuse else ""),
+        ],
+    )
+    mem_cols = ["GiB/device", "argument", "output", "temp"]
+    red_cols = [
+        "in loop MiB/step (ops)",
+        "overlapped MiB/step (ops)",
+        "after MiB/step (ops)",
+        "total MiB/step",
+        "reduced operand MiB/step",
+        "x f32 grad",
+        "async-overlapped share",
+    ]
+    table_rows = []
+    for r in rows:
+        label = f"{r['topology']}: {r['variant']}"
+        if "error" in r:
+            table_rows.append(
+                [label, f"fails: {r['error']}"] + [""] * (len(mem_cols) + len(red_cols) - 1)
+            )
+            continue
+        memory = fused._memory_cells(r, None)
+        reduction = fused._reduction_cells(r, None)
+        table_rows.append([label, memory[0], *memory[2:], *reduction[:6], reduction[-1]])
+    ncols = 1 + len(mem_cols) + len(red_cols)
+    lines += bl.table(["row", *mem_cols, *red_cols], table_rows, align="l" + "r" * (ncols - 1))
+    bl.write("aot_async", lines, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
