@@ -70,6 +70,41 @@ def test_v5e8_memory_report_and_hlo_file(zero1_v5e8):
     assert zero1_v5e8.hlo_path.endswith("tagtrain-test/aot_v5e-8.hlo")
 
 
+@pytest.fixture(scope="module")
+def overlap_v5e8(tmp_path_factory):
+    """tagtrain-test, explicit, data=8, GA=4 on v5e-8, overlap_gradient_reduction=true,
+    tpu_async_collectives at its default (on)."""
+    config = _config(
+        tmp_path_factory.mktemp("aot"),
+        **TEST_V5E8,
+        ici_data_parallelism="8",
+        overlap_gradient_reduction="true",
+    )
+    assert config.tpu_async_collectives
+    return aot.compile_for_topology(config)
+
+
+def test_v5e8_tpu_async_collectives_overlap_the_backward_scans_reductions(overlap_v5e8):
+    # xla_options' TPU set reached the compile: some of the per-layer gradient
+    # all-reduces of the last microbatch's backward scan are async collective
+    # fusions with compute scheduled between start and done (libtpu's defaults
+    # keep every all-reduce synchronous). Only there: with the deferred policy the
+    # step's one reduction per gradient has nothing left to overlap, and XLA keeps
+    # it synchronous whatever the options.
+    text = overlap_v5e8.compiled.as_text()
+    records = hlo_tools.async_overlap(text)
+    scan = {c.name for c in hlo_tools.overlapped_reductions(text)}
+    assert scan, "no reduction in the last microbatch's backward layer scan"
+    hidden = [r for r in records if r.overlapped and r.collective.name in scan]
+    assert hidden and all(r.kind == "all-reduce" for r in hidden), [
+        (r.collective.name, r.is_async, len(r.between))
+        for r in records
+        if r.collective.name in scan
+    ]
+    grads = hlo_tools.overlap_report(text)["gradient_reductions"]
+    assert grads["overlapped"] >= len(hidden) and grads["overlapped_bytes_per_step"] > 0
+
+
 def test_two_slices_of_v6e4(tmp_path):
     config = _config(
         tmp_path,

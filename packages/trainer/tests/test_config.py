@@ -14,6 +14,7 @@ from trainer.config import (
     parse_overrides,
 )
 from trainer.validate import validate
+from trainer.xla_options import TPU_ASYNC_COLLECTIVES, compiler_options, for_mesh, platform_of
 
 BAD = [
     (
@@ -105,6 +106,39 @@ def test_accum_dtype_set_past_make_config_is_caught_by_validate():
     bad = dataclasses.replace(make_config(), accum_dtype="int8")
     with pytest.raises(ConfigError, match=r"^accum_dtype='int8' is not one of"):
         validate(bad, 8)
+
+
+def test_tpu_async_collectives_defaults_on_and_parses_true_and_false():
+    assert make_config().tpu_async_collectives is True
+    for raw, want in (("true", True), ("false", False), ("False", False), ("1", True)):
+        config = make_config(parse_overrides([f"tpu_async_collectives={raw}"]))
+        assert config.tpu_async_collectives is want
+        validate(config, 8)
+    with pytest.raises(ConfigError, match=r"^tpu_async_collectives='maybe' is not a boolean"):
+        make_config({"tpu_async_collectives": "maybe"})
+
+
+def test_compiler_options_are_tpu_only_and_follow_the_key():
+    on, off = make_config(), make_config({"tpu_async_collectives": "false"})
+    for config in (on, off):
+        # CPU and GPU compiles reject the TPU names: they must get no option at all.
+        assert compiler_options(config, "cpu") == {}
+        assert compiler_options(config, "gpu") == {}
+    assert compiler_options(off, "tpu") == {}
+    tpu = compiler_options(on, "tpu")
+    assert tpu == TPU_ASYNC_COLLECTIVES and tpu["xla_enable_async_all_reduce"] == "true"
+    assert tpu["xla_jf_crs_combiner_threshold_count"] == "1"
+    assert all(isinstance(v, str) for v in tpu.values())  # compile options as strings
+    tpu["xla_enable_async_all_reduce"] = "false"  # a copy: callers cannot edit the set
+    assert TPU_ASYNC_COLLECTIVES["xla_enable_async_all_reduce"] == "true"
+
+
+def test_compiler_options_read_the_platform_of_the_mesh():
+    import jax
+
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices("cpu")[:1])
+    assert platform_of(mesh) == "cpu"
+    assert for_mesh(make_config(), mesh) == {}
 
 
 def test_at_least_fifteen_bad_configurations():

@@ -140,13 +140,15 @@ def compile_for_topology(config: Config, hlo_path: str | None = None) -> AotResu
     import jax
 
     from trainer import run as run_lib
+    from trainer import xla_options
 
     topo = resolve(config)
     slices = config.compile_topology_num_slices
     run = run_lib.abstract_setup(config, devices_for(topo, slices))
     with jax.set_mesh(run.ctx.mesh):
         lowered = run.step_fn.lower(run.state, run_lib.abstract_batch(run))
-        compiled = lowered.compile()
+        # The mesh holds the topology's devices, so this is the TPU option set.
+        compiled = lowered.compile(compiler_options=xla_options.for_mesh(config, run.ctx.mesh))
     run.compiled = compiled
     suffix = f"x{slices}" if slices > 1 else ""
     hlo_path = hlo_path or os.path.join(config.run_dir, f"aot_{topo.name}{suffix}.hlo")

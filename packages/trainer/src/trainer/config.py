@@ -139,6 +139,11 @@ class Config:
     # its backward layer scan, so the reduction can overlap the remaining layers'
     # backward compute (implies fused accumulation). Same numbers, same bytes.
     overlap_gradient_reduction: bool = False
+    # On TPU, compile with XLA's asynchronous all-reduce/reduce-scatter collective
+    # fusions (trainer/xla_options.py), so a reduction can run under the compute
+    # scheduled after it (what overlap_gradient_reduction needs: with libtpu's
+    # defaults every all-reduce is synchronous). No effect on CPU and GPU.
+    tpu_async_collectives: bool = True
     steps: int = 10
     learning_rate: float = 3e-3
     warmup_steps_fraction: float = 0.1

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 import accum
-from trainer import data, input_pipeline
+from trainer import data, input_pipeline, xla_options
 from trainer import model as model_lib
 from trainer.config import Config
 from trainer.eval_data import EvalSet
@@ -56,9 +56,11 @@ class Evaluator:
         """Lower and compile the eval step once (the executable every evaluation runs)."""
         if self.compiled is None:
             with jax.set_mesh(self.ctx.mesh):
-                self.compiled = self.step_fn.lower(
+                lowered = self.step_fn.lower(
                     state["params"], state["router"], self.batch(0), self.zeros_fn()
-                ).compile()
+                )
+                options = xla_options.for_mesh(self.config, self.ctx.mesh)
+                self.compiled = lowered.compile(compiler_options=options)
         return self.compiled
 
     def evaluate(self, state: dict) -> dict:

@@ -25,6 +25,7 @@ from trainer import (
     input_pipeline,
     report,
     slices,
+    xla_options,
 )
 from trainer import model as model_lib
 from trainer.config import Config
@@ -180,7 +181,10 @@ def batch_for(run: Run, step: int) -> dict:
 def compile_step(run: Run) -> Any:
     """Lower and compile the step once (the same executable the loop runs)."""
     with jax.set_mesh(run.ctx.mesh):
-        run.compiled = run.step_fn.lower(run.state, batch_for(run, 0)).compile()
+        lowered = run.step_fn.lower(run.state, batch_for(run, 0))
+        run.compiled = lowered.compile(
+            compiler_options=xla_options.for_mesh(run.config, run.ctx.mesh)
+        )
     if run.evaluator:
         run.evaluator.compile(run.state)
     return run.compiled
