@@ -2,12 +2,13 @@
 
 deepseek3-small, GA=4, one 1024-token sequence per device per microbatch, remat
 full, compiled on this CPU host with the trainer's TPU compile options
-(`tpu_async_collectives`, trainer/xla_options.py: asynchronous all-reduce and
-reduce-scatter collective fusions, no all-reduce combining). Rows: auto and
+(`tpu_async_collectives=true`, trainer/xla_options.py: asynchronous all-reduce
+collective fusions, no all-reduce combining). Rows: auto and
 overlap_gradient_reduction (the last microbatch's per-layer reductions inside
 its backward layer scan, pipelined by one layer and bucketed per layer) on v5e-8
 with ZeRO-1 (the seed's recipe, aot_fused.md's rows), the same on v5e-8 without
-ZeRO-1 (all-reduces instead of reduce-scatters), and on v6e-8 with ZeRO-1.
+ZeRO-1 (all-reduces instead of reduce-scatters), and on v6e-8 with ZeRO-1; and
+overlap on v5e-8 with ZeRO-1 compiled without the options (their memory effect).
 
 Per row, as on aot_fused.md (bench_aot_fused.measure): memory, gradient reduction
 bytes per step inside / in the overlapped scan / after the loops, and the share of
@@ -30,14 +31,16 @@ import bench_aot_fused as fused  # noqa: E402 - sets up jax and the compile cach
 import benchlib as bl  # noqa: E402
 
 COMMAND = "JAX_PLATFORMS=cpu uv run --extra tpu python benchmarks/bench_aot_async.py"
+ASYNC = {"tpu_async_collectives": "true"}
 NO_ZERO1 = {"shard_optimizer_over_data": "false"}
 V6E = {"compile_topology": "v6e-8"}
 OVERLAP = {"gradient_reduction_policy": "deferred", **fused.OVERLAP}
 ROWS = {
-    ("v5e-8, ZeRO-1", "auto"): {"shard_mode": "auto"},
-    ("v5e-8, ZeRO-1", "overlap"): OVERLAP,
-    ("v5e-8, no ZeRO-1", "overlap"): {**NO_ZERO1, **OVERLAP},
-    ("v6e-8, ZeRO-1", "overlap"): {**V6E, **OVERLAP},
+    ("v5e-8, ZeRO-1", "auto"): {"shard_mode": "auto", **ASYNC},
+    ("v5e-8, ZeRO-1", "overlap"): {**OVERLAP, **ASYNC},
+    ("v5e-8, ZeRO-1", "overlap, tpu_async_collectives=false"): OVERLAP,
+    ("v5e-8, no ZeRO-1", "overlap"): {**NO_ZERO1, **OVERLAP, **ASYNC},
+    ("v6e-8, ZeRO-1", "overlap"): {**V6E, **OVERLAP, **ASYNC},
 }
 
 
@@ -59,8 +62,8 @@ def main() -> int:
         COMMAND + (" --reuse" if reuse else ""),
         [
             "deepseek3-small, GA=4, 1 x 1024 tokens per device per microbatch, remat full, "
-            "bf16 compute, f32 weights, data=8; TPU compile options: tpu_async_collectives "
-            "(the default; trainer/xla_options.py)",
+            "bf16 compute, f32 weights, data=8; TPU compile options: tpu_async_collectives=true "
+            "(trainer/xla_options.py) unless the row says false",
             "columns as on aot_fused.md; async-overlapped share = gradient reduction bytes "
             "per step issued by an async start with compute scheduled between start and done",
             f"run: {len(rows)} compiles, "

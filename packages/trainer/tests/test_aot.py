@@ -73,14 +73,14 @@ def test_v5e8_memory_report_and_hlo_file(zero1_v5e8):
 @pytest.fixture(scope="module")
 def overlap_v5e8(tmp_path_factory):
     """tagtrain-test, explicit, data=8, GA=4 on v5e-8, overlap_gradient_reduction=true,
-    tpu_async_collectives at its default (on)."""
+    tpu_async_collectives=true."""
     config = _config(
         tmp_path_factory.mktemp("aot"),
         **TEST_V5E8,
         ici_data_parallelism="8",
         overlap_gradient_reduction="true",
+        tpu_async_collectives="true",
     )
-    assert config.tpu_async_collectives
     return aot.compile_for_topology(config)
 
 

@@ -139,11 +139,13 @@ class Config:
     # its backward layer scan, so the reduction can overlap the remaining layers'
     # backward compute (implies fused accumulation). Same numbers, same bytes.
     overlap_gradient_reduction: bool = False
-    # On TPU, compile with XLA's asynchronous all-reduce/reduce-scatter collective
-    # fusions (trainer/xla_options.py), so a reduction can run under the compute
-    # scheduled after it (what overlap_gradient_reduction needs: with libtpu's
-    # defaults every all-reduce is synchronous). No effect on CPU and GPU.
-    tpu_async_collectives: bool = True
+    # On TPU, compile with XLA's asynchronous all-reduce collective fusions and no
+    # all-reduce combining (trainer/xla_options.py), so a reduction can run under
+    # the compute scheduled after it (with libtpu's defaults every all-reduce is
+    # synchronous). Off by default: on deepseek3-small it raised memory and made
+    # few gradient reductions async (benchmarks/results/aot_async.md). No effect
+    # on CPU and GPU.
+    tpu_async_collectives: bool = False
     steps: int = 10
     learning_rate: float = 3e-3
     warmup_steps_fraction: float = 0.1
