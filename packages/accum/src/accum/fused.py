@@ -289,16 +289,6 @@ def _reduce_layer(entries: list[SinkLeaf], totals: list) -> list:
     return out
 
 
-def _index(x: jax.Array, k: int) -> jax.Array:
-    """`x[k]` along the layer axis, per device where `x` is unreduced."""
-    return _local(lambda a: a[k], without_leading(spec_of(x)), x)
-
-
-def _head(x: jax.Array, k: int) -> jax.Array:
-    """`x[:k]` along the layer axis, per device where `x` is unreduced."""
-    return _local(lambda a: a[:k], spec_of(x), x)
-
-
 def _stack_one(x: jax.Array) -> jax.Array:
     """`x[None]`: one layer's value as a stack of one, per device where unreduced."""
     spec = spec_of(x)
@@ -448,11 +438,16 @@ def _fused_scan(body, carry, leaves, tree, entries):
         # runs before the scan (it has no pending total to reduce), each scan
         # iteration reduces the layer above it, and layer 0's total is reduced
         # after the scan, under whatever backward remains below the stack.
-        state, dfree_top = step(state0, jax.tree.map(lambda x: _index(x, count - 1), xs))
-        dfree = jax.tree.map(lambda x: _stack_one(x), dfree_top)
+        state, dfree_top = step(state0, jax.tree.map(lambda x: _slice_at(x, count - 1), xs))
+        dfree = jax.tree.map(_stack_one, dfree_top)
         if count > 1:
+            # The scan reads layers 0..count-2 out of the whole stacks by index
+            # (slicing the stacks first would copy every saved residual).
             state, dfree_rest = lax.scan(
-                step, state, jax.tree.map(lambda x: _head(x, count - 1), xs), reverse=True
+                lambda state_, i: step(state_, jax.tree.map(lambda x: _slice_at(x, i), xs)),
+                state,
+                jnp.arange(count - 1, dtype=jnp.int32),
+                reverse=True,
             )
             dfree = jax.tree.map(_concat, dfree_rest, dfree)
         dc0, dconsts, bufs, _, pendings = state
