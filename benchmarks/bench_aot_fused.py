@@ -192,6 +192,20 @@ def measure(slug: str, variant: dict, reuse: bool) -> dict:
     }
 
 
+# The table's columns: _memory_cells and _reduction_cells fill them, in this order.
+MEMORY_COLUMNS = ["GiB/device", "/ auto", "argument", "output", "temp"]
+REDUCTION_COLUMNS = [
+    "in loop MiB/step (ops)",
+    "overlapped MiB/step (ops)",
+    "after MiB/step (ops)",
+    "total MiB/step",
+    "reduced operand MiB/step",
+    "x f32 grad",
+    "operand / deferred",
+    "async-overlapped share",
+]
+
+
 def gib(x: float) -> str:
     return f"{x / bl.GIB:.2f}"
 
@@ -294,17 +308,7 @@ def main() -> int:
         ],
     )
     lines += ["## One slice: v5e-8, data=8", ""]
-    mem_cols = ["GiB/device", "/ auto", "argument", "output", "temp"]
-    red_cols = [
-        "in loop MiB/step (ops)",
-        "overlapped MiB/step (ops)",
-        "after MiB/step (ops)",
-        "total MiB/step",
-        "reduced operand MiB/step",
-        "x f32 grad",
-        "operand / deferred",
-        "async-overlapped share",
-    ]
+    mem_cols, red_cols = MEMORY_COLUMNS, REDUCTION_COLUMNS
     ncols = 1 + len(mem_cols) + len(red_cols)
     table_rows = []
     for r in rows:

@@ -142,9 +142,10 @@ class Config:
     # On TPU, compile with XLA's asynchronous all-reduce collective fusions and no
     # all-reduce combining (trainer/xla_options.py), so a reduction can run under
     # the compute scheduled after it (with libtpu's defaults every all-reduce is
-    # synchronous). Off by default: on deepseek3-small it raised memory and made
-    # few gradient reductions async (benchmarks/results/aot_async.md). No effect
-    # on CPU and GPU.
+    # synchronous). Off by default: on deepseek3-small's ZeRO-1 recipe it made no
+    # gradient reduction async, it splits every combined all-reduce, and it raised
+    # the 671b v5p-1024 step's memory (benchmarks/results/aot_async.md, README).
+    # No effect on CPU and GPU.
     tpu_async_collectives: bool = False
     steps: int = 10
     learning_rate: float = 3e-3
