@@ -34,12 +34,16 @@ COMMAND = "JAX_PLATFORMS=cpu uv run --extra tpu python benchmarks/bench_aot_asyn
 ASYNC = {"tpu_async_collectives": "true"}
 NO_ZERO1 = {"shard_optimizer_over_data": "false"}
 V6E = {"compile_topology": "v6e-8"}
+# ZeRO-1's per-layer reduce-scatters as rings of collective-permutes (accum/ring.py).
+RING = {"ring_reduce_scatter": "true"}
 OVERLAP = {"gradient_reduction_policy": "deferred", **fused.OVERLAP}
 ROWS = {
     ("v5e-8, ZeRO-1", "auto"): {"shard_mode": "auto", **ASYNC},
     ("v5e-8, ZeRO-1", "overlap"): {**OVERLAP, **ASYNC},
     ("v5e-8, ZeRO-1", "overlap, tpu_async_collectives=false"): OVERLAP,
+    ("v5e-8, ZeRO-1", "overlap, ring_reduce_scatter"): {**OVERLAP, **ASYNC, **RING},
     ("v6e-8, ZeRO-1", "overlap"): {**V6E, **OVERLAP, **ASYNC},
+    ("v6e-8, ZeRO-1", "overlap, ring_reduce_scatter"): {**V6E, **OVERLAP, **ASYNC, **RING},
     # Without ZeRO-1 the step needs about 19 GiB: over v5e's 16 GiB HBM, within v6e's 32.
     ("v6e-8, no ZeRO-1", "overlap"): {**V6E, **NO_ZERO1, **OVERLAP, **ASYNC},
 }
@@ -66,7 +70,9 @@ def main() -> int:
             "bf16 compute, f32 weights, data=8; TPU compile options: tpu_async_collectives=true "
             "(trainer/xla_options.py) unless the row says false",
             "columns as on aot_fused.md; async-overlapped share = gradient reduction bytes "
-            "per step issued by an async start with compute scheduled between start and done",
+            "per step issued by an async start with compute scheduled between start and done; "
+            "of wire bytes = the same share of hlo_tools.wire_bytes (comparable across "
+            "all-reduce, reduce-scatter and ring permutes)",
             f"run: {len(rows)} compiles, "
             f"{sum(r.get('compile_s', 0) for r in rows) / 60:.1f} min of compile time; "
             "compiled at "

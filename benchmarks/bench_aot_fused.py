@@ -115,15 +115,19 @@ def _floating(c) -> bool:
     return not c.dtype.startswith(("s", "u", "pred"))
 
 
-def _per_step(records) -> tuple[int, int, bool]:
+def _per_step(records, data: int) -> tuple[int, int, bool]:
     """Trip-count weighted bytes per step: (payload, reduced operand, exact).
 
     payload: hlo_tools' bytes (a collective's result; a reduce-scatter's is its
     1/group shard); reduced operand: the bytes each device feeds the reduction
-    (a reduce-scatter's payload x its group size), which counts a gradient the
-    same whether XLA reduces it by all-reduce or reduce-scatter. exact is False
-    when a trip count is unknown (such records count once).
+    (a reduce-scatter's payload x its group size; a ring reduce-scatter's
+    permutes, n-1 shards for n shards fed in, x data/(data-1): these rows ring
+    over 'data'), which counts a gradient the same whether XLA reduces it by
+    all-reduce, reduce-scatter or ring. exact is False when a trip count is
+    unknown (such records count once).
     """
+    import hlo_tools
+
     payload = operand = 0
     exact = True
     for c in records:
@@ -131,7 +135,10 @@ def _per_step(records) -> tuple[int, int, bool]:
         if times is None:
             exact, times = False, 1
         payload += c.bytes * times
-        operand += c.bytes * times * (c.group_size if c.kind == "reduce-scatter" else 1)
+        if hlo_tools.is_ring_reduction(c):
+            operand += c.bytes * times * data // (data - 1)
+        else:
+            operand += c.bytes * times * (c.group_size if c.kind == "reduce-scatter" else 1)
     return payload, operand, exact
 
 
@@ -149,7 +156,7 @@ def measure(slug: str, variant: dict, reuse: bool) -> dict:
     overlapped = [c for c in hlo_tools.overlapped_reductions(module) if _floating(c)]
     after = [c for c in hlo_tools.gradient_reductions_outside(module) if _floating(c)]
     (in_b, in_o, e1), (ov_b, ov_o, e2), (af_b, af_o, e3) = (
-        _per_step(x) for x in (in_loop, overlapped, after)
+        _per_step(x, meta["data"]) for x in (in_loop, overlapped, after)
     )
     schedule = [
         r
@@ -189,6 +196,9 @@ def measure(slug: str, variant: dict, reuse: bool) -> dict:
         "async_bytes_per_step": summary["async_bytes_per_step"],
         "overlapped_async_bytes_per_step": summary["overlapped_bytes_per_step"],
         "async_overlap_share": summary["share"],
+        "wire_bytes_per_step": summary["wire_bytes_per_step"],
+        "overlapped_wire_bytes_per_step": summary["overlapped_wire_bytes_per_step"],
+        "wire_overlap_share": summary["wire_share"],
     }
 
 
@@ -203,6 +213,7 @@ REDUCTION_COLUMNS = [
     "x f32 grad",
     "operand / deferred",
     "async-overlapped share",
+    "of wire bytes",
 ]
 
 
@@ -235,6 +246,7 @@ def _reduction_cells(r: dict, deferred: dict | None) -> list[str]:
         ratio,
         ("-" if share is None else f"{100 * share:.1f}%")
         + f" ({r['async_ops']} of {r['schedule_ops']} async)",
+        "-" if r.get("wire_overlap_share") is None else f"{100 * r['wire_overlap_share']:.1f}%",
     ]
 
 
@@ -282,7 +294,8 @@ def main() -> int:
             "memory: compiled.memory_analysis() per device, total = argument + output - "
             "alias + temp + code (aot_scale.md's memory MiB/device)",
             "gradient reductions: all-reduce/reduce-scatter, cross-replica, over > 8 "
-            "floating elements; MiB per step per device, trip-count weighted, (ops); "
+            "floating elements, and ring_reduce_scatter's collective-permutes "
+            "(hlo_tools.is_ring_reduction); MiB per step per device, trip-count weighted, (ops); "
             "in loop = hlo_tools.in_loop_reductions (the microbatch loop and the scans "
             "inside it), overlapped = hlo_tools.overlapped_reductions (the last "
             "microbatch's backward layer scan, after the microbatch loop), after = "
@@ -293,7 +306,11 @@ def main() -> int:
             "params x 4 B (1.000: each gradient reduced once per step, in f32)",
             "async overlap: hlo_tools.async_overlap on the compiled (scheduled) TPU module: "
             "the share of gradient reduction bytes per step issued by an async start with "
-            "compute scheduled between start and done (overlap_summary's share)",
+            "compute scheduled between start and done (overlap_summary's share); of wire "
+            "bytes = the same share of hlo_tools.wire_bytes (what each device sends by the "
+            "ring algorithm: all-reduce 2 x 7/8 of its array, reduce-scatter 7 shards, a "
+            "permute its array), which weighs a gradient alike whichever collective "
+            "reduces it",
             f"run: {len(rows)} compiles, "
             f"{sum(r.get('compile_s', 0) for r in rows) / 60:.1f} min of compile time "
             "(compile_s per row in the csv); compiled at "

@@ -106,13 +106,13 @@ def _reduction_bytes(text_or_module):
     )
 
 
-def test_overlap_onto_zero1_shards(get_setup, close):
-    """The last microbatch's per-layer reduction lands on ZeRO-1 shards (reduce-scatter)."""
-    setup = get_setup("data8")
+def _overlap_onto_zero1(setup, close, **kw):
+    """The overlap path compiled onto ZeRO-1 targets (cached per `kw`), its grads
+    checked against the full batch's and on the targets' partitions; the compiled."""
     targets = accum.zero1_shardings(setup.params)
     _, ref_grads = setup.reference()
     fn = setup.cached(
-        ("overlap-zero1",),
+        ("overlap-zero1", tuple(sorted(kw.items()))),
         lambda: (
             jax.jit(
                 lambda p, b: accum.accumulate_gradients(
@@ -122,6 +122,7 @@ def test_overlap_onto_zero1_shards(get_setup, close):
                     num_microbatches=N,
                     overlap=True,
                     grad_shardings=targets,
+                    **kw,
                 )
             )
             .lower(setup.params, setup.batch)
@@ -132,8 +133,78 @@ def test_overlap_onto_zero1_shards(get_setup, close):
     close(grads, ref_grads, rtol=1e-5, atol=1e-6)
     for g, t in zip(jax.tree.leaves(grads), jax.tree.leaves(targets), strict=True):
         assert spec_of(g).partitions == t.spec.partitions
+    return fn
+
+
+def test_overlap_onto_zero1_shards(get_setup, close):
+    """The last microbatch's per-layer reduction lands on ZeRO-1 shards (reduce-scatter)."""
+    fn = _overlap_onto_zero1(get_setup("data8"), close)
     overlapped = ht.overlapped_reductions(fn.as_text())
     assert overlapped and all(c.kind == "reduce-scatter" for c in overlapped)
+
+
+@pytest.mark.parametrize("mesh", ["data8", "data2_expert4"])
+def test_ring_reduce_scatter_onto_zero1_shards(get_setup, close, mesh):
+    """ring_reduce_scatter: the per-layer reduce-scatters become one ring of n-1
+    collective-permutes per layer (accum.ring), same numbers and shards; on
+    data2_expert4 the axes the shards leave unsharded are psummed after the ring."""
+    setup = get_setup(mesh)
+    targets = accum.zero1_shardings(setup.params)
+    fn = _overlap_onto_zero1(setup, close, ring_reduce_scatter=True)
+    module = ht.parse(fn.as_text())
+    if mesh == "data8":
+        # (data2_expert4's expert layer all-reduces activations over 'expert' in
+        # every loop: not gradients, but the assertion cannot tell them apart.)
+        ht.assert_reduced_once_per_step(module)
+    in_scan = ht.overlapped_reductions(module)
+    rings = [c for c in in_scan if ht.is_ring_reduction(c)]
+    assert rings and not [c for c in in_scan if c.kind == "reduce-scatter"]
+    # Rings per layer (one per dtype and psummed-axes set; one on data8), n-1
+    # permutes each, one shard of the layer's ring bucket per permute.
+    ring_size = setup.mesh.shape["data"]
+    layers = jax.tree.leaves(setup.params["layers"])[0].shape[0]
+    assert len(rings) % (ring_size - 1) == 0
+    if mesh == "data8":
+        assert len(rings) == ring_size - 1
+    assert {c.multiplier for c in rings} == {layers - 1}
+    sharded = _scan_shard_bytes(setup, targets, layers)
+    assert sum(c.bytes for c in rings) == (ring_size - 1) * sharded
+    # Layer 0's and the unstacked leaves' reductions onto shards go as rings too
+    # (each unstacked leaf its own, to start as soon as its gradient is final).
+    after = ht.gradient_reductions_outside(module)
+    assert any(ht.is_ring_reduction(c) for c in after)
+    assert not [c for c in after if c.kind == "reduce-scatter"]
+
+
+def test_ring_without_overlap_is_refused(get_setup):
+    setup = get_setup("data8")
+    with pytest.raises(ValueError, match="ring_reduce_scatter=True needs overlap=True"):
+        jax.eval_shape(
+            lambda p, b: accum.accumulate_gradients(
+                setup.model.loss_fn, p, b, num_microbatches=N, ring_reduce_scatter=True
+            ),
+            setup.params,
+            setup.batch,
+        )
+
+
+def _scan_shard_bytes(setup, targets, layers) -> int:
+    """Bytes of one layer's ZeRO-1 shards (per device) of the stacked leaves the
+    ring reduces: those whose shard lies off the layer axis."""
+    total = 0
+    for p, t in zip(
+        jax.tree.leaves(setup.params["layers"]),
+        jax.tree.leaves(accum.zero1_shardings(setup.params["layers"])),
+        strict=True,
+    ):
+        parts = t.spec.partitions
+        if parts and parts[0] is not None:
+            continue  # sharded on the layer axis: reduced after the scan
+        if "data" not in str(parts):
+            continue  # too small to shard: an all-reduce
+        per_device = t.shard_shape(p.shape)
+        total += int(np.prod(per_device[1:])) * p.dtype.itemsize
+    return total
 
 
 # A standalone stack: closed-over weights, a second use of the stack (weight decay),

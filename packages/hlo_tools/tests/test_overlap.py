@@ -153,6 +153,11 @@ def test_async_inside_a_counted_loop():
     assert (s["count"], s["async"], s["overlapped"]) == (2, 2, 1)
     assert s["overlapped_bytes_per_step"] == 3072 and s["bytes_per_step"] == 3072 + 2048
     assert s["share"] == 3072 / 5120 and s["exact"]
+    # On the wire (n=4): the reduce-scatter sends 3 of its 512-byte shards per
+    # execution, the all-reduce 2 x 3/4 of its 2048 bytes.
+    assert ht.wire_bytes(rs.collective) == 3 * 512 and ht.wire_bytes(ar.collective) == 3072
+    assert s["wire_bytes_per_step"] == 6 * 1536 + 3072
+    assert s["wire_share"] == 6 * 1536 / (6 * 1536 + 3072)
 
 
 # TPU async collective fusion: the all-gather is repeated in the continuation

@@ -87,6 +87,14 @@ BAD = [
         {"accum_dtype": "float16"},
         r"^accum_dtype='float16' is not one of \('float32', 'bfloat16'\)$",
     ),
+    (
+        {"ring_reduce_scatter": "true"},
+        r"^ring_reduce_scatter=true needs overlap_gradient_reduction=true",
+    ),
+    (
+        {"ring_reduce_scatter": "true", "overlap_gradient_reduction": "true", "shard_mode": "auto"},
+        r"^ring_reduce_scatter=true needs shard_mode=explicit",
+    ),
 ]
 
 

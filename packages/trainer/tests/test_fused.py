@@ -17,8 +17,13 @@ FLOATS = ("f32", "bf16")
 # The seed's recipe (ZeRO-1) in the cpu tier; the other layouts are slow (two
 # compiles of the tiny model each): `uv run nox -s slow`.
 slow = pytest.mark.slow
+OVERLAP = {"overlap_gradient_reduction": "true"}
+# ring_reduce_scatter: ZeRO-1's per-layer reduce-scatters as rings of permutes (the
+# accum tests check the ring's numbers and permutes in the cpu tier).
+RING = {**OVERLAP, "ring_reduce_scatter": "true"}
 CASES = [
     ("data+zero1", "overlap_gradient_reduction"),
+    pytest.param("data+zero1", "ring_reduce_scatter", marks=slow),
     pytest.param("data", "overlap_gradient_reduction", marks=slow),
     pytest.param("data", "fused_gradient_accumulation", marks=slow),
     pytest.param("data+fsdp", "overlap_gradient_reduction", marks=slow),
@@ -26,25 +31,30 @@ CASES = [
 ]
 
 
-def _reduction_bytes(text: str) -> int:
-    """Gradient-reduction bytes per step: floating arrays (not scalars: XLA may fold a
-    loss sum into a gradient reduction on one path only), trip-count weighted. A
-    per-layer reduce-scatter can leave few elements per device: no size cutoff."""
-    return sum(
-        c.multiplier * sum(a.bytes for a in c.arrays if a.elements > 1 and a.dtype in FLOATS)
-        for c in ht.collectives(ht.parse(text))
-        if c.kind in ht.REDUCTION_KINDS and c.cross_replica
-    )
+def _reduction_bytes(text: str) -> float:
+    """Gradient-reduction bytes per step on the wire (hlo_tools.wire_bytes: the same
+    for a gradient reduced by all-reduce, reduce-scatter or a ring of permutes):
+    floating arrays (not scalars: XLA may fold a loss sum into a gradient reduction
+    on one path only), trip-count weighted. A per-layer reduce-scatter can leave
+    few elements per device: no size cutoff."""
+    total = 0.0
+    for c in ht.collectives(ht.parse(text)):
+        if not ((c.kind in ht.REDUCTION_KINDS and c.cross_replica) or ht.is_ring_reduction(c)):
+            continue
+        counted = sum(a.bytes for a in c.arrays if a.elements > 1 and a.dtype in FLOATS)
+        total += c.multiplier * counted * ht.wire_bytes(c) / c.bytes
+    return total
 
 
 @pytest.mark.parametrize(("layout", "key"), CASES)
 def test_same_numbers_and_bytes_as_deferred(runner, grads_runner, layout, key):
     base = {**EIGHT_DEVICE_LAYOUTS[layout], **GA, **LAYERS}
     want_history, want_text = runner(1, **base)
-    got_history, got_text = runner(1, **base, **{key: "true"})
+    keys = {"ring_reduce_scatter": RING}.get(key, {key: "true"})
+    got_history, got_text = runner(1, **base, **keys)
     for name in ("loss", "grad_norm"):
         np.testing.assert_allclose(got_history[0][name], want_history[0][name], rtol=1e-5)
-    want, got = grads_runner(1, **base), grads_runner(1, **base, **{key: "true"})
+    want, got = grads_runner(1, **base), grads_runner(1, **base, **keys)
     for leaf, value in want.items():
         scale = float(np.abs(value).max())
         np.testing.assert_allclose(got[leaf], value, rtol=1e-5, atol=1e-6 * scale, err_msg=leaf)
@@ -55,8 +65,13 @@ def test_same_numbers_and_bytes_as_deferred(runner, grads_runner, layout, key):
     sizes = mesh_shape(make_config({"model_name": "tagtrain-tiny", **base}), 8)
     judged = ht.verdict(module, mesh_shape=sizes, over=("data",))
     assert judged["status"] == "OK", judged["message"]
-    assert _reduction_bytes(got_text) == _reduction_bytes(want_text)
-    if key == "overlap_gradient_reduction":
+    assert _reduction_bytes(got_text) == pytest.approx(_reduction_bytes(want_text), rel=1e-9)
+    if key == "ring_reduce_scatter":
+        # ZeRO-1's scanned layers: rings of permutes, no reduce-scatter left in the scan.
+        in_scan = ht.overlapped_reductions(module)
+        assert any(ht.is_ring_reduction(c) for c in in_scan)
+        assert not [c for c in in_scan if c.kind == "reduce-scatter"]
+    elif key == "overlap_gradient_reduction":
         # The scanned layers' share runs layer by layer in the last backward.
         assert ht.overlapped_reductions(module)
     else:

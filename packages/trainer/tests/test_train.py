@@ -112,6 +112,10 @@ def _bf16_run(**overrides):
     return run_lib.train(run), compiled.memory_analysis().temp_size_in_bytes
 
 
+# Slow (two GA=4 bf16 compiles and runs, the cpu tier's longest test): in the cpu
+# tier accum's test_zero1_bf16_compute_gathers_once_and_reduces_once checks the
+# cast-before-gather, and accum's aot tier the bf16 gathers on TPU.
+@pytest.mark.slow
 def test_zero1_holds_gathered_matmul_weights_in_the_compute_dtype():
     """bf16 compute: ZeRO-1 casts weights before its gather, with the same numbers.
 

@@ -143,6 +143,7 @@ def accumulate_gradients(
     plan: ReductionPlan | None = None,
     fused: bool = False,
     overlap: bool = False,
+    ring_reduce_scatter: bool = False,
 ) -> tuple[jax.Array, dict, Any]:
     """Loss, summed aux and gradients of `batch`, computed over `num_microbatches` microbatches.
 
@@ -186,6 +187,10 @@ def accumulate_gradients(
     reduces each layer's total inside its backward scan, so the reductions can
     overlap the remaining layers' backward compute; the first N-1 microbatches
     hold no gradient reduction. Same numbers either way.
+    `ring_reduce_scatter=True` (with `overlap`, explicit mode): the per-layer
+    reduce-scatters onto ZeRO-1 shards go as one ring of collective-permutes per
+    layer (accum.ring): the same bytes, asynchronous where XLA keeps a
+    reduce-scatter synchronous (TPU v5e).
 
     Auto mode: same numerics, no tags; XLA places the reductions.
     Gradients come back in `accum_dtype` (None: each parameter's dtype).
@@ -200,6 +205,11 @@ def accumulate_gradients(
     (8.0, [1.0, 1.0], 16.0)
     """
     _check_option(on_tag_lost)
+    if ring_reduce_scatter and not overlap:
+        raise ValueError(
+            "ring_reduce_scatter=True needs overlap=True: the ring reduces each layer "
+            "inside the last microbatch's backward scan"
+        )
     if plan is None:
         plan = _default_plan(
             params, batch, mode, policy, defer_reduction, batch_axes, slice_axes, per_parameter_axes
@@ -252,7 +262,14 @@ def accumulate_gradients(
     # The last microbatch reduces each layer's total inside its backward pass.
     index, last = jax.tree.map(lambda x: x[looped], (indices, microbatches))
     last_loss, last_aux, grads = fused_microbatch(
-        loss_fn, compute_params, args_of(index, last), plan, acc, final=True, targets=targets
+        loss_fn,
+        compute_params,
+        args_of(index, last),
+        plan,
+        acc,
+        final=True,
+        targets=targets,
+        ring=ring_reduce_scatter,
     )
     loss_sum = loss_sum + last_loss.astype(loss_sum.dtype) if looped else last_loss
     aux = jax.tree.map(lambda a, b: a + b.astype(a.dtype), aux, last_aux) if looped else last_aux

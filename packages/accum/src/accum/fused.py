@@ -38,6 +38,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from accum.ring import ring_dim, ring_reduce_scatter, ring_size
 from pspec_tags import (
     check_unreduced,
     partitions,
@@ -76,7 +77,9 @@ class SinkLeaf:
     microbatch reduces each layer's total onto. `prepare(d_slice)`: a layer's
     gradient made addable to an accumulator slice (checked, scattered, cast).
     `place(total_slice, target)`: the reduction. `sink`: the dummy primal whose
-    cotangent returns the result. `claimed`/`used_elsewhere` are set at trace time.
+    cotangent returns the result. `ring`: a reduce-scatter onto `final` goes as a
+    ring of collective-permutes (accum.ring) instead of one reduce-scatter.
+    `claimed`/`used_elsewhere` are set at trace time.
     """
 
     acc: jax.Array
@@ -84,6 +87,7 @@ class SinkLeaf:
     prepare: Callable[[jax.Array], jax.Array]
     place: Callable[[jax.Array, Any], jax.Array]
     sink: Any = None
+    ring: bool = False
     claimed: bool = False
     used_elsewhere: bool = False
 
@@ -266,14 +270,53 @@ def _reduce_bucket(totals: list[jax.Array], axes: frozenset) -> list[jax.Array]:
         )
 
 
+def _ring_key(entry: SinkLeaf, total: jax.Array) -> tuple | None:
+    """`ring_key(total, entry.final)` when the entry reduces by a ring; else None."""
+    if not entry.ring or entry.final is None:
+        return None
+    return ring_key(total, entry.final)
+
+
+def ring_key(total: jax.Array, final: P) -> tuple | None:
+    """(dtype, ring axes, psummed axes) bucket key when reducing `total` onto
+    `final` can go as a ring (accum.ring); None otherwise."""
+    own = spec_of(total)
+    found = ring_dim(own, final)
+    if found is None:
+        return None
+    dim, axes = found
+    # ring_dim's dim is unsharded in `own`: the local block holds all of it.
+    if total.shape[dim] % ring_size(jax.typeof(total).sharding.mesh, axes):
+        return None  # the shard would not be whole: the plain reduce-scatter says why
+    rest = frozenset(unreduced_axes(own)) - set(axes)
+    return (total.dtype, axes, rest)
+
+
+def ring_place(totals: list[jax.Array], finals: list[P]) -> list[jax.Array]:
+    """`totals` reduced onto `finals` by one ring, under the overlapped scope
+    (every pair must have one `ring_key`)."""
+    owns = [spec_of(t) for t in totals]
+    dims = [ring_dim(o, f)[0] for o, f in zip(owns, finals, strict=True)]
+    with jax.named_scope(OVERLAPPED_SCOPE):
+        # Same barrier as `_reduce`: the permutes' operand ops carry the scope.
+        totals = [lax.optimization_barrier(t) for t in totals]
+        return ring_reduce_scatter(totals, owns, list(finals), dims)
+
+
 def _reduce_layer(entries: list[SinkLeaf], totals: list) -> list:
     """Each layer total (None: nothing to reduce) reduced onto its entry's target:
-    plain all-reduces of one dtype over the same axes as one bucket, the rest
+    plain all-reduces of one dtype over the same axes as one bucket, ring
+    reduce-scatters (`SinkLeaf.ring`) of one dtype and axes as one ring, the rest
     (reduce-scatters onto ZeRO-1 shards) one by one."""
     out: list = [None] * len(totals)
     buckets: dict = {}
+    rings: dict = {}
     for k, (entry, total) in enumerate(zip(entries, totals, strict=True)):
         if total is None:
+            continue
+        ring_key = _ring_key(entry, total)
+        if ring_key is not None:
+            rings.setdefault(ring_key, []).append(k)
             continue
         axes = _bucket_axes(entry, total)
         if axes is None:
@@ -286,6 +329,10 @@ def _reduce_layer(entries: list[SinkLeaf], totals: list) -> list:
             continue
         for k, reduced in zip(ks, _reduce_bucket([totals[k] for k in ks], axes), strict=True):
             out[k] = reduced
+    for ks in rings.values():
+        reduced = ring_place([totals[k] for k in ks], [entries[k].final for k in ks])
+        for k, r in zip(ks, reduced, strict=True):
+            out[k] = r
     return out
 
 

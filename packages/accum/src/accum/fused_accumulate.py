@@ -17,7 +17,14 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from accum.fused import SinkLeaf, fused_value_and_grad, sink_type, without_leading
+from accum.fused import (
+    SinkLeaf,
+    fused_value_and_grad,
+    ring_key,
+    ring_place,
+    sink_type,
+    without_leading,
+)
 from accum.plan import LeafPlan, ReductionPlan
 from accum.tags import as_spec, place, scatter_leaf
 from pspec_tags import check_unreduced, partitions, spec_of, untagged
@@ -53,13 +60,16 @@ def _prepare(leaf: LeafPlan, mode: str, slice_target: P | None) -> Callable:
     return prepare
 
 
-def make_entries(plan: ReductionPlan, params: Any, acc: Any, targets: Any) -> list:
+def make_entries(
+    plan: ReductionPlan, params: Any, acc: Any, targets: Any, ring: bool = False
+) -> list:
     """A SinkLeaf per stackable parameter leaf (floating, layer axis unsharded), else
     None, in the parameters' flattened order.
 
     `targets`: None to accumulate; else the per-leaf list of where the last
     microbatch reduces the total (NamedSharding, PartitionSpec, or None for the
-    accumulator's own partitions).
+    accumulator's own partitions). `ring`: reduce-scatters onto those targets go
+    as rings of collective-permutes (accum.ring).
     """
     mode = plan.mode
     treedef = jax.tree.structure(params)
@@ -86,6 +96,7 @@ def make_entries(plan: ReductionPlan, params: Any, acc: Any, targets: Any) -> li
             prepare=_prepare(leaf, mode, without_leading(spec_of(a))),
             place=lambda x, t: place(x, t, mode),
             sink=sink_type(a, final_stacked),
+            ring=ring and mode == "explicit",
         )
 
     return [
@@ -112,6 +123,7 @@ def fused_microbatch(
     *,
     final: bool = False,
     targets: Any = None,
+    ring: bool = False,
 ) -> tuple[jax.Array, dict, Any]:
     """(loss_sum, aux, new_acc) of one microbatch, gradients added inside the backward.
 
@@ -119,12 +131,13 @@ def fused_microbatch(
     the step's last microbatch and `new_acc` holds the reduced gradients on
     `targets` (a tree of NamedSharding/PartitionSpec/None; None: each
     accumulator's own partitions): stacked leaves reduced layer by layer inside
-    the backward pass, the rest right after it.
+    the backward pass, the rest right after it; with `ring`, the stacked leaves'
+    reduce-scatters as rings of collective-permutes.
     """
     mode = plan.mode
     treedef = jax.tree.structure(params)
     finals = target_leaves(targets, params) if final else None
-    entries = make_entries(plan, params, acc, finals)
+    entries = make_entries(plan, params, acc, finals, ring)
     (loss_sum, aux), grads, sink_cts = fused_value_and_grad(loss_fn, params, args, entries)
     acc_leaves = treedef.flatten_up_to(acc)
     grad_leaves = treedef.flatten_up_to(grads)
@@ -146,5 +159,19 @@ def fused_microbatch(
             new.append(s)
             continue
         total = a + extra.astype(a.dtype)
-        new.append(place(total, target, mode) if final else total)
+        if final and ring and mode == "explicit":
+            new.append(_ring_or_place(total, target, mode))
+        else:
+            new.append(place(total, target, mode) if final else total)
     return loss_sum, aux, jax.tree.unflatten(treedef, new)
+
+
+def _ring_or_place(total: jax.Array, target: Any, mode: str) -> jax.Array:
+    """An unstacked leaf's reduction onto `target`: a ring of its own where it is a
+    ZeRO-1 reduce-scatter (one per leaf, so each starts as soon as its gradient is
+    final: the output head's at the top of the backward), else `place`."""
+    final = _final_spec(total, target)
+    if final is None or ring_key(total, final) is None:
+        return place(total, target, mode)
+    (reduced,) = ring_place([total], [final])
+    return reduced

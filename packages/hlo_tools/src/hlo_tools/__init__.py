@@ -8,6 +8,8 @@ from hlo_tools.assertions import (
     assert_reduced_once_per_step,
     gradient_reductions_outside,
     in_loop_reductions,
+    is_gradient_reduction,
+    is_ring_reduction,
     overlapped_reductions,
 )
 from hlo_tools.buffers import Allocation, BufferValue, loop_buffers, parse_buffer_assignment
@@ -27,9 +29,9 @@ from hlo_tools.overlap import (
     Overlap,
     async_overlap,
     format_overlap,
-    is_gradient_reduction,
     overlap_report,
     overlap_summary,
+    wire_bytes,
 )
 from hlo_tools.parser import parse, parse_instruction
 from hlo_tools.report import format_table, to_json, verdict
@@ -80,6 +82,7 @@ __all__ = [
     "overlapped_reductions",
     "OVERLAPPED_SCOPE",
     "is_gradient_reduction",
+    "is_ring_reduction",
     "overlap_report",
     "overlap_summary",
     "parse",
@@ -94,4 +97,5 @@ __all__ = [
     "to_json",
     "traffic",
     "verdict",
+    "wire_bytes",
 ]

@@ -12,8 +12,21 @@ from hlo_tools.parser import parse
 OVERLAPPED_SCOPE = "overlapped_gradient_reduction"
 
 
-def _gradient_sized(c: Collective, max_in_loop_elements: int) -> bool:
-    return c.kind in REDUCTION_KINDS and c.cross_replica and c.elements > max_in_loop_elements
+def is_ring_reduction(c: Collective) -> bool:
+    """A collective-permute of a ring reduce-scatter accum issues under
+    ``OVERLAPPED_SCOPE`` (accum.ring: n-1 permutes of one shard each)."""
+    return c.kind == "collective-permute" and OVERLAPPED_SCOPE in c.op_name
+
+
+def is_gradient_reduction(c: Collective, max_in_loop_elements: int = 8) -> bool:
+    """A cross-replica all-reduce or reduce-scatter over more than ``max_in_loop_elements``
+    elements: what a gradient reduction compiles to (a loss or a count is smaller);
+    or a ring reduce-scatter's collective-permute (`is_ring_reduction`)."""
+    if c.elements <= max_in_loop_elements:
+        return False
+    # A ring's permutes are reductions too: one inside the microbatch loop would
+    # be a per-microbatch reduction like any all-reduce there.
+    return (c.kind in REDUCTION_KINDS and c.cross_replica) or is_ring_reduction(c)
 
 
 def _overlapped_loops(records: list[Collective]) -> set[str]:
@@ -29,7 +42,9 @@ def _split_in_loop(
     an overlapped loop counts as overlapped even without the scope in its op_name:
     XLA's combiner may merge several into one op and keep another op's name."""
     inside = [
-        c for c in collectives(module) if _gradient_sized(c, max_in_loop_elements) and c.in_loop
+        c
+        for c in collectives(module)
+        if is_gradient_reduction(c, max_in_loop_elements) and c.in_loop
     ]
     loops = _overlapped_loops(inside)
     overlapped = [c for c in inside if len(c.loops) == 1 and c.loops[0].name in loops]
@@ -47,7 +62,8 @@ def overlapped_reductions(
 
 
 def in_loop_reductions(module: HloModule | str, max_in_loop_elements: int = 8) -> list[Collective]:
-    """Cross-replica all-reduces/reduce-scatters inside a while loop with more than
+    """Cross-replica all-reduces/reduce-scatters (and ring reductions'
+    collective-permutes, `is_ring_reduction`) inside a while loop with more than
     ``max_in_loop_elements`` elements: the per-microbatch (or per-layer) gradient
     reductions that deferred reduction should have removed. Small ones (a loss
     or a token count) are allowed, and so are `overlapped_reductions` (each
@@ -58,15 +74,13 @@ def in_loop_reductions(module: HloModule | str, max_in_loop_elements: int = 8) -
 def gradient_reductions_outside(
     module: HloModule | str, max_in_loop_elements: int = 8
 ) -> list[Collective]:
-    """Cross-replica all-reduces/reduce-scatters outside every loop with more than
-    ``max_in_loop_elements`` elements: where the deferred gradient reduction lands."""
+    """Gradient reductions (`is_gradient_reduction`: cross-replica all-reduces/
+    reduce-scatters with more than ``max_in_loop_elements`` elements, ring
+    permutes) outside every loop: where the deferred gradient reduction lands."""
     return [
         c
         for c in collectives(module)
-        if c.kind in REDUCTION_KINDS
-        and not c.in_loop
-        and c.cross_replica
-        and c.elements > max_in_loop_elements
+        if not c.in_loop and is_gradient_reduction(c, max_in_loop_elements)
     ]
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from hlo_tools.collectives import REDUCTION_KINDS, Collective, collectives
+from hlo_tools.assertions import is_gradient_reduction
+from hlo_tools.collectives import Collective, collectives
 from hlo_tools.module import HloModule, Instruction
 from hlo_tools.report import human_bytes
 from hlo_tools.schedule import async_pairs, is_start
@@ -103,19 +104,36 @@ def _issuer(module: HloModule, c: Collective, callers: dict) -> Instruction | No
     return None
 
 
-def is_gradient_reduction(c: Collective, max_in_loop_elements: int = 8) -> bool:
-    """A cross-replica all-reduce or reduce-scatter over more than ``max_in_loop_elements``
-    elements: what a gradient reduction compiles to (a loss or a count is smaller)."""
-    return c.kind in REDUCTION_KINDS and c.cross_replica and c.elements > max_in_loop_elements
+def wire_bytes(c: Collective) -> int:
+    """Bytes each device sends for one execution of `c`, by the ring algorithm:
+    all-reduce 2(n-1)/n of its array, reduce-scatter (n-1) shards, all-gather and
+    all-to-all (n-1)/n, a collective-permute its array (n: the group size; the
+    array itself when it is unknown).
+
+    The measure that weighs a gradient alike however it is reduced: one
+    all-reduce, a reduce-scatter, or a ring of collective-permutes (accum.ring).
+    """
+    n = c.group_size
+    if c.kind == "collective-permute" or not n or n < 2:
+        return c.bytes
+    if c.kind == "all-reduce":
+        return 2 * (n - 1) * c.bytes // n
+    if c.kind == "reduce-scatter":
+        return (n - 1) * c.bytes
+    return (n - 1) * c.bytes // n
 
 
 def overlap_summary(records: Iterable[Overlap]) -> dict:
     """Counts and bytes per step of the records: all, asynchronous, overlapped.
 
     ``{"count", "async", "overlapped", "bytes_per_step", "async_bytes_per_step",
-    "overlapped_bytes_per_step", "share", "exact"}``; ``share`` is the
-    overlapped part of the bytes per step (None without bytes). A record under a
-    loop of unknown trip count counts once and turns ``exact`` False.
+    "overlapped_bytes_per_step", "share", "wire_bytes_per_step",
+    "overlapped_wire_bytes_per_step", "wire_share", "exact"}``; ``share`` is the
+    overlapped part of the bytes per step (None without bytes), ``wire_share``
+    the same part of `wire_bytes` per step (what to compare across reductions of
+    different kinds: a reduce-scatter's bytes are its shard, a ring's permutes
+    move n-1 of them). A record under a loop of unknown trip count counts once
+    and turns ``exact`` False.
     """
     out = {
         "count": 0,
@@ -124,22 +142,28 @@ def overlap_summary(records: Iterable[Overlap]) -> dict:
         "bytes_per_step": 0,
         "async_bytes_per_step": 0,
         "overlapped_bytes_per_step": 0,
+        "wire_bytes_per_step": 0,
+        "overlapped_wire_bytes_per_step": 0,
         "exact": True,
     }
     for r in records:
         per_step = r.bytes_per_step
         if per_step is None:
             out["exact"], per_step = False, r.bytes
+        wire = wire_bytes(r.collective) * (per_step // r.bytes if r.bytes else 0)
         out["count"] += 1
         out["bytes_per_step"] += per_step
+        out["wire_bytes_per_step"] += wire
         if r.is_async:
             out["async"] += 1
             out["async_bytes_per_step"] += per_step
         if r.overlapped:
             out["overlapped"] += 1
             out["overlapped_bytes_per_step"] += per_step
-    total = out["bytes_per_step"]
+            out["overlapped_wire_bytes_per_step"] += wire
+    total, wire_total = out["bytes_per_step"], out["wire_bytes_per_step"]
     out["share"] = out["overlapped_bytes_per_step"] / total if total else None
+    out["wire_share"] = out["overlapped_wire_bytes_per_step"] / wire_total if wire_total else None
     return out
 
 

@@ -139,12 +139,21 @@ class Config:
     # its backward layer scan, so the reduction can overlap the remaining layers'
     # backward compute (implies fused accumulation). Same numbers, same bytes.
     overlap_gradient_reduction: bool = False
+    # With overlap_gradient_reduction (explicit mode): reduce each layer's gradients
+    # onto ZeRO-1 shards with a ring of collective-permutes (accum/ring.py) instead
+    # of reduce-scatters. Same numbers, same bytes on the wire; XLA:TPU runs
+    # reduce-scatters synchronously on v5e but collective-permutes asynchronously.
+    # With tpu_async_collectives: 100.0% of deepseek3-small ZeRO-1's gradient
+    # reduction bytes async with compute between on v5e-8, at 7.20 GiB vs 6.86
+    # (benchmarks/results/aot_async.md); off by default for that memory.
+    ring_reduce_scatter: bool = False
     # On TPU, compile with XLA's asynchronous all-reduce collective fusions and no
     # all-reduce combining (trainer/xla_options.py), so a reduction can run under
     # the compute scheduled after it (with libtpu's defaults every all-reduce is
     # synchronous). Off by default: on deepseek3-small's ZeRO-1 recipe it made no
-    # gradient reduction async, it splits every combined all-reduce, and it raised
-    # the 671b v5p-1024 step's memory (benchmarks/results/aot_async.md, README).
+    # gradient reduction async without ring_reduce_scatter, it splits every
+    # combined all-reduce, and it raised the 671b v5p-1024 step's memory
+    # (benchmarks/results/aot_async.md, README).
     # No effect on CPU and GPU.
     tpu_async_collectives: bool = False
     steps: int = 10

@@ -118,6 +118,7 @@ def make_step(
             accum_dtype=jnp.dtype(config.accum_dtype),
             fused=config.fused_gradient_accumulation,
             overlap=config.overlap_gradient_reduction,
+            ring_reduce_scatter=config.ring_reduce_scatter,
         )
         return apply_gradients(config, tx, state, loss, aux, grads)
 

@@ -135,6 +135,16 @@ def _check_fused_accumulation(config: Config) -> None:
             not getattr(config, key) or config.scan_layers,
             f"{key}=true needs scan_layers=true (it works inside the backward layer scan)",
         )
+    _require(
+        not config.ring_reduce_scatter or config.overlap_gradient_reduction,
+        "ring_reduce_scatter=true needs overlap_gradient_reduction=true (the ring reduces "
+        "each layer inside the last microbatch's backward scan)",
+    )
+    _require(
+        not config.ring_reduce_scatter or config.shard_mode == "explicit",
+        "ring_reduce_scatter=true needs shard_mode=explicit (auto mode lets XLA place "
+        "every reduction)",
+    )
 
 
 def _check_reduction_policy(config: Config, sizes: dict[str, int]) -> None:
