@@ -105,6 +105,27 @@ def test_v5e8_tpu_async_collectives_overlap_the_backward_scans_reductions(overla
     assert grads["overlapped"] >= len(hidden) and grads["overlapped_bytes_per_step"] > 0
 
 
+def test_v5e8_ring_reduce_scatter_hides_zero1s_reductions(tmp_path):
+    # ZeRO-1 + overlap: on v5e every reduce-scatter stays synchronous; as rings of
+    # collective-permutes (ring_reduce_scatter) the gradient reductions are async
+    # with compute between start and done, and the step still reduces each
+    # gradient once (nothing in the microbatch loop).
+    config = _config(
+        tmp_path,
+        **TEST_V5E8,
+        shard_optimizer_over_data="true",
+        overlap_gradient_reduction="true",
+        ring_reduce_scatter="true",
+        tpu_async_collectives="true",
+    )
+    text = aot.compile_for_topology(config).compiled.as_text()
+    hlo_tools.assert_reduced_once_per_step(text)
+    rings = [r for r in hlo_tools.async_overlap(text) if hlo_tools.is_ring_reduction(r.collective)]
+    assert rings and all(r.is_async for r in rings)
+    grads = hlo_tools.overlap_report(text)["gradient_reductions"]
+    assert grads["wire_share"] >= 0.9, grads
+
+
 def test_two_slices_of_v6e4(tmp_path):
     config = _config(
         tmp_path,
