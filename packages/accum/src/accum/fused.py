@@ -336,6 +336,71 @@ def _reduce_layer(entries: list[SinkLeaf], totals: list) -> list:
     return out
 
 
+def _holds_result(entry: SinkLeaf, acc: jax.Array) -> bool:
+    """Whether the last microbatch can keep each layer's reduced gradient in the
+    accumulator's own slice of that layer (dead once reduced) instead of a
+    separate stacked result buffer: an unreduced accumulator whose per-device
+    block of a layer holds the result's block (ZeRO-1's shard, or the whole
+    layer for an all-reduce)."""
+    own = spec_of(acc)
+    if entry.final is None or own is None or not unreduced_axes(own):
+        return False
+    mesh = jax.typeof(acc).sharding.mesh
+    layer = acc.shape[1:]
+    acc_block = NamedSharding(mesh, untagged(without_leading(own))).shard_shape(layer)
+    result_block = NamedSharding(mesh, untagged(entry.final)).shard_shape(layer)
+    return all(r <= a for r, a in zip(result_block, acc_block, strict=True))
+
+
+def _store_result(acc: jax.Array, i: jax.Array, result: jax.Array) -> jax.Array:
+    """acc with layer i's reduced `result` written, per device, at the start of
+    that layer's block (the layer's partial sums are no longer needed).
+
+    Per device the accumulator is a plain array of partial sums and the result
+    a block of the reduced gradient: the write is local. No reshape of the
+    accumulator (on TPU a reshape of a tiled array can be a copy of all of it).
+    """
+
+    def store(a, j, r):
+        starts = (j,) + (0,) * r.ndim
+        return lax.dynamic_update_slice(a, r[None].astype(a.dtype), starts)
+
+    mesh = jax.typeof(acc).sharding.mesh
+    # TAG: the accumulator keeps its own spec (unreduced): only the bytes of a
+    # dead layer slice change; the result enters as its own (reduced) blocks.
+    return jax.shard_map(
+        store,
+        mesh=mesh,
+        in_specs=(spec_of(acc), P(), spec_of(result)),
+        out_specs=spec_of(acc),
+        check_vma=False,
+    )(acc, jnp.asarray(i, jnp.int32), result)
+
+
+def _read_results(acc: jax.Array, stacked_final: P) -> jax.Array:
+    """The reduced gradients `_store_result` left in `acc`, as one stacked array on
+    `stacked_final` (each device's block: the leading corner of its layer blocks)."""
+    mesh = jax.typeof(acc).sharding.mesh
+    block = NamedSharding(mesh, stacked_final).shard_shape(acc.shape)
+
+    def read(a):
+        return lax.slice(a, (0,) * a.ndim, block)
+
+    # TAG: out_specs is the result's stacked spec (untagged: reduced); each
+    # device's corner block is its block of the reduced gradient by construction.
+    return jax.shard_map(
+        read, mesh=mesh, in_specs=(spec_of(acc),), out_specs=stacked_final, check_vma=False
+    )(acc)
+
+
+def _layer_totals(entries: list[SinkLeaf], accs: list, i: jax.Array | int) -> list:
+    """Layer i of each accumulator the last microbatch reduces (None for the others)."""
+    return [
+        None if entry.final is None else _slice_at(acc, i)
+        for entry, acc in zip(entries, accs, strict=True)
+    ]
+
+
 def _stack_one(x: jax.Array) -> jax.Array:
     """`x[None]`: one layer's value as a stack of one, per device where unreduced."""
     spec = spec_of(x)
@@ -431,35 +496,40 @@ def _fused_scan(body, carry, leaves, tree, entries):
                 ct_tree, _merge(scanned_i, zero_slices, [not z for z in is_zero])
             )
 
-        def step(state, xs):
-            dc, dconsts, bufs, accs_, pendings = state
+        def step(state, xs, above=False):
+            dc, dconsts, bufs, accs_ = state
             i, saved_i, free_i, sunk_i, scanned_i = xs
             vjp_fn = rebuild(saved_i, free_i, sunk_i, consts_)
             dc, dfree, dsunk, dk = vjp_fn((dc, ct_y_of(scanned_i)))
             dconsts = jax.tree.map(lambda a, b: a + b.astype(a.dtype), dconsts, dk)
-            # Layer i+1's totals, finished in the previous iteration, are reduced
-            # in this one: nothing of layer i's backward depends on them, so an
-            # asynchronous collective can run under all of it.
-            reduced = _reduce_layer(active, pendings)
-            new_bufs, new_accs, new_pendings = [], [], []
-            for entry, buf, d, acc, total in zip(active, bufs, dsunk, accs_, reduced, strict=True):
+            # Layer i+1's totals (`above`), finished in the previous iteration,
+            # are reduced in this one: nothing of layer i's backward depends on
+            # them, so an asynchronous collective can run under all of it. They
+            # are read out of the accumulator here, not carried from the last
+            # iteration (a carried copy would be live across the loop edge).
+            above_totals = _layer_totals(active, accs_, i + 1) if above else [None] * len(active)
+            reduced = _reduce_layer(active, above_totals)
+            new_bufs, new_accs = [], []
+            for entry, buf, d, acc, total, holds in zip(
+                active, bufs, dsunk, accs_, reduced, holders, strict=True
+            ):
                 d = entry.prepare(d)
                 if entry.final is None:
                     new_bufs.append(_add_at(buf, i, d))
                     new_accs.append(None)
-                    new_pendings.append(None)
                     continue
-                if total is not None:
+                # Layer i+1's reduced gradient goes into its (now dead) slice of
+                # the accumulator where it fits, else into the result buffer.
+                if total is not None and holds:
+                    acc = _store_result(acc, i + 1, total)
+                elif total is not None:
                     buf = _set_at(buf, i + 1, total)
                 # The layer's total is written into the running accumulator in
-                # place and read back as next iteration's pending. (Kept as a
-                # changing carry: an unreduced loop invariant is all-reduced on
-                # loop entry.)
-                acc = _add_at(acc, i, d)
+                # place, where the next iteration reads it. (Kept as a changing
+                # carry: an unreduced loop invariant is all-reduced on loop entry.)
                 new_bufs.append(buf)
-                new_accs.append(acc)
-                new_pendings.append(_slice_at(acc, i))
-            return (dc, dconsts, new_bufs, new_accs, new_pendings), dfree
+                new_accs.append(_add_at(acc, i, d))
+            return (dc, dconsts, new_bufs, new_accs), dfree
 
         zero_dk = jax.tree.map(
             _zeros_like_type,
@@ -469,17 +539,22 @@ def _fused_scan(body, carry, leaves, tree, entries):
                 )
             ),
         )
+        # Where each layer's reduced gradient is kept until the pass ends: in the
+        # accumulator's own dead layer slice where it fits (no stacked result
+        # buffer beside the accumulator at the start of the backward, the
+        # step's peak), else in a result buffer of the result's type.
+        holders = [_holds_result(e, acc) for e, acc in zip(active, accs_, strict=True)]
         bufs0 = [
-            acc if e.final is None else _zeros_like_type(e.sink)
-            for e, acc in zip(active, accs_, strict=True)
+            acc if e.final is None else (None if holds else _zeros_like_type(e.sink))
+            for e, acc, holds in zip(active, accs_, holders, strict=True)
         ]
         finals_in = [
             acc if e.final is not None else None for e, acc in zip(active, accs_, strict=True)
         ]
-        state0 = (ct_c, zero_dk, bufs0, finals_in, [None] * len(active))
+        state0 = (ct_c, zero_dk, bufs0, finals_in)
         xs = (jnp.arange(count, dtype=jnp.int32), saved, free_, sunk_, scanned_cts)
         if all(e.final is None for e in active):
-            (dc0, dconsts, bufs, _, _), dfree = lax.scan(step, state0, xs, reverse=True)
+            (dc0, dconsts, bufs, _), dfree = lax.scan(step, state0, xs, reverse=True)
             return dc0, dfree, None, dconsts, None, bufs
         # The last microbatch, pipelined by one layer: the top layer's backward
         # runs before the scan (it has no pending total to reduce), each scan
@@ -493,18 +568,24 @@ def _fused_scan(body, carry, leaves, tree, entries):
             # count-1 layers first compiled to 6.94 GiB where this reads 7.00 on
             # deepseek3-small's v5e-8 overlap step: no memory reason either way.)
             state, dfree_rest = lax.scan(
-                lambda state_, i: step(state_, jax.tree.map(lambda x: _slice_at(x, i), xs)),
+                lambda state_, i: step(
+                    state_, jax.tree.map(lambda x: _slice_at(x, i), xs), above=True
+                ),
                 state,
                 jnp.arange(count - 1, dtype=jnp.int32),
                 reverse=True,
             )
             dfree = jax.tree.map(_concat, dfree_rest, dfree)
-        dc0, dconsts, bufs, _, pendings = state
-        bufs = [
-            buf if total is None else _set_at(buf, 0, total)
-            for buf, total in zip(bufs, _reduce_layer(active, pendings), strict=True)
-        ]
-        return dc0, dfree, None, dconsts, None, bufs
+        dc0, dconsts, bufs, accs = state
+        results = []
+        totals = _reduce_layer(active, _layer_totals(active, accs, 0))
+        for entry, buf, acc, total, holds in zip(active, bufs, accs, totals, holders, strict=True):
+            if holds:
+                acc = acc if total is None else _store_result(acc, 0, total)
+                results.append(_read_results(acc, spec_of(entry.sink)))
+            else:
+                results.append(buf if total is None else _set_at(buf, 0, total))
+        return dc0, dfree, None, dconsts, None, results
 
     stack.defvjp(stack_fwd, stack_bwd)
     sinks = [e.sink for e in active]

@@ -9,13 +9,16 @@ on: (n-1)/n of the gradient per device on the wire, what a reduce-scatter
 moves, and each permute a start/done pair the scheduler can put compute between.
 
 `ring_reduce_scatter(totals, owns, destinations, dims)` reduces several
-per-device partial sums (unreduced) onto their ZeRO-1 shards in one ring: each
-one's shard-to-be along its scatter dim is laid out as an (n, T_k) block, the
-blocks joined into one (n, T) buffer, so a layer's gradients take n-1 permutes
-in all, not n-1 each.
+per-device partial sums (unreduced) onto their ZeRO-1 shards in one ring: row j
+of the ring is every total's shard j along its scatter dim, flattened and joined
+(T elements), so a layer's gradients take n-1 permutes in all, not n-1 each.
+Each step reads its row out of the totals: one row is live at a time, not an
+(n, T) copy of the layer.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -58,24 +61,20 @@ def ring_size(mesh, axes: tuple[str, ...]) -> int:
     return size
 
 
-def _ring(flat_NxT: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    """Row i of the sum over `axes` of every device's `flat_NxT`, on the device at
-    ring position i (its linear index over `axes`, major to minor as a spec's tuple).
+def _ring(row: Callable[[jax.Array], jax.Array], n: int, axes: tuple[str, ...]) -> jax.Array:
+    """Row i of the sum over `axes` of every device's rows, on the device at ring
+    position i (its linear index over `axes`, major to minor as a spec's tuple);
+    `row(j)` is this device's row j (its partial sum of device j's shard).
 
     Device i starts with row i-1 and sends it on; at step k it receives the
     running sum of row i-1-k from device i-1 and adds its own; after n-1 steps
     row i has passed through every device and ends on device i.
     """
-    n = flat_NxT.shape[0]
     me = lax.axis_index(axes)
     forward = [(j, (j + 1) % n) for j in range(n)]
-
-    def row(offset: int) -> jax.Array:
-        return lax.dynamic_index_in_dim(flat_NxT, (me - offset) % n, keepdims=False)
-
-    running_T = row(1)
+    running_T = row((me - 1) % n)
     for k in range(1, n):
-        running_T = lax.ppermute(running_T, axes, forward) + row(1 + k)
+        running_T = lax.ppermute(running_T, axes, forward) + row((me - 1 - k) % n)
     return running_T
 
 
@@ -95,18 +94,25 @@ def ring_reduce_scatter(
     n = ring_size(mesh, axes)
 
     def body(*blocks):
-        # Row j of a block: its shard j along the scatter dim (C order after
-        # moving that dim first), so ring row i is device i's shard of each.
-        rows = [jnp.moveaxis(b, d, 0).reshape(n, -1) for b, d in zip(blocks, dims, strict=True)]
-        mine_T = _ring(jnp.concatenate(rows, axis=1), axes)
+        # Row j: shard j along each block's scatter dim, flattened, the blocks'
+        # joined. Read straight out of the blocks at each step (one row live at
+        # a time, not an (n, T) copy of the whole layer).
+        def row(j):
+            return jnp.concatenate(
+                [
+                    lax.dynamic_slice_in_dim(b, j * (b.shape[d] // n), b.shape[d] // n, d).ravel()
+                    for b, d in zip(blocks, dims, strict=True)
+                ]
+            )
+
+        mine_T = _ring(row, n, axes)
         if rest:
             mine_T = lax.psum(mine_T, rest)
         out, start = [], 0
         for b, d in zip(blocks, dims, strict=True):
-            moved = jnp.moveaxis(b, d, 0).shape
-            shard = (moved[0] // n, *moved[1:])
+            shard = b.shape[:d] + (b.shape[d] // n,) + b.shape[d + 1 :]
             width = b.size // n
-            out.append(jnp.moveaxis(mine_T[start : start + width].reshape(shard), 0, d))
+            out.append(mine_T[start : start + width].reshape(shard))
             start += width
         return tuple(out)
 
