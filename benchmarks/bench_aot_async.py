@@ -39,6 +39,8 @@ RING = {"ring_reduce_scatter": "true"}
 OVERLAP = {"gradient_reduction_policy": "deferred", **fused.OVERLAP}
 ROWS = {
     ("v5e-8, ZeRO-1", "auto"): {"shard_mode": "auto", **ASYNC},
+    # Fused accumulation without the overlap: the memory the overlap adds to.
+    ("v5e-8, ZeRO-1", "fused"): {"gradient_reduction_policy": "deferred", **fused.FUSED, **ASYNC},
     ("v5e-8, ZeRO-1", "overlap"): {**OVERLAP, **ASYNC},
     ("v5e-8, ZeRO-1", "overlap, tpu_async_collectives=false"): OVERLAP,
     ("v5e-8, ZeRO-1", "overlap, ring_reduce_scatter"): {**OVERLAP, **ASYNC, **RING},
@@ -91,8 +93,38 @@ def main() -> int:
         # "/ auto": against v5e-8 ZeRO-1 auto; no deferred row here ("operand / deferred" blank).
         table_rows.append([label, *fused._memory_cells(r, auto), *fused._reduction_cells(r, None)])
     lines += bl.table(["row", *columns], table_rows, align="l" + "r" * len(columns))
+    lines += _bound_lines(auto, rows)
     bl.write("aot_async", lines, rows)
     return 0
+
+
+def _bound_lines(auto: dict | None, rows: list[dict]) -> list[str]:
+    """Issue #14's memory bound for the v5e-8 ZeRO-1 rows: auto's memory plus the f32
+    accumulator's inherent excess (7/8 x params x 4 B), on the total and on the peak."""
+    if auto is None:
+        return []
+    excess = 7 / 8 * auto["params"] * 4
+    bound, peak_bound = auto["memory_bytes"] + excess, None
+    if auto.get("peak_bytes"):
+        peak_bound = auto["peak_bytes"] + excess
+    lines = [
+        "",
+        f"Bound (issue #14): auto + 7/8 x params x 4 B = {fused.gib(bound)} GiB per device"
+        + (f"; on the peak live buffers {fused.gib(peak_bound)} GiB." if peak_bound else "."),
+        "",
+    ]
+    for r in rows:
+        if "error" in r or r["topology"] != "v5e-8, ZeRO-1" or r["variant"] == "auto":
+            continue
+        peak = r.get("peak_bytes")
+        peak_text = (
+            f", peak live {fused.gib(peak)} ({'meets' if peak <= peak_bound else 'misses'})"
+            if peak and peak_bound
+            else ""
+        )
+        verdict = "meets" if r["memory_bytes"] <= bound else "misses"
+        lines.append(f"- {r['variant']}: {fused.gib(r['memory_bytes'])} GiB ({verdict}){peak_text}")
+    return lines
 
 
 if __name__ == "__main__":

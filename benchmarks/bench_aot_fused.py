@@ -176,6 +176,7 @@ def measure(slug: str, variant: dict, reuse: bool) -> dict:
         "output_bytes": mem["output"],
         "alias_bytes": mem["alias"],
         "temp_bytes": mem["temp"],
+        "peak_bytes": mem.get("peak"),
         "fits": mem["total"] <= meta["hbm"],
         "in_loop_ops": len(in_loop),
         "in_loop_bytes_per_step": in_b,
@@ -203,7 +204,7 @@ def measure(slug: str, variant: dict, reuse: bool) -> dict:
 
 
 # The table's columns: _memory_cells and _reduction_cells fill them, in this order.
-MEMORY_COLUMNS = ["GiB/device", "/ auto", "argument", "output", "temp"]
+MEMORY_COLUMNS = ["GiB/device", "/ auto", "argument", "output", "temp", "peak live GiB"]
 REDUCTION_COLUMNS = [
     "in loop MiB/step (ops)",
     "overlapped MiB/step (ops)",
@@ -228,6 +229,7 @@ def _memory_cells(r: dict, auto: dict | None) -> list[str]:
         gib(r["argument_bytes"]),
         gib(r["output_bytes"]),
         gib(r["temp_bytes"]),
+        "" if r.get("peak_bytes") is None else gib(r["peak_bytes"]),
     ]
 
 
@@ -292,7 +294,9 @@ def main() -> int:
             "per microbatch, remat full, bf16 compute, f32 weights; v5e-8: data=8 over "
             "v5e:2x4; 2 x v5e-8: dcn_data=2 x data=8 (16 chips)",
             "memory: compiled.memory_analysis() per device, total = argument + output - "
-            "alias + temp + code (aot_scale.md's memory MiB/device)",
+            "alias + temp + code (aot_scale.md's memory MiB/device); peak live = XLA's "
+            "peak of simultaneously live buffers (memory_analysis().peak_memory_in_bytes, "
+            "arguments included), what the temp allocation reserves beyond it aside",
             "gradient reductions: all-reduce/reduce-scatter, cross-replica, over > 8 "
             "floating elements, and ring_reduce_scatter's collective-permutes "
             "(hlo_tools.is_ring_reduction); MiB per step per device, trip-count weighted, (ops); "

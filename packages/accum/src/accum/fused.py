@@ -565,8 +565,9 @@ def _fused_scan(body, carry, leaves, tree, entries):
         if count > 1:
             # The scan reads layers 0..count-2 out of the whole stacks by index,
             # with the helper the top layer's read uses. (Slicing the stacks to
-            # count-1 layers first compiled to 6.94 GiB where this reads 7.00 on
-            # deepseek3-small's v5e-8 overlap step: no memory reason either way.)
+            # count-1 layers first compiled to 6.94 GiB where this read 7.00 on
+            # deepseek3-small's v5e-8 overlap step, before the results moved into
+            # the accumulator: no memory reason either way.)
             state, dfree_rest = lax.scan(
                 lambda state_, i: step(
                     state_, jax.tree.map(lambda x: _slice_at(x, i), xs), above=True
