@@ -365,16 +365,9 @@ def _store_result(acc: jax.Array, i: jax.Array, result: jax.Array) -> jax.Array:
         starts = (j,) + (0,) * r.ndim
         return lax.dynamic_update_slice(a, r[None].astype(a.dtype), starts)
 
-    mesh = jax.typeof(acc).sharding.mesh
     # TAG: the accumulator keeps its own spec (unreduced): only the bytes of a
     # dead layer slice change; the result enters as its own (reduced) blocks.
-    return jax.shard_map(
-        store,
-        mesh=mesh,
-        in_specs=(spec_of(acc), P(), spec_of(result)),
-        out_specs=spec_of(acc),
-        check_vma=False,
-    )(acc, jnp.asarray(i, jnp.int32), result)
+    return _local(store, spec_of(acc), acc, jnp.asarray(i, jnp.int32), result)
 
 
 def _read_results(acc: jax.Array, stacked_final: P) -> jax.Array:
@@ -386,11 +379,9 @@ def _read_results(acc: jax.Array, stacked_final: P) -> jax.Array:
     def read(a):
         return lax.slice(a, (0,) * a.ndim, block)
 
-    # TAG: out_specs is the result's stacked spec (untagged: reduced); each
+    # TAG: out spec is the result's stacked spec (untagged: reduced); each
     # device's corner block is its block of the reduced gradient by construction.
-    return jax.shard_map(
-        read, mesh=mesh, in_specs=(spec_of(acc),), out_specs=stacked_final, check_vma=False
-    )(acc)
+    return _local(read, stacked_final, acc)
 
 
 def _layer_totals(entries: list[SinkLeaf], accs: list, i: jax.Array | int) -> list:
