@@ -59,10 +59,12 @@ COMMON = {
 }
 BF16 = {"accum_dtype": "bfloat16"}
 FUSED = {"fused_gradient_accumulation": "true"}
+# The per-microbatch gradient path (fused accumulation is the default).
+UNFUSED = {"fused_gradient_accumulation": "false"}
 OVERLAP = {"overlap_gradient_reduction": "true"}
 ONE_SLICE = {
     "auto": {"shard_mode": "auto"},
-    "deferred": {"gradient_reduction_policy": "deferred"},
+    "deferred": {"gradient_reduction_policy": "deferred", **UNFUSED},
     "fused": {"gradient_reduction_policy": "deferred", **FUSED},
     "overlap": {"gradient_reduction_policy": "deferred", **OVERLAP},
     "fused, bf16 accum": {"gradient_reduction_policy": "deferred", **FUSED, **BF16},
@@ -71,8 +73,8 @@ ONE_SLICE = {
 TWO_SLICES = {"compile_topology_num_slices": "2", "dcn_data_parallelism": "2"}
 SLICES = {
     "auto": {**TWO_SLICES, "shard_mode": "auto"},
-    "deferred": {**TWO_SLICES, "gradient_reduction_policy": "deferred"},
-    "hierarchical": {**TWO_SLICES, "gradient_reduction_policy": "hierarchical"},
+    "deferred": {**TWO_SLICES, "gradient_reduction_policy": "deferred", **UNFUSED},
+    "hierarchical": {**TWO_SLICES, "gradient_reduction_policy": "hierarchical", **UNFUSED},
     "hierarchical, fused": {**TWO_SLICES, "gradient_reduction_policy": "hierarchical", **FUSED},
 }
 # Left out by --short (each compile takes minutes on a loaded 2-core host).

@@ -96,13 +96,15 @@ def interleaved(
     fns: dict, warmup: int, rounds: int, sync: Callable | None = None
 ) -> dict[str, list[float]]:
     """Time each callable once per round, in turn (so drift in machine load hits all
-    alike); returns the post-warm-up samples per key. Each callable runs one step
-    and returns something to block on."""
+    alike), every other round in reverse order (so neither of two neighbours always
+    runs first); returns the post-warm-up samples per key. Each callable runs one
+    step and returns something to block on."""
     import jax
 
     samples = {key: [] for key in fns}
     for round_ in range(warmup + rounds):
-        for key, fn in fns.items():
+        order = list(fns.items())
+        for key, fn in order if round_ % 2 == 0 else reversed(order):
             start = time.perf_counter()
             jax.block_until_ready(fn())
             seconds = time.perf_counter() - start

@@ -68,6 +68,25 @@ def test_auto_mode_same_numbers(get_setup, close, how):
     close(grads, ref_grads, rtol=1e-5, atol=1e-6)
 
 
+def test_one_microbatch_is_the_plain_path(get_setup):
+    """Nothing to accumulate: fused=True with one microbatch lowers to the plain
+    path's program (no zero accumulator added into the backward pass)."""
+    setup = get_setup("data8")
+
+    def lowered(n, **kw):
+        def fn(params, batch):
+            return accum.accumulate_gradients(
+                setup.model.loss_fn, params, batch, num_microbatches=n, **kw
+            )
+
+        with jax.set_mesh(setup.mesh):
+            return jax.jit(fn).lower(setup.params, setup.batch).as_text()
+
+    assert lowered(1, fused=True) == lowered(1)
+    # Two microbatches do fuse (the comparison above could not pass vacuously).
+    assert lowered(2, fused=True) != lowered(2)
+
+
 def test_fused_loop_holds_no_reduction_and_bytes_match(get_setup):
     setup = get_setup("data8")
     fused = _compiled(setup, "fused").as_text()

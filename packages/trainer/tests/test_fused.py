@@ -17,6 +17,7 @@ FLOATS = ("f32", "bf16")
 # The seed's recipe (ZeRO-1) in the cpu tier; the other layouts are slow (two
 # compiles of the tiny model each): `uv run nox -s slow`.
 slow = pytest.mark.slow
+UNFUSED = {"fused_gradient_accumulation": "false"}
 OVERLAP = {"overlap_gradient_reduction": "true"}
 # ring_reduce_scatter: ZeRO-1's per-layer reduce-scatters as rings of permutes (the
 # accum tests check the ring's numbers and permutes in the cpu tier).
@@ -49,12 +50,14 @@ def _reduction_bytes(text: str) -> float:
 @pytest.mark.parametrize(("layout", "key"), CASES)
 def test_same_numbers_and_bytes_as_deferred(runner, grads_runner, layout, key):
     base = {**EIGHT_DEVICE_LAYOUTS[layout], **GA, **LAYERS}
-    want_history, want_text = runner(1, **base)
+    # The reference: the unfused path (per-microbatch gradients added after the
+    # backward pass); fused accumulation is the default.
+    want_history, want_text = runner(1, **base, **UNFUSED)
     keys = {"ring_reduce_scatter": RING}.get(key, {key: "true"})
     got_history, got_text = runner(1, **base, **keys)
     for name in ("loss", "grad_norm"):
         np.testing.assert_allclose(got_history[0][name], want_history[0][name], rtol=1e-5)
-    want, got = grads_runner(1, **base), grads_runner(1, **base, **keys)
+    want, got = grads_runner(1, **base, **UNFUSED), grads_runner(1, **base, **keys)
     for leaf, value in want.items():
         scale = float(np.abs(value).max())
         np.testing.assert_allclose(got[leaf], value, rtol=1e-5, atol=1e-6 * scale, err_msg=leaf)

@@ -44,7 +44,10 @@ def test_hierarchical_matches_single_device(runner, grads_runner):
 
 
 def test_no_cross_slice_reduction_in_the_loop_and_in_slice_scatters_per_microbatch(runner):
-    _, text = runner(1, **SLICES)
+    # Unfused: one reduce-scatter of the whole gradient after each microbatch's
+    # backward pass (fused accumulation, the default, scatters each layer inside
+    # it: test_hierarchical_fused_matches_and_keeps_cross_slice_out_of_the_loop).
+    _, text = runner(1, **SLICES, fused_gradient_accumulation="false")
     reductions = _reductions(text)
     inside = [c for c in reductions if c.in_loop]
     assert not [c for c in inside if hlo_tools.spans_mesh_axis(c, MESH, "dcn_data")]
@@ -171,14 +174,20 @@ def test_hierarchical_fused_matches_and_keeps_cross_slice_out_of_the_loop(runner
     sums inside the backward layer scan: same numbers as unfused hierarchical, and
     still no cross-slice reduction in any loop."""
     fused = {**SLICES, "fused_gradient_accumulation": "true"}
-    want = runner(1, **SLICES)[0][0]
+    unfused = {**SLICES, "fused_gradient_accumulation": "false"}
+    want = runner(1, **unfused)[0][0]
     got, text = runner(1, **fused)
     np.testing.assert_allclose(got[0]["loss"], want["loss"], rtol=1e-5)
     np.testing.assert_allclose(got[0]["grad_norm"], want["grad_norm"], rtol=1e-5)
-    want_grads, grads = grads_runner(1, **SLICES), grads_runner(1, **fused)
+    want_grads, grads = grads_runner(1, **unfused), grads_runner(1, **fused)
     for leaf, value in want_grads.items():
         scale = float(np.abs(value).max())
         np.testing.assert_allclose(grads[leaf], value, rtol=1e-5, atol=1e-6 * scale, err_msg=leaf)
     judged = hlo_tools.verdict(hlo_tools.parse(text), mesh_shape=MESH, over=("dcn_data",))
     assert judged["status"] == "OK", judged["message"]
     assert hlo_tools.slice_traffic(text, 2)["cross_slice"]["in_loop"] == 0
+    # The in-slice reduce-scatters run per layer inside the backward layer scan:
+    # GA x the scanned layers' trip count, not once per microbatch.
+    scatters = [c for c in _reductions(text) if c.in_loop and c.kind == "reduce-scatter"]
+    assert all(c.multiplier % GA == 0 for c in scatters)
+    assert max(c.multiplier for c in scatters) > GA

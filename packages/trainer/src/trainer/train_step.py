@@ -116,7 +116,8 @@ def make_step(
             plan=plan,
             grad_shardings=grad_shardings,
             accum_dtype=jnp.dtype(config.accum_dtype),
-            fused=config.fused_gradient_accumulation,
+            # Fusing works inside the layer scan: unscanned layers have none.
+            fused=config.fused_gradient_accumulation and config.scan_layers,
             overlap=config.overlap_gradient_reduction,
             ring_reduce_scatter=config.ring_reduce_scatter,
         )

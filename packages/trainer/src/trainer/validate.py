@@ -130,11 +130,13 @@ def _check_routing(config: Config) -> None:
 
 
 def _check_fused_accumulation(config: Config) -> None:
-    for key in ("fused_gradient_accumulation", "overlap_gradient_reduction"):
-        _require(
-            not getattr(config, key) or config.scan_layers,
-            f"{key}=true needs scan_layers=true (it works inside the backward layer scan)",
-        )
+    # fused_gradient_accumulation (on by default) has no effect without the scan;
+    # the overlap is asked for explicitly and would silently not overlap.
+    _require(
+        not config.overlap_gradient_reduction or config.scan_layers,
+        "overlap_gradient_reduction=true needs scan_layers=true (it works inside the "
+        "backward layer scan)",
+    )
     _require(
         not config.ring_reduce_scatter or config.overlap_gradient_reduction,
         "ring_reduce_scatter=true needs overlap_gradient_reduction=true (the ring reduces "
