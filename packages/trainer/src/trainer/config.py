@@ -135,8 +135,8 @@ class Config:
     # so no full-size per-microbatch gradient buffer exists beside the accumulator
     # (accum.scan_layers). Same numbers, same collectives. On by default: the
     # seed's recipe on v5e-8 takes 5.87 GiB per device instead of 8.37
-    # (benchmarks/results/aot_fused.md), and CPU step time is within noise of the
-    # unfused path on every layout (fused_cpu.md). No effect with scan_layers=false
+    # (benchmarks/results/aot_fused.md), and CPU step time is within this 2-core
+    # machine's noise (a few %) of the unfused path on every layout (fused_cpu.md). No effect with scan_layers=false
     # (no layer scan to fuse into) or with one microbatch (nothing to accumulate).
     fused_gradient_accumulation: bool = True
     # Run the last microbatch after the loop and reduce each layer's gradient inside
