@@ -136,8 +136,9 @@ class Config:
     # (accum.scan_layers). Same numbers, same collectives. On by default: the
     # seed's recipe on v5e-8 takes 5.87 GiB per device instead of 8.37
     # (benchmarks/results/aot_fused.md), and CPU step time is within this 2-core
-    # machine's noise (a few %) of the unfused path on every layout (fused_cpu.md). No effect with scan_layers=false
-    # (no layer scan to fuse into) or with one microbatch (nothing to accumulate).
+    # machine's noise (a few %) of the unfused path on every layout (fused_cpu.md).
+    # No effect with scan_layers=false (no layer scan to fuse into) or with one
+    # microbatch (nothing to accumulate).
     fused_gradient_accumulation: bool = True
     # Run the last microbatch after the loop and reduce each layer's gradient inside
     # its backward layer scan, so the reduction can overlap the remaining layers'
