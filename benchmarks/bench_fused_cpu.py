@@ -35,7 +35,6 @@ from bench_explicit_auto import MODEL  # noqa: E402
 
 from trainer.layouts import EIGHT_DEVICE_LAYOUTS  # noqa: E402
 
-COMMAND = "JAX_PLATFORMS=cpu uv run python benchmarks/bench_fused_cpu.py"
 WARMUP = 2
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "15"))
 LIMIT = 1.03  # the issue's bound on fused / deferred and overlap / deferred step time
@@ -44,13 +43,27 @@ ALL_WAYS = {
     "fused": {"fused_gradient_accumulation": "true"},
     "overlap": {"overlap_gradient_reduction": "true"},
 }
+
+
 # BENCH_WAYS=deferred,fused times a subset: 39 CPU executables of 8 devices can
 # exhaust the process's memory maps (vm.max_map_count) in LLVM's JIT.
-WAYS = {
-    way: ALL_WAYS[way]
-    for way in os.environ.get("BENCH_WAYS", ",".join(ALL_WAYS)).split(",")
-    if way in ALL_WAYS
-}
+def _ways(names: str) -> dict[str, dict[str, str]]:
+    """BENCH_WAYS's subset of ALL_WAYS; deferred is every ratio's denominator."""
+    unknown = [name for name in names.split(",") if name not in ALL_WAYS]
+    if unknown or "deferred" not in names.split(","):
+        raise SystemExit(
+            f"BENCH_WAYS={names!r}: name deferred and any of {', '.join(ALL_WAYS)}"
+            + (f" (unknown: {', '.join(unknown)})" if unknown else "")
+        )
+    return {name: ALL_WAYS[name] for name in names.split(",")}
+
+
+WAYS = _ways(os.environ.get("BENCH_WAYS", ",".join(ALL_WAYS)))
+# The page's command line: the environment that chose its rounds and ways included.
+COMMAND = " ".join(
+    [f"{key}={os.environ[key]}" for key in ("BENCH_WAYS", "BENCH_ROUNDS") if key in os.environ]
+    + ["JAX_PLATFORMS=cpu uv run python benchmarks/bench_fused_cpu.py"]
+)
 
 
 def configurations() -> dict[str, dict[str, str]]:

@@ -102,8 +102,8 @@ def interleaved(
     import jax
 
     samples = {key: [] for key in fns}
+    order = list(fns.items())
     for round_ in range(warmup + rounds):
-        order = list(fns.items())
         for key, fn in order if round_ % 2 == 0 else reversed(order):
             start = time.perf_counter()
             jax.block_until_ready(fn())
