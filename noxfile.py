@@ -1,7 +1,7 @@
 """Test tiers for tagtrain. Every session but the two wheel sessions runs in the locked
 uv environment.
 
-uv run nox -s lint cpu aot wheels_newest  # what CI runs
+uv run nox -s lint cpu aot device_check wheels_newest  # what CI runs
 uv run nox -s wheels_minimum   # the wheels at the declared minimum versions (Python 3.11)
 uv run nox -s slow             # longer CPU tests
 uv run nox -s tpu_integration  # real chips; skips below 4 devices
@@ -23,7 +23,7 @@ nox.options.default_venv_backend = "uv"
 nox.options.reuse_existing_virtualenvs = True
 # A wheel session whose Python (3.12, 3.11) is missing fails instead of skipping.
 nox.options.error_on_missing_interpreters = True
-nox.options.sessions = ["lint", "cpu", "aot", "wheels_newest"]
+nox.options.sessions = ["lint", "cpu", "aot", "device_check", "wheels_newest"]
 
 # Two pytest workers (the CI machine has 2 cores; the tests are compile-bound and
 # JAX compiles on one thread). `loadfile` keeps a file's tests, and the compiled
@@ -99,6 +99,14 @@ def aot(session: nox.Session) -> None:
     _sync(session, "tpu")
     # The full AOT matrix is also marked slow: `-s slow_aot` (or pytest -m "aot and slow").
     session.run("pytest", "-m", "aot and not slow", *session.posargs, env=CPU_ENV)
+
+
+@nox.session
+def device_check(session: nox.Session) -> None:
+    """benchmarks/device_check.sh run on CPU (its small shape), so CI keeps the GPU
+    host's script working: tests/test_device_check.py, its slow run included."""
+    _sync(session)
+    session.run("pytest", "tests/test_device_check.py", *session.posargs, env=CPU_ENV)
 
 
 @nox.session

@@ -169,6 +169,7 @@ def write(rows, fit) -> None:
             f"{2 * len(points())} compiled steps interleaved in each round",
             f"GA-sweep fit T = o + N*c + {{N*a | a}}: o = {o * 1e3:.1f} ms, c = {c * 1e3:.1f} ms, "
             f"a = {a * 1e3:.2f} ms",
+            bl.accumulation_note(),
             "bytes: all-reduce + reduce-scatter payload per device per step (hlo_tools); "
             "memory: compiled memory analysis per device",
         ],

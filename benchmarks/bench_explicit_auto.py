@@ -119,6 +119,7 @@ def write(rows) -> None:
             "emb 64, f32; GA=4, one sequence x 32 tokens per device per microbatch",
             f"median of {ROUNDS} steady steps after {WARMUP} warm-up rounds, all "
             "configurations interleaved in each round",
+            bl.accumulation_note(),
             "bytes: collective payload per device per step, all kinds, weighted by loop "
             "trip counts; memory: compiled memory analysis per device",
             "targets (issue 9): explicit no more than 3% slower than auto anywhere "

@@ -62,6 +62,17 @@ def header(title: str, command: str, notes: Sequence[str] = ()) -> list[str]:
     return lines + [""]
 
 
+def accumulation_note() -> str:
+    """The trainer's default gradient-accumulation keys, for a page whose steps use them."""
+    from trainer.config import Config
+
+    return (
+        "gradient accumulation: the trainer's defaults, "
+        f"fused_gradient_accumulation={str(Config.fused_gradient_accumulation).lower()}, "
+        f"overlap_gradient_reduction={str(Config.overlap_gradient_reduction).lower()}"
+    )
+
+
 def table(columns: Sequence[str], rows: Sequence[Sequence[str]], align: str = "") -> list[str]:
     align = align or "l" + "r" * (len(columns) - 1)
     marks = ["---:" if a == "r" else "---" for a in align]
