@@ -123,6 +123,7 @@ def main() -> int:
             "gradient reductions: all-reduce/reduce-scatter over > 8 floating elements "
             "(the router's s32 token counts are excluded); per layer-microbatch: one "
             "execution of those inside the layer scan",
+            bl.accumulation_note(),
             "seed: the reference document's v6e 2x2 measurements of its own trainer "
             "(24L/16E, pdbs 2); same model shape, different topology and batch",
         ],

@@ -87,6 +87,46 @@ def test_one_microbatch_is_the_plain_path(get_setup):
     assert lowered(2, fused=True) != lowered(2)
 
 
+def test_per_microbatch_plan_is_the_plain_path(get_setup):
+    """A per-microbatch plan keeps no partial sums: fused=True lowers to the plain
+    path's program (fusing let XLA:TPU move the per-layer reductions out of the
+    backward scan onto a full-size gradient), through accumulate_gradients and add."""
+    setup = get_setup("data8")
+    loss_fn = setup.model.loss_fn
+
+    def lowered(fn, *args):
+        with jax.set_mesh(setup.mesh):
+            return jax.jit(fn).lower(*args).as_text()
+
+    def scan(policy, **kw):
+        return lowered(
+            lambda p, b: accum.accumulate_gradients(
+                loss_fn, p, b, num_microbatches=2, policy=policy, **kw
+            ),
+            setup.params,
+            setup.batch,
+        )
+
+    assert scan("per_microbatch", fused=True) == scan("per_microbatch")
+    # A deferred plan does fuse (the comparison above could not pass vacuously).
+    assert scan("deferred", fused=True) != scan("deferred")
+
+    # One microbatch of two, placed like the batch (the strided split).
+    microbatch = jax.tree.map(lambda x: jax.device_put(np.asarray(x)[::2], x.sharding), setup.batch)
+
+    def add(defer, **kw):
+        with jax.set_mesh(setup.mesh):
+            acc = jax.jit(lambda p, b: accum.start(loss_fn, p, b, defer_reduction=defer))(
+                setup.params, microbatch
+            )
+        assert acc.plan.fused_applies == defer
+        step = lambda a, p, b: accum.add(a, loss_fn, p, b, **kw)  # noqa: E731
+        return lowered(step, acc, setup.params, microbatch)
+
+    assert add(False, fused=True) == add(False)
+    assert add(True, fused=True) != add(True)
+
+
 def test_fused_loop_holds_no_reduction_and_bytes_match(get_setup):
     setup = get_setup("data8")
     fused = _compiled(setup, "fused").as_text()

@@ -125,7 +125,8 @@ def add(
     does. The same trace-time guards as `accumulate_gradients` run here.
     `fused=True`: stacked parameters run through `accum.scan_layers` get each
     layer's gradient added into `acc` inside the backward scan (donate `acc`
-    so the update is in place).
+    so the update is in place); a per-microbatch plan takes the plain path
+    (`ReductionPlan.fused_applies`).
 
     Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
 
@@ -140,7 +141,7 @@ def add(
     mb_rng = None if rng is None else jax.random.fold_in(rng, acc.count)
     # Free cast; parameters that stay replicated between calls are not moved.
     compute_params = tag_reduced(params, acc.plan)
-    if fused:
+    if fused and acc.plan.fused_applies:
         args = (microbatch,) if mb_rng is None else (microbatch, mb_rng)
         guard_forward(loss_fn, compute_params, args, acc.plan, on_tag_lost)
         loss_sum, aux, grads = fused_microbatch(loss_fn, compute_params, args, acc.plan, acc.grads)

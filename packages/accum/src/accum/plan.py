@@ -134,6 +134,17 @@ class ReductionPlan:
         return self.axes(PER_STEP, SCATTER)
 
     @property
+    def fused_applies(self) -> bool:
+        """Whether fused accumulation (`fused=True`) has partial sums to keep: in
+        explicit mode, some leaf accumulates unreduced or scattered gradients; auto
+        mode leaves the reductions to XLA. A per-microbatch plan (nothing tagged)
+        takes the plain path: autodiff reduces each layer's gradient inside the
+        backward scan anyway, and fusing the addition there let XLA:TPU move those
+        reductions out of the scan onto a full-size stacked gradient
+        (deepseek3-small, ZeRO-1, GA=4, v5e-8: 11.14 GiB per device vs 8.37)."""
+        return self.mode != "explicit" or bool(self.tagged_axes)
+
+    @property
     def deferred_axes(self) -> tuple[str, ...]:
         """Axes some leaf reduces once per step."""
         return self.axes(PER_STEP)

@@ -137,8 +137,10 @@ class Config:
     # seed's recipe on v5e-8 takes 5.87 GiB per device instead of 8.37
     # (benchmarks/results/aot_fused.md), and CPU step time is within this 2-core
     # machine's noise (a few %) of the unfused path on every layout (fused_cpu.md).
-    # No effect with scan_layers=false (no layer scan to fuse into) or with one
-    # microbatch (nothing to accumulate).
+    # No effect with scan_layers=false (no layer scan to fuse into), with one
+    # microbatch (nothing to accumulate) or with gradient_reduction_policy=
+    # per_microbatch (nothing kept unreduced; fusing there cost 11.14 GiB vs 8.37 on
+    # that recipe: accum.ReductionPlan.fused_applies).
     fused_gradient_accumulation: bool = True
     # Run the last microbatch after the loop and reduce each layer's gradient inside
     # its backward layer scan, so the reduction can overlap the remaining layers'
