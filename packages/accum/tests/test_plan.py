@@ -136,6 +136,23 @@ def test_auto_mode_leaves_everything_to_xla():
     assert plan.tagged_axes == () and "XLA" in plan.summary()
 
 
+def test_fused_accumulation_applies_unless_autodiff_reduces_per_microbatch():
+    def plan(sizes, batch, **kw):
+        return accum.make_plan(_params(sizes), batch_axes=batch, mesh_shape=sizes, **kw)
+
+    sizes, batch, _ = LAYOUTS["data"]
+    assert plan(sizes, batch).fused_applies
+    assert plan(sizes, batch, mode="auto").fused_applies
+    # Autodiff reduces every gradient inside the backward: fusing would let
+    # XLA:TPU move those reductions onto a full-size gradient.
+    assert not plan(sizes, batch, policy="per_microbatch").fused_applies
+    # No batch axis to reduce (one device): fusing only saves memory.
+    assert plan({"data": 1}, ("data",), policy="per_microbatch").fused_applies
+    # Hierarchical scatters per microbatch into sharded accumulators: fused.
+    sizes, batch, slices = LAYOUTS["2 slices x data"]
+    assert plan(sizes, batch, policy="hierarchical", slice_axes=slices).fused_applies
+
+
 def test_global_gating_reduces_a_weight_sharded_axis_per_microbatch_for_all():
     sizes, batch, _ = LAYOUTS["data+fsdp"]
     plan = accum.make_plan(_params(sizes), batch_axes=batch, mesh_shape=sizes, per_parameter=False)

@@ -183,8 +183,8 @@ def accumulate_gradients(
     `fused=True`: stacked parameters that `loss_fn` runs through
     `accum.scan_layers` get each layer's gradient added into the accumulator
     inside the backward layer scan (no full-size per-microbatch gradient); with
-    one microbatch (nothing to accumulate) or a per-microbatch plan (nothing kept
-    unreduced, `ReductionPlan.fused_applies`) it is the plain path.
+    one microbatch (nothing to accumulate) or a per-microbatch plan that reduces some
+    batch axis (`ReductionPlan.fused_applies`) it is the plain path.
     `overlap=True` (implies fused): the last microbatch runs after the loop and
     reduces each layer's total inside its backward scan, so the reductions can
     overlap the remaining layers' backward compute; the first N-1 microbatches
@@ -223,8 +223,8 @@ def accumulate_gradients(
     compute_params = tag_reduced(params, plan)
     acc0 = unreduced_zeros(params, plan, accum_dtype)
     # One microbatch has nothing to accumulate: fusing would only add a zero
-    # accumulator into the backward pass; a per-microbatch plan has no partial
-    # sums to keep (plan.fused_applies). The overlap still pays (the one
+    # accumulator into the backward pass; nor is it used where autodiff reduces
+    # every gradient per microbatch (plan.fused_applies). The overlap still pays (the one
     # reduction runs inside the backward, as in DDP), and it needs the fused pass.
     fused = overlap or (fused and num_microbatches > 1 and plan.fused_applies)
 

@@ -125,8 +125,8 @@ def add(
     does. The same trace-time guards as `accumulate_gradients` run here.
     `fused=True`: stacked parameters run through `accum.scan_layers` get each
     layer's gradient added into `acc` inside the backward scan (donate `acc`
-    so the update is in place); a per-microbatch plan takes the plain path
-    (`ReductionPlan.fused_applies`).
+    so the update is in place); a per-microbatch plan reducing some batch
+    axis takes the plain path (`ReductionPlan.fused_applies`).
 
     Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
 

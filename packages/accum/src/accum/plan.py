@@ -135,14 +135,18 @@ class ReductionPlan:
 
     @property
     def fused_applies(self) -> bool:
-        """Whether fused accumulation (`fused=True`) has partial sums to keep: in
-        explicit mode, some leaf accumulates unreduced or scattered gradients; auto
-        mode leaves the reductions to XLA. A per-microbatch plan (nothing tagged)
-        takes the plain path: autodiff reduces each layer's gradient inside the
-        backward scan anyway, and fusing the addition there let XLA:TPU move those
-        reductions out of the scan onto a full-size stacked gradient
-        (deepseek3-small, ZeRO-1, GA=4, v5e-8: 11.14 GiB per device vs 8.37)."""
-        return self.mode != "explicit" or bool(self.tagged_axes)
+        """Whether fused accumulation (`fused=True`) is used: everywhere but a plan
+        whose only batch-axis reductions are autodiff's per-microbatch ones (explicit
+        mode, nothing tagged, some axis reduced per microbatch). There autodiff
+        reduces each layer's gradient inside the backward scan anyway, and fusing
+        the addition let XLA:TPU move those reductions out of the scan onto a
+        full-size stacked gradient (deepseek3-small, ZeRO-1, GA=4, v5e-8: 11.14 GiB
+        per device vs 8.37). Without batch axes to reduce (one device, or a mesh
+        of model axes only) nothing moves, and fusing still saves the
+        per-microbatch gradient buffer; auto mode leaves the reductions to XLA."""
+        if self.mode != "explicit" or self.tagged_axes:
+            return True
+        return not self.axes(PER_MICROBATCH)
 
     @property
     def deferred_axes(self) -> tuple[str, ...]:

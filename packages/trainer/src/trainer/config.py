@@ -139,8 +139,9 @@ class Config:
     # machine's noise (a few %) of the unfused path on every layout (fused_cpu.md).
     # No effect with scan_layers=false (no layer scan to fuse into), with one
     # microbatch (nothing to accumulate) or with gradient_reduction_policy=
-    # per_microbatch (nothing kept unreduced; fusing there cost 11.14 GiB vs 8.37 on
-    # that recipe: accum.ReductionPlan.fused_applies).
+    # per_microbatch over batch axes of size > 1 (autodiff reduces every gradient in
+    # the backward; fusing there cost 11.14 GiB vs 8.37 on that recipe:
+    # accum.ReductionPlan.fused_applies).
     fused_gradient_accumulation: bool = True
     # Run the last microbatch after the loop and reduce each layer's gradient inside
     # its backward layer scan, so the reduction can overlap the remaining layers'
