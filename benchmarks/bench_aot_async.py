@@ -91,7 +91,7 @@ def main() -> int:
             + (f"; this analysis pass {wall / 60:.1f} min, reading cached HLO" if reuse else ""),
         ],
     )
-    auto = next((r for r in rows if r["variant"] == "auto" and "error" not in r), None)
+    auto = _v5e_row(rows, "auto")
     columns = [*fused.MEMORY_COLUMNS, *fused.REDUCTION_COLUMNS]
     table_rows = []
     for r in rows:
@@ -108,18 +108,23 @@ def main() -> int:
     return 0
 
 
+def _v5e_row(rows: list[dict], variant: str) -> dict | None:
+    """The compiled (error-free) v5e-8 ZeRO-1 row named `variant`, if any."""
+    return next(
+        (
+            r
+            for r in rows
+            if r["topology"] == "v5e-8, ZeRO-1" and r["variant"] == variant and "error" not in r
+        ),
+        None,
+    )
+
+
 def _bound_lines(reference: str, rows: list[dict]) -> list[str]:
     """Issue #14's memory bound for the v5e-8 ZeRO-1 rows: the `reference` auto row's
     memory plus the f32 accumulator's inherent excess (7/8 x params x 4 B), on the
     total and on the peak."""
-    auto = next(
-        (
-            r
-            for r in rows
-            if r["topology"] == "v5e-8, ZeRO-1" and r["variant"] == reference and "error" not in r
-        ),
-        None,
-    )
+    auto = _v5e_row(rows, reference)
     if auto is None:
         return []
     excess = 7 / 8 * auto["params"] * 4
