@@ -152,7 +152,7 @@ class Config:
     # of reduce-scatters. Same numbers, same bytes on the wire; XLA:TPU runs
     # reduce-scatters synchronously on v5e but collective-permutes asynchronously.
     # With tpu_async_collectives: 100.0% of deepseek3-small ZeRO-1's gradient
-    # reduction bytes async with compute between on v5e-8, at 6.54 GiB vs 6.49
+    # reduction bytes async with compute between on v5e-8, at 6.14 GiB vs 6.00
     # without the ring (benchmarks/results/aot_async.md); off by default: no step
     # time measured on chips.
     ring_reduce_scatter: bool = False
