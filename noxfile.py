@@ -243,3 +243,32 @@ def wheels_newest(session: nox.Session) -> None:
 def wheels_minimum(session: nox.Session) -> None:
     """The five wheels on Python 3.11 with every dependency at its declared minimum."""
     _wheels_session(session, declared_minimums(), TRAINER_DEPENDENCY_TESTS)
+
+
+# torch and transformers for the two Hugging Face sessions only (never a package
+# dependency). Installed with pip into a plain virtualenv, so pip's own configuration
+# decides where the wheels come from; the fixtures record the transformers version.
+HF_TOOLS = ["torch==2.13.0", "transformers==5.24.0", "safetensors", "numpy"]
+HF_FIXTURES = "packages/trainer/tests/fixtures/make_hf_fixtures.py"
+HF_PARITY = "packages/trainer/tests/fixtures/hf_parity.py"
+
+
+@nox.session(venv_backend="virtualenv")
+def hf_fixtures(session: nox.Session) -> None:
+    """Rebuild the tiny HF checkpoints and transformers' reference logits under
+    packages/trainer/tests/fixtures/hf/ (commit the result)."""
+    session.install(*HF_TOOLS)
+    session.run("python", HF_FIXTURES)
+
+
+@nox.session(venv_backend="virtualenv")
+def hf_parity(session: nox.Session) -> None:
+    """Export every fixture through trainer.hf (perturbed weights, in the locked uv
+    environment), load the exports with transformers and compare logits (1e-4)."""
+    session.install(*HF_TOOLS)
+    out = Path(session.create_tmp()) / "hf_exports"
+    session.run(
+        "uv", "run", "--locked", "python", HF_PARITY, "export", str(out), external=True,
+        env=CPU_ENV,
+    )  # fmt: skip
+    session.run("python", HF_PARITY, "compare", str(out))

@@ -1,0 +1,170 @@
+"""Hugging Face checkpoints in and out: `load`, `save`, `forward`.
+
+A HF directory (config.json, one safetensors file or several with
+model.safetensors.index.json, tokenizer.json) of model_type deepseek_v3 or
+deepseek_v2 maps onto the trainer's Config and parameter tree and back. Nothing
+outside this package knows the HF names. `params` here is the pair of trees the
+trainer's state holds: {"params": ..., "router": ...} (the router tree holds the
+routing biases, HF's e_score_correction_bias), stacked for the scanned layers.
+docs/hf.md has the key table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trainer import model as model_lib
+from trainer.config import Config, ConfigError, make_config, mesh_shape
+from trainer.hf import config_map, keys, safetensors, stream
+from trainer.sharding import ShardCtx, logical_rules, make_mesh
+
+# Shards above this size get split (transformers' default max_shard_size is 5 GB).
+MAX_SHARD_BYTES = 5 * 1024**3
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def config_from_hf(path: str, **overrides: Any) -> Config:
+    """The trainer Config of HF directory `path`; `overrides` (trainer keys) win."""
+    hf = config_map.read_config_json(path)
+    return make_config({**config_map.from_hf(hf, os.path.join(path, "config.json")), **overrides})
+
+
+def default_ctx(config: Config) -> ShardCtx:
+    """One device: what `load` places on when no ShardCtx is given."""
+    devices = jax.devices()[:1]
+    mesh = make_mesh(mesh_shape(config, 1), config.shard_mode, devices)
+    return ShardCtx(mesh, logical_rules(config), config.shard_mode)
+
+
+def plan_import(path: str, config: Config, targets: dict[str, dict]) -> stream.Plan:
+    """Check the files of `path` against `targets` ({"params", "router"} trees of
+    ShapeDtypeStructs): SafetensorsError naming file and key before any data is read."""
+    hf = config_map.read_config_json(path)
+    model_type = hf.get("model_type")
+    leaves = keys.leaves(targets, config.first_num_dense_layers, model_type)
+    refs = safetensors.read_directory(path)
+    return stream.check(leaves, refs, config.base_num_decoder_layers, path)
+
+
+def import_params(
+    path: str, config: Config, ctx: ShardCtx, progress: bool = True
+) -> dict[str, dict]:
+    """{"params", "router"} of HF directory `path`, streamed onto `ctx`'s mesh in the
+    shardings the trainer gives them."""
+    model = model_lib.define(config, ctx)
+    params_abs, router_abs = model_lib.abstract_state(model, ctx)
+    targets = {"params": params_abs, "router": router_abs}
+    plan = plan_import(path, config, targets)
+    return stream.import_leaves(plan, targets, progress)
+
+
+def load(
+    path: str, *, ctx: ShardCtx | None = None, progress: bool = True, **overrides: Any
+) -> tuple[Config, dict[str, dict]]:
+    """(Config, {"params", "router"}) of HF directory `path`.
+
+    `overrides` are trainer config keys (e.g. dtype="float32"); a shape key that
+    disagrees with the weights is a one-line error naming the tensor. Placed on
+    `ctx`'s mesh (default: one device).
+    """
+    config = config_from_hf(path, **overrides)
+    return config, import_params(path, config, ctx or default_ctx(config), progress)
+
+
+def _check_exportable(config: Config, params: dict[str, dict], model_type: str) -> None:
+    if model_type != "deepseek_v2" or not config.num_moe_layers:
+        return
+    bias = params["router"]["moe_layers"]["ffn"]["bias"]
+    if bool(jnp.any(bias != 0)):
+        raise ConfigError(
+            "the routing biases are nonzero, and deepseek_v2 (softmax routing) has no "
+            "e_score_correction_bias to hold them: set routed_bias_update_rate=0 for V2"
+        )
+
+
+def save(
+    path: str,
+    config: Config,
+    params: dict[str, dict],
+    *,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+    progress: bool = True,
+) -> None:
+    """Write `params` ({"params", "router"}) as a HF directory transformers loads:
+    config.json and safetensors, sharded with an index above `max_shard_bytes`.
+    Tensors keep the parameters' dtypes (weight_dtype; routing biases float32)."""
+    hf = config_map.to_hf(config)
+    _check_exportable(config, params, hf["model_type"])
+    leaves = keys.leaves(params, config.first_num_dense_layers, hf["model_type"])
+    leaves = [leaf for leaf in leaves if not leaf.optional]
+    # Each tensor keeps its parameter's dtype, so an f32 round trip is bitwise.
+    entries = list(
+        stream.export_tensors(leaves, params, lambda leaf: np.dtype(_leaf_array(params, leaf).dtype))
+    )
+    sizes = {name: int(np.prod(shape)) * dtype.itemsize for name, _, shape, dtype in entries}
+    groups = safetensors.plan_shards(sizes, max_shard_bytes)
+    files = safetensors.shard_names(len(groups))
+    os.makedirs(path, exist_ok=True)
+    by_name = {entry[0]: entry for entry in entries}
+    bar = stream.Progress("hf export", len(entries), sum(sizes.values()), progress)
+    for file, group in zip(files, groups, strict=True):
+        chunk = [by_name[name] for name in group]
+        written = safetensors.write_file(os.path.join(path, file), chunk)
+        bar.add(len(chunk), written)
+    if len(files) > 1:
+        weight_map = {name: file for file, group in zip(files, groups, strict=True) for name in group}
+        safetensors.write_index(path, weight_map, sum(sizes.values()))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def _leaf_array(trees: dict, leaf: keys.Leaf):
+    node = trees[leaf.tree]
+    for key in leaf.path:
+        node = node[key]
+    return node
+
+
+def copy_tokenizer(source: str, destination: str) -> list[str]:
+    """Copy the tokenizer files `source` has into `destination`; returns their names."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(source, name)):
+            shutil.copyfile(os.path.join(source, name), os.path.join(destination, name))
+            copied.append(name)
+    return copied
+
+
+def _mesh_of(params: dict[str, dict]):
+    leaf = jax.tree.leaves(params)[0]
+    return leaf.sharding.mesh
+
+
+def forward(config: Config, params: dict[str, dict], tokens) -> jax.Array:
+    """Logits [batch, seq, vocab] (float32) for int tokens [batch, seq]: positions
+    from 0, one segment, causal. Runs on the mesh the parameters live on."""
+    mesh = _mesh_of(params)
+    ctx = ShardCtx(mesh, logical_rules(config), config.shard_mode)
+    model = model_lib.define(config, ctx)
+    tokens = jnp.asarray(tokens, jnp.int32)
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens of shape {tokens.shape} must be [batch, seq]")
+
+    def run(params, router, tokens_BxS):
+        positions_BxS = jnp.broadcast_to(jnp.arange(tokens_BxS.shape[1]), tokens_BxS.shape)
+        segments_BxS = jnp.ones_like(tokens_BxS)
+        logits, _ = model_lib.apply(model, params, router, tokens_BxS, positions_BxS, segments_BxS)
+        return logits
+
+    with jax.set_mesh(mesh):
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        tokens = jax.device_put(tokens, replicated)
+        return jax.jit(run)(params["params"], params["router"], tokens)
