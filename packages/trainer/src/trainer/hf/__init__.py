@@ -106,7 +106,9 @@ def save(
     leaves = [leaf for leaf in leaves if not leaf.optional]
     # Each tensor keeps its parameter's dtype, so an f32 round trip is bitwise.
     entries = list(
-        stream.export_tensors(leaves, params, lambda leaf: np.dtype(_leaf_array(params, leaf).dtype))
+        stream.export_tensors(
+            leaves, params, lambda leaf: np.dtype(_leaf_array(params, leaf).dtype)
+        )
     )
     sizes = {name: int(np.prod(shape)) * dtype.itemsize for name, _, shape, dtype in entries}
     groups = safetensors.plan_shards(sizes, max_shard_bytes)
@@ -119,7 +121,9 @@ def save(
         written = safetensors.write_file(os.path.join(path, file), chunk)
         bar.add(len(chunk), written)
     if len(files) > 1:
-        weight_map = {name: file for file, group in zip(files, groups, strict=True) for name in group}
+        weight_map = {
+            name: file for file, group in zip(files, groups, strict=True) for name in group
+        }
         safetensors.write_index(path, weight_map, sum(sizes.values()))
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f, indent=2, sort_keys=True)

@@ -287,7 +287,9 @@ def to_hf(config: Config, *, fp8: bool = False) -> dict:
             f"exported: transformers uses {LATENT_NORM_EPS} for the latent norms"
         )
     hf: dict[str, Any] = {
-        "architectures": ["DeepseekV3ForCausalLM" if model_type == "deepseek_v3" else "DeepseekV2ForCausalLM"],
+        "architectures": [
+            "DeepseekV3ForCausalLM" if model_type == "deepseek_v3" else "DeepseekV2ForCausalLM"
+        ],
         "model_type": model_type,
         **{hf_key: getattr(config, key) for hf_key, key in DIRECT.items()},
         **FIXED,

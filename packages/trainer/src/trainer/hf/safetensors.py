@@ -88,7 +88,9 @@ def read_header(path: str) -> dict[str, TensorRef]:
             continue
         dtype = DTYPES.get(entry.get("dtype"))
         if dtype is None:
-            raise SafetensorsError(f"{path}: tensor {name} has unsupported dtype {entry.get('dtype')}")
+            raise SafetensorsError(
+                f"{path}: tensor {name} has unsupported dtype {entry.get('dtype')}"
+            )
         begin, end = entry["data_offsets"]
         shape = tuple(int(n) for n in entry["shape"])
         if end - begin != math.prod(shape) * dtype.itemsize:
@@ -150,7 +152,9 @@ def write_file(path: str, entries: list[tuple[str, Callable[[], np.ndarray], tup
         for name, produce, shape, dtype in entries:
             array = produce()
             if array.shape != tuple(shape) or array.dtype != dtype:
-                raise SafetensorsError(f"{path}: tensor {name} came out {array.shape} {array.dtype}")
+                raise SafetensorsError(
+                    f"{path}: tensor {name} came out {array.shape} {array.dtype}"
+                )
             f.write(np.ascontiguousarray(array).tobytes())
             written += array.nbytes
     os.replace(tmp, path)

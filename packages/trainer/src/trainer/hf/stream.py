@@ -155,9 +155,7 @@ def _region(leaf: Leaf, reader: _Reader, index: tuple, dtype: np.dtype) -> np.nd
     return out
 
 
-def import_leaves(
-    plan: Plan, targets: dict[str, dict], progress: bool = True
-) -> dict[str, dict]:
+def import_leaves(plan: Plan, targets: dict[str, dict], progress: bool = True) -> dict[str, dict]:
     """Arrays for every leaf, each built on its target's sharding (`targets` mirrors
     the trees with ShapeDtypeStructs carrying shardings)."""
     reader = _Reader(plan.refs)
@@ -207,7 +205,10 @@ def _host_tensor(array: jax.Array, lead: tuple[int, ...]) -> np.ndarray:
         local = tuple(i - start for i, start in zip(lead, starts, strict=False))
         if out is None:
             out = np.empty(tail, data.dtype)
-        region = tuple(slice(s, s + n) for s, n in zip(starts[len(lead) :], data.shape[len(lead) :], strict=True))
+        region = tuple(
+            slice(s, s + n)
+            for s, n in zip(starts[len(lead) :], data.shape[len(lead) :], strict=True)
+        )
         out[region] = data[local]
     return out
 
