@@ -4,7 +4,9 @@ errors. The formulas are checked against numpy written from DeepSeek's descripti
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -250,3 +252,64 @@ def test_unknown_choices_are_refused_at_parse_time():
         make_config({"rope_type": "ntk"})
     with pytest.raises(ConfigError, match=r"^routed_topk_method='top2' is not one of"):
         make_config({"routed_topk_method": "top2"})
+
+
+# --- presets against the published config.json files (tests/fixtures/hf_configs) ----
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf_configs"
+# Hugging Face key -> trainer key, for the keys the presets carry.
+HF_TO_TRAINER = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "base_emb_dim",
+    "intermediate_size": "base_mlp_dim",
+    "moe_intermediate_size": "base_moe_mlp_dim",
+    "num_hidden_layers": "base_num_decoder_layers",
+    "first_k_dense_replace": "first_num_dense_layers",
+    "num_attention_heads": "base_num_query_heads",
+    "n_routed_experts": "num_experts",
+    "n_shared_experts": "shared_experts",
+    "num_experts_per_tok": "num_experts_per_tok",
+    "n_group": "n_routing_groups",
+    "topk_group": "topk_routing_group",
+    "topk_method": "routed_topk_method",
+    "scoring_func": "routed_score_func",
+    "norm_topk_prob": "norm_topk_prob",
+    "routed_scaling_factor": "routed_scaling_factor",
+    "q_lora_rank": "q_lora_rank",
+    "kv_lora_rank": "kv_lora_rank",
+    "qk_nope_head_dim": "qk_nope_head_dim",
+    "qk_rope_head_dim": "qk_rope_head_dim",
+    "v_head_dim": "v_head_dim",
+    "rope_theta": "rope_max_timescale",
+    "max_position_embeddings": "max_position_embeddings",
+    "rms_norm_eps": "normalization_layer_epsilon",
+}
+ROPE_SCALING_TO_TRAINER = {
+    "factor": "rope_factor",
+    "original_max_position_embeddings": "original_max_position_embeddings",
+    "beta_fast": "beta_fast",
+    "beta_slow": "beta_slow",
+    "mscale": "mscale",
+    "mscale_all_dim": "mscale_all_dim",
+}
+
+
+@pytest.mark.parametrize(
+    "preset,fixture", [("deepseek3-671b", "deepseek_v3"), ("deepseek2-lite", "deepseek_v2_lite")]
+)
+def test_presets_take_the_published_config_values(preset, fixture):
+    published = json.loads((FIXTURES / f"{fixture}.json").read_text())
+    config = make_config({"model_name": preset})
+    for hf_key, key in HF_TO_TRAINER.items():
+        want = published[hf_key]
+        want = 0 if want is None else want  # q_lora_rank null: the plain query projection
+        assert getattr(config, key) == want, (hf_key, key)
+    scaling = published["rope_scaling"]
+    assert scaling["type"] == config.rope_type == "yarn"
+    for hf_key, key in ROPE_SCALING_TO_TRAINER.items():
+        assert getattr(config, key) == scaling[hf_key], (hf_key, key)
+    # Neither file carries rope_interleave: DeepSeek's rope weights are interleaved
+    # (V3's default, every V2). Logits are untied from the embedding, as here.
+    assert "rope_interleave" not in published and config.rope_interleave
+    assert published["tie_word_embeddings"] is False
+    assert config.rope_truncate and not config.rope_attention_scaling

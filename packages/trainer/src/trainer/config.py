@@ -302,6 +302,22 @@ _MAXTEXT_DEEPSEEK3_ROUTING = dict(
     max_target_length=1024,
 )
 
+# DeepSeek-V2/V3's published rope_scaling (config.json): YaRN from 4k to 160k
+# positions, theta 10000, rope dims stored as interleaved pairs.
+_DEEPSEEK_YARN = dict(
+    rope_type="yarn",
+    rope_max_timescale=10_000,
+    rope_factor=40.0,
+    original_max_position_embeddings=4096,
+    max_position_embeddings=163_840,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    rope_interleave=True,
+    rope_truncate=True,
+    rope_attention_scaling=False,
+    normalization_layer_epsilon=1e-6,
+)
+
 PRESETS: dict[str, dict[str, Any]] = {
     # Seconds per step on 8 CPU devices: every shape tiny, every feature on.
     # The small presets carry tagtrain's own names: MaxText's deepseek3-tiny is another shape.
@@ -372,8 +388,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         q_lora_rank=1536,
         kv_lora_rank=512,
     ),
-    # The DeepSeek-V3 shape (671B total, 37B active): for AOT compiles only.
+    # DeepSeek-V3 (671B total, 37B active) with its published config.json values
+    # (YaRN rope_scaling, interleaved rope weights, noaux_tc sigmoid routing): AOT compiles.
     "deepseek3-671b": dict(
+        _DEEPSEEK_YARN,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+        routed_score_func="sigmoid",
+        routed_topk_method="noaux_tc",
+        norm_topk_prob=True,
         vocab_size=129_280,
         base_emb_dim=7168,
         base_num_decoder_layers=61,
@@ -388,6 +411,38 @@ PRESETS: dict[str, dict[str, Any]] = {
         routed_scaling_factor=2.5,
         base_num_query_heads=128,
         q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        max_target_length=4096,
+        remat_policy="full",
+    ),
+    # DeepSeek-V2-Lite (15.7B total, 2.4B active) with its published config.json
+    # values: no q LoRA, softmax greedy routing without renormalization, no routing
+    # bias (V2 has none: the bias is kept at 0), untied embeddings.
+    "deepseek2-lite": dict(
+        _DEEPSEEK_YARN,
+        mscale=0.707,
+        mscale_all_dim=0.707,
+        vocab_size=102_400,
+        base_emb_dim=2048,
+        base_num_decoder_layers=27,
+        first_num_dense_layers=1,
+        base_mlp_dim=10_944,
+        base_moe_mlp_dim=1408,
+        num_experts=64,
+        num_experts_per_tok=6,
+        shared_experts=2,
+        n_routing_groups=1,
+        topk_routing_group=1,
+        routed_scaling_factor=1.0,
+        routed_score_func="softmax",
+        routed_topk_method="greedy",
+        norm_topk_prob=False,
+        routed_bias_update_rate=0.0,
+        base_num_query_heads=16,
+        q_lora_rank=0,
         kv_lora_rank=512,
         qk_nope_head_dim=128,
         qk_rope_head_dim=64,
