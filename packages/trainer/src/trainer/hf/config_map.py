@@ -104,6 +104,8 @@ FAMILY_DEFAULTS = {
         routed_topk_method="greedy",
         rope_interleave=True,
         norm_topk_prob=False,
+        # V2 has no routing bias to train (deepseek2-lite's preset does the same).
+        routed_bias_update_rate=0.0,
     ),
 }
 REQUIRED = (
