@@ -215,6 +215,14 @@ class Config:
     dataset_path: str = ""
     jsonl_field: str = "text"
     tokenizer_path: str = ""
+    # Start from a Hugging Face directory (trainer.hf, docs/hf.md): the architecture
+    # from its config.json (explicit keys still win), the initial weights from its
+    # safetensors, the tokenizer from its tokenizer.json unless tokenizer_path is set.
+    # A restarted run resumes from its own checkpoints, never from these weights.
+    hf_model_path: str = ""
+    # Initial parameters (and routing biases) only, from another run's checkpoint:
+    # its checkpoints directory (the newest step) or one step's directory (MaxText's key).
+    load_parameters_path: str = ""
     # Evaluation (eval_data.py, evaluate.py), under MaxText's names: a held-out loss
     # every eval_interval steps and at the end (<= 0: never), over the first eval_steps
     # batches of the eval set (<= 0: all of it, text only) of eval_per_device_batch_size
@@ -528,6 +536,12 @@ def make_config(overrides: dict[str, Any] | None = None) -> Config:
     if model_name not in PRESETS:
         raise ConfigError(f"model_name={model_name!r} is not one of {sorted(PRESETS)}")
     values = dict(PRESETS[model_name])
+    if overrides.get("hf_model_path"):
+        # Imported here: trainer.hf imports this module.
+        from trainer.hf.config_map import trainer_keys_of_directory
+
+        text = overrides.get("dataset_type", values.get("dataset_type")) not in (None, "synthetic")
+        values.update(trainer_keys_of_directory(str(overrides["hf_model_path"]), text))
     values.update(overrides)
     config = Config(**{key: _parse_value(key, raw) for key, raw in values.items()})
     if "defer_gradient_reduction" in overrides and config.gradient_reduction_policy:

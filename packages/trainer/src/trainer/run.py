@@ -22,6 +22,7 @@ from trainer import (
     eval_data,
     evaluate,
     flops,
+    initial_weights,
     input_pipeline,
     report,
     slices,
@@ -51,6 +52,7 @@ class Run:
     checkpoints: checkpoint.Checkpointer | None = None
     start_step: int = 0  # > 0 when resumed from a checkpoint
     restored_from: str = ""
+    initialized_from: str = ""  # the initial weights' origin when not drawn at random
     stop_reason: str = ""  # set when a signal stopped the loop early
     evaluator: evaluate.Evaluator | None = None  # eval_interval > 0
     evals: list = dataclasses.field(default_factory=list)  # (step, eval result) per evaluation
@@ -72,12 +74,17 @@ def setup(config: Config, devices: list | None = None) -> Run:
     source = input_pipeline.make_source(config, batch)
     eval_set = eval_data.make_eval_set(config, len(devices), sizes)
     checkpoints = checkpoint.open_checkpointer(config, batch)
-    run = _build(config, devices, sizes, batch, abstract=False)
+    # A run with checkpoints of its own resumes from them: never from its initial weights.
+    resuming = bool(checkpoints and checkpoints.manager.latest_step() is not None)
+    weights = None if resuming else initial_weights.source(config)
+    run = _build(config, devices, sizes, batch, abstract=False, weights=weights)
     run.source, run.checkpoints = source, checkpoints
     run.evaluator = evaluate.make_evaluator(config, run.ctx, run.model, eval_set)
     restored = checkpoints.restore_latest(run.state, run.ctx.mesh) if checkpoints else None
     if restored:
         run.state, run.start_step, run.restored_from = restored.state, restored.step, restored.path
+    elif weights:
+        run.initialized_from = weights.describe()
     return run
 
 
@@ -133,17 +140,28 @@ def abstract_setup(config: Config, devices: list) -> Run:
     return _build(config, devices, sizes, global_batch_size(config, len(devices)), abstract=True)
 
 
-def _build(config: Config, devices: list, sizes: dict, batch: int, *, abstract: bool) -> Run:
+def _build(
+    config: Config,
+    devices: list,
+    sizes: dict,
+    batch: int,
+    *,
+    abstract: bool,
+    weights: initial_weights.Source | None = None,
+) -> Run:
     """Mesh, model, state and the jitted step, for `setup` and `abstract_setup` alike.
 
     `abstract`: the state as ShapeDtypeStructs carrying their shardings (nothing
-    initialised or allocated); else initialised on the mesh.
+    initialised or allocated); else initialised on the mesh, from `weights` when
+    given (a HF directory, another run's checkpoint), drawn at random otherwise.
     """
     mesh = make_mesh(sizes, config.shard_mode, devices)
     ctx = ShardCtx(mesh, logical_rules(config), config.shard_mode)
     model = model_lib.define(config, ctx)
     if abstract:
         params, router = model_lib.abstract_state(model, ctx)
+    elif weights:
+        params, router = weights.load(config, ctx, model)
     else:
         params, router = model_lib.init(config, ctx, model)
     plan = reduction_plan(config, ctx, params)
@@ -321,6 +339,8 @@ def data_lines(run: Run) -> list[str]:
         lines.append(run.checkpoints.describe())
         if run.restored_from:
             lines.append(f"resumed from {run.restored_from} at step {run.start_step}")
+    if run.initialized_from:
+        lines.append(f"initial weights: {run.initialized_from}")
     else:
         lines.append("checkpoints: off (set base_output_directory=DIR to save and resume)")
     return lines

@@ -54,11 +54,11 @@ def plan_import(path: str, config: Config, targets: dict[str, dict]) -> stream.P
 
 
 def import_params(
-    path: str, config: Config, ctx: ShardCtx, progress: bool = True
+    path: str, config: Config, ctx: ShardCtx, progress: bool = True, model=None
 ) -> dict[str, dict]:
     """{"params", "router"} of HF directory `path`, streamed onto `ctx`'s mesh in the
-    shardings the trainer gives them."""
-    model = model_lib.define(config, ctx)
+    shardings the trainer gives them (`model`: its ModelDef, when already built)."""
+    model = model or model_lib.define(config, ctx)
     params_abs, router_abs = model_lib.abstract_state(model, ctx)
     targets = {"params": params_abs, "router": router_abs}
     plan = plan_import(path, config, targets)

@@ -148,6 +148,16 @@ def read_config_json(directory: str) -> dict:
         raise ConfigError(f"{path}: not JSON ({err})") from None
 
 
+def trainer_keys_of_directory(directory: str, text_data: bool = False) -> dict[str, Any]:
+    """Trainer keys for HF `directory`: its config.json's model keys, and (for a run
+    on text data) its tokenizer.json as tokenizer_path when there is one."""
+    out = from_hf(read_config_json(directory), os.path.join(directory, "config.json"))
+    tokenizer = os.path.join(directory, "tokenizer.json")
+    if text_data and os.path.isfile(tokenizer):
+        out["tokenizer_path"] = tokenizer
+    return out
+
+
 def _rope(hf: dict, where: str) -> dict[str, Any]:
     """Trainer rope keys from rope_theta + rope_scaling, or rope_parameters."""
     params = dict(hf.get("rope_parameters") or {})

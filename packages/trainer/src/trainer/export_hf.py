@@ -1,0 +1,90 @@
+"""`export-hf run_dir=RUN output=DIR [step=N]`: a run's checkpoint as a Hugging Face directory.
+
+Reads the run's config from the checkpoint, restores the parameters and routing
+biases of step N (default: the newest), writes them with `trainer.hf.save` and
+copies the run's tokenizer (tokenizer_path, as tokenizer.json) beside them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+from trainer.config import FIELDS, ConfigError, make_config, parse_overrides
+from trainer.initial_weights import step_directory
+
+KEYS = ("run_dir", "output", "step")
+
+
+def _arguments(argv: list[str]) -> dict[str, str]:
+    args = parse_overrides(argv)
+    for key in args:
+        if key not in KEYS:
+            raise ConfigError(f"export-hf: unknown argument {key!r} (takes {', '.join(KEYS)})")
+    for key in ("run_dir", "output"):
+        if not args.get(key):
+            raise ConfigError(f"export-hf: {key}= is required")
+    return args
+
+
+def _run_config(checkpoints: str, step: int):
+    import orbax.checkpoint as ocp
+
+    manager = ocp.CheckpointManager(
+        checkpoints, options=ocp.CheckpointManagerOptions(read_only=True)
+    )
+    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+    # Rebuilt from the saved keys alone: the run's initial-weight paths are not read
+    # again (they may be gone), keys of another trainer version are left out.
+    saved = {
+        k: v
+        for k, v in meta["config"].items()
+        if k in FIELDS and k not in ("hf_model_path", "load_parameters_path")
+    }
+    return make_config(saved)
+
+
+def export(run_dir: str, output: str, step: int | None = None) -> str:
+    """Write step `step` (newest: None) of the run in `run_dir` to `output`; returns
+    the checkpoint directory it read."""
+    from trainer import hf
+    from trainer import model as model_lib
+    from trainer.initial_weights import restore_parameters
+
+    checkpoints = os.path.abspath(os.path.join(run_dir, "checkpoints"))
+    if not os.path.isdir(checkpoints):
+        raise ConfigError(f"export-hf: {checkpoints} not found (run_dir= is a run's directory)")
+    path = os.path.join(checkpoints, str(step)) if step is not None else checkpoints
+    if step is not None and not os.path.isdir(path):
+        raise ConfigError(f"export-hf: no checkpoint of step {step} in {checkpoints}")
+    directory, step = step_directory(path)
+    config = _run_config(directory, step)
+    hf.config_map.to_hf(config)  # refuses an unexportable config before any reading
+    ctx = hf.default_ctx(config)
+    trees = restore_parameters(
+        os.path.join(directory, str(step)), config, ctx, model_lib.define(config, ctx)
+    )
+    hf.save(output, config, trees)
+    if config.tokenizer_path and os.path.isfile(config.tokenizer_path):
+        shutil.copyfile(config.tokenizer_path, os.path.join(output, "tokenizer.json"))
+        hf.copy_tokenizer(os.path.dirname(config.tokenizer_path), output)
+    return os.path.join(directory, str(step))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = _arguments(argv)
+        step = int(args["step"]) if args.get("step") else None
+        source = export(args["run_dir"], args["output"], step)
+    except (ConfigError, ValueError) as error:
+        print(f"config error: {error}", file=sys.stderr)
+        return 2
+    print(f"exported {source} -> {args['output']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

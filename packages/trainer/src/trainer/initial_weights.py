@@ -1,0 +1,85 @@
+"""Where a fresh run's initial weights come from, when not drawn at random.
+
+`hf_model_path`: a Hugging Face directory, streamed onto the mesh (trainer.hf).
+`load_parameters_path`: another run's checkpoint, parameters and routing biases
+only (its optimizer state and step are not read). Both apply to a run's first
+start only: a restart resumes from the run's own checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from trainer.config import Config, ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """One origin of initial weights; `load` returns (params, router) on the mesh."""
+
+    kind: str  # "hf" | "checkpoint"
+    path: str
+
+    def describe(self) -> str:
+        what = "Hugging Face directory" if self.kind == "hf" else "parameters of checkpoint"
+        return f"{what} {self.path}"
+
+    def load(self, config: Config, ctx, model) -> tuple[dict, dict]:
+        if self.kind == "hf":
+            from trainer import hf
+
+            trees = hf.import_params(self.path, config, ctx, model=model)
+        else:
+            trees = restore_parameters(self.path, config, ctx, model)
+        return trees["params"], trees["router"]
+
+
+def source(config: Config) -> Source | None:
+    """The configured origin (ConfigError for both at once or a missing path)."""
+    if config.hf_model_path and config.load_parameters_path:
+        raise ConfigError("hf_model_path and load_parameters_path both set: choose one")
+    for key, kind in (("hf_model_path", "hf"), ("load_parameters_path", "checkpoint")):
+        path = getattr(config, key)
+        if path:
+            if not os.path.isdir(path):
+                raise ConfigError(f"{key}={path!r} is not a directory")
+            return Source(kind, path)
+    return None
+
+
+def step_directory(path: str) -> tuple[str, int]:
+    """(checkpoints directory, step) for a step directory or a checkpoints directory
+    (its newest numbered step)."""
+    name = os.path.basename(os.path.normpath(path))
+    if name.isdigit():
+        return os.path.dirname(os.path.normpath(path)), int(name)
+    steps = sorted(int(n) for n in os.listdir(path) if n.isdigit())
+    if not steps:
+        raise ConfigError(f"load_parameters_path={path!r} holds no checkpoint step")
+    return path, steps[-1]
+
+
+def restore_parameters(path: str, config: Config, ctx, model) -> dict[str, dict]:
+    """params and router of another run's checkpoint, in this run's shardings."""
+    import orbax.checkpoint as ocp
+
+    from trainer import model as model_lib
+
+    directory, step = step_directory(path)
+    params, router = model_lib.abstract_state(model, ctx)
+    manager = ocp.CheckpointManager(
+        os.path.abspath(directory), options=ocp.CheckpointManagerOptions(read_only=True)
+    )
+    target = {"params": params, "router": router}
+    restored = manager.restore(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(
+                item=target,
+                restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                partial_restore=True,
+            )
+        ),
+    )
+    return restored.state

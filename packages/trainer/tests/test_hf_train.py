@@ -1,0 +1,87 @@
+"""`train hf_model_path=DIR`, `load_parameters_path=` and `export-hf`, without compiling
+a step: the state a run starts from, resumes from and exports is checked bitwise."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from trainer import export_hf, hf
+from trainer import run as run_lib
+from trainer.config import ConfigError, make_config
+from trainer.hf import safetensors
+
+FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "v3_yarn"
+BASE = {"dtype": "float32", "steps": "2", "async_checkpointing": "false"}
+
+
+def _equal(a, b) -> None:
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    """The fixture with a tokenizer.json beside it (contents unread here)."""
+    directory = tmp_path_factory.mktemp("hf") / "model"
+    shutil.copytree(FIXTURE, directory)
+    (directory / "tokenizer.json").write_text("{}")
+    return directory
+
+
+def test_config_comes_from_the_directory_and_explicit_keys_win(hf_dir):
+    text = {"dataset_type": "text"}
+    config = make_config({"hf_model_path": str(hf_dir), "rope_factor": "2.0", **text})
+    assert config.base_emb_dim == 32 and config.rope_type == "yarn" and config.rope_interleave
+    assert config.rope_factor == 2.0  # explicit
+    assert config.tokenizer_path == str(hf_dir / "tokenizer.json")
+    explicit = make_config({"hf_model_path": str(hf_dir), "tokenizer_path": "t.json", **text})
+    assert explicit.tokenizer_path == "t.json"
+    assert make_config({"hf_model_path": str(hf_dir)}).tokenizer_path == ""  # synthetic data
+
+
+def test_start_resume_export_and_load_parameters(hf_dir, tmp_path):
+    overrides = {**BASE, "hf_model_path": str(hf_dir), "base_output_directory": str(tmp_path / "a")}
+    run = run_lib.setup(make_config(overrides))
+    assert run.initialized_from and not run.restored_from
+    _, expected = hf.load(str(hf_dir), dtype="float32", progress=False)
+    _equal(expected, {"params": run.state["params"], "router": run.state["router"]})
+    run.checkpoints.save(1, run.state)
+    run.checkpoints.wait()
+
+    # A restart resumes from the run's own checkpoint, not the HF weights.
+    again = run_lib.setup(make_config(overrides))
+    assert again.restored_from and not again.initialized_from and again.start_step == 1
+
+    # export-hf: the checkpoint's tensors are the fixture's, bit for bit, tokenizer copied.
+    out = tmp_path / "export"
+    assert export_hf.main([f"run_dir={run.config.run_dir}", f"output={out}", "step=1"]) == 0
+    original = safetensors.read_directory(str(FIXTURE))
+    exported = safetensors.read_directory(str(out))
+    assert sorted(original) == sorted(exported)
+    for name, ref in original.items():
+        assert np.array_equal(np.asarray(ref.array()), np.asarray(exported[name].array())), name
+    assert not os.path.isfile(out / "tokenizer.json")  # a synthetic-data run has none
+
+    # load_parameters_path: another run (same model keys) starts from those parameters.
+    checkpoints = os.path.join(run.config.run_dir, "checkpoints")
+    other = {**BASE, **_model_keys(run.config), "base_output_directory": str(tmp_path / "b")}
+    second = run_lib.setup(make_config({**other, "load_parameters_path": checkpoints}))
+    assert second.initialized_from.endswith(checkpoints)
+    _equal(expected["params"], second.state["params"])
+
+
+def _model_keys(config) -> dict:
+    from trainer.hf import config_map
+
+    return config_map.from_hf(config_map.to_hf(config))
+
+
+def test_bad_paths_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="config.json: not found"):
+        make_config({"hf_model_path": str(tmp_path)})
+    assert export_hf.main([f"run_dir={tmp_path}", f"output={tmp_path / 'x'}"]) == 2
