@@ -1,10 +1,10 @@
 """Stream a HF checkpoint onto the mesh, and a trainer state back into HF tensors.
 
 Import: every tensor is checked (present, shape, dtype, fp8 scale) before any is
-read; then each trainer parameter is built with `jax.make_array_from_callback`,
-whose callback assembles one device's slice straight from the memory-mapped
-files (only the layers, experts and rows that device holds), so no host copy of
-the model, or of a whole stacked parameter, is ever made. fp8 weights are
+read; then each device's slice of each trainer parameter is assembled straight
+from the memory-mapped files (only the layers, experts and rows that device
+holds) and moved onto the device, so no host copy of the model, or of a whole
+stacked parameter, is ever made. fp8 weights are
 dequantized on the way. Export walks the arrays' addressable shards one HF
 tensor at a time.
 """
@@ -155,6 +155,16 @@ def _region(leaf: Leaf, reader: _Reader, index: tuple, dtype: np.dtype) -> np.nd
     return out
 
 
+def _place(target, read: Callable[[tuple], np.ndarray]) -> jax.Array:
+    """An array of `target`'s shape and sharding whose every addressable device
+    slice is `read(index)`, each moved to its device as soon as it is read: unlike
+    `jax.make_array_from_callback`, which reads every slice before placing any, at
+    most one slice is on the host beside what the devices already hold."""
+    per_device = target.sharding.addressable_devices_indices_map(target.shape)
+    arrays = [jax.device_put(read(index), device) for device, index in per_device.items()]
+    return jax.make_array_from_single_device_arrays(target.shape, target.sharding, arrays)
+
+
 def import_leaves(plan: Plan, targets: dict[str, dict], progress: bool = True) -> dict[str, dict]:
     """Arrays for every leaf, each built on its target's sharding (`targets` mirrors
     the trees with ShapeDtypeStructs carrying shardings)."""
@@ -174,10 +184,8 @@ def import_leaves(plan: Plan, targets: dict[str, dict], progress: bool = True) -
         for key in leaf.path:
             target = target[key]
         dtype = np.dtype(target.dtype)
-        array = jax.make_array_from_callback(
-            target.shape,
-            target.sharding,
-            lambda index, leaf=leaf, dtype=dtype: _region(leaf, reader, index, dtype),
+        array = _place(
+            target, lambda index, leaf=leaf, dtype=dtype: _region(leaf, reader, index, dtype)
         )
         node = out.setdefault(leaf.tree, {})
         for key in leaf.path[:-1]:
