@@ -79,7 +79,7 @@ def generate(directory: str) -> int:
     ctx = hf.default_ctx(config)
     params, router = model_lib.abstract_state(model_lib.define(config, ctx), ctx)
     trees = {"params": params, "router": router}
-    leaves = keys.leaves(trees, config.first_num_dense_layers, "deepseek_v3")
+    leaves = keys.leaves(trees, config, "deepseek_v3")
     rng = np.random.default_rng(0)
     entries = []
     for leaf in leaves:

@@ -48,7 +48,7 @@ def plan_import(path: str, config: Config, targets: dict[str, dict]) -> stream.P
     ShapeDtypeStructs): SafetensorsError naming file and key before any data is read."""
     hf = config_map.read_config_json(path)
     model_type = hf.get("model_type")
-    leaves = keys.leaves(targets, config.first_num_dense_layers, model_type)
+    leaves = keys.leaves(targets, config, model_type)
     refs = safetensors.read_directory(path)
     return stream.check(leaves, refs, config.base_num_decoder_layers, path)
 
@@ -102,8 +102,9 @@ def save(
     Tensors keep the parameters' dtypes (weight_dtype; routing biases float32)."""
     hf = config_map.to_hf(config)
     _check_exportable(config, params, hf["model_type"])
-    leaves = keys.leaves(params, config.first_num_dense_layers, hf["model_type"])
+    leaves = keys.leaves(params, config, hf["model_type"])
     leaves = [leaf for leaf in leaves if not leaf.optional]
+    leaves += keys.mtp_copies(leaves, config.base_num_decoder_layers)
     # Each tensor keeps its parameter's dtype, so an f32 round trip is bitwise.
     entries = list(
         stream.export_tensors(

@@ -12,7 +12,7 @@ import math
 import os
 from typing import Any
 
-from trainer.config import FIELDS, Config, ConfigError
+from trainer.config import Config, ConfigError
 
 MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
 
@@ -48,7 +48,7 @@ CONVERTED = (
     "rope_theta",  # <-> rope_max_timescale (an integer)
     "rope_scaling",  # <-> rope_type, rope_factor, ... (the official spelling, with `type`)
     "rope_parameters",  # transformers 5's spelling of rope_theta + rope_scaling
-    "num_nextn_predict_layers",  # multi-token prediction layers (their tensors)
+    "num_nextn_predict_layers",  # MTP layers in the files; read when mtp_num_layers > 0
     "quantization_config",  # fp8 block scales: dequantized on import
     "model_type",  # deepseek_v3 (sigmoid + bias) or deepseek_v2 (softmax)
 )
@@ -241,8 +241,7 @@ def from_hf(hf: dict, where: str = "config.json") -> dict[str, Any]:
     out.update({DIRECT[k]: v for k, v in hf.items() if k in DIRECT and v is not None})
     out["q_lora_rank"] = hf.get("q_lora_rank") or 0
     out.update(_rope(hf, where))
-    if "mtp_num_layers" in FIELDS and hf.get("num_nextn_predict_layers"):
-        out["mtp_num_layers"] = hf["num_nextn_predict_layers"]
+    # MTP stays a choice (mtp_num_layers): the files' MTP layers are read when it is on.
     return out
 
 

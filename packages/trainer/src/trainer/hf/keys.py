@@ -49,6 +49,21 @@ GLOBAL_KEYS: dict[tuple[str, ...], tuple[str, int | None]] = {
     ("final_norm", "scale"): ("model.norm.weight", None),
     ("logits_DxV",): ("lm_head.weight", 1),
 }
+# Multi-token prediction (trainer/model/mtp.py, under `mtp/`, stacked over depth):
+# depth k is HF layer num_hidden_layers + k - 1. Its block uses LAYER_KEYS.
+MTP_KEYS: dict[tuple[str, ...], tuple[str, int | None]] = {
+    ("enorm", "scale"): ("enorm.weight", None),
+    ("hnorm", "scale"): ("hnorm.weight", None),
+    # [d, 2d] = [embedding half | hidden half] -> (2, d_in, d_out).
+    ("eh_proj_2xDxD",): ("eh_proj.weight", 2),
+    ("head_norm", "scale"): ("shared_head.norm.weight", None),
+}
+# DeepSeek-V3's MTP layers also hold copies of the main embedding and head (the
+# trainer shares the main ones): skipped on import, written on export.
+MTP_SHARED_COPIES = {
+    ("embedding_VxD",): ("embed_tokens.weight", None),
+    ("logits_DxV",): ("shared_head.head.weight", 1),
+}
 SCALE_SUFFIX = "_scale_inv"
 LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 # deepseek_v2 has no routing bias tensor: the trainer's stays zero.
@@ -129,36 +144,69 @@ def _flat(tree: dict, prefix: tuple = ()) -> list[tuple[tuple[str, ...], object]
     return out
 
 
-def leaves(trees: dict[str, dict], first_dense: int, model_type: str) -> list[Leaf]:
+def _layer_leaf(tree, path, sub, shape, moe, first_layer, model_type) -> Leaf:
+    key = (sub, moe) if (sub, moe) in LAYER_KEYS else (sub, None)
+    if key not in LAYER_KEYS:
+        raise ValueError(f"trainer parameter {'/'.join(path)} has no HF name")
+    suffix, in_dims = LAYER_KEYS[key]
+    return Leaf(
+        tree,
+        path,
+        shape,
+        "model.layers.{i}." + suffix,
+        in_dims,
+        first_layer=first_layer,
+        stacked=True,
+        per_expert="{e}" in suffix,
+        optional=suffix == OPTIONAL_IN_V2 and model_type == "deepseek_v2",
+    )
+
+
+def leaves(trees: dict[str, dict], config, model_type: str) -> list[Leaf]:
     """A Leaf for every array of `trees` ({"params": ..., "router": ...}, arrays or
-    ShapeDtypeStructs); ValueError naming a trainer parameter with no HF name."""
+    ShapeDtypeStructs) of a model with `config`'s layer counts; ValueError naming a
+    trainer parameter with no HF name."""
+    first_dense, num_layers = config.first_num_dense_layers, config.base_num_decoder_layers
+    # An MTP block is dense or MoE as the main model's later layers.
+    mtp_moe = config.base_num_decoder_layers > config.first_num_dense_layers
     out = []
     for tree, root in trees.items():
         for path, value in _flat(root):
             shape = tuple(value.shape)
             if path[0] in STACK_FIRST_LAYER:
                 moe = path[0] == "moe_layers"
-                key = (path[1:], moe) if (path[1:], moe) in LAYER_KEYS else (path[1:], None)
-                if key not in LAYER_KEYS:
-                    raise ValueError(f"trainer parameter {'/'.join(path)} has no HF name")
-                suffix, in_dims = LAYER_KEYS[key]
+                first = first_dense if moe else 0
+                out.append(_layer_leaf(tree, path, path[1:], shape, moe, first, model_type))
+            elif path[0] == "mtp" and path[1] == "block":
                 out.append(
-                    Leaf(
-                        tree,
-                        path,
-                        shape,
-                        "model.layers.{i}." + suffix,
-                        in_dims,
-                        first_layer=first_dense if moe else 0,
-                        stacked=True,
-                        per_expert="{e}" in suffix,
-                        optional=suffix == OPTIONAL_IN_V2 and model_type == "deepseek_v2",
-                    )
+                    _layer_leaf(tree, path, path[2:], shape, mtp_moe, num_layers, model_type)
                 )
+            elif path[0] == "mtp" and path[1:] in MTP_KEYS:
+                suffix, in_dims = MTP_KEYS[path[1:]]
+                template = "model.layers.{i}." + suffix
+                out.append(Leaf(tree, path, shape, template, in_dims, num_layers, stacked=True))
             elif path in GLOBAL_KEYS:
                 out.append(Leaf(tree, path, shape, *GLOBAL_KEYS[path]))
             else:
                 raise ValueError(f"trainer parameter {'/'.join(path)} has no HF name")
+    return out
+
+
+def mtp_depths(found: list[Leaf]) -> int:
+    """How many MTP depths the leaves hold (0: MTP off)."""
+    return next((leaf.shape[0] for leaf in found if leaf.path[0] == "mtp"), 0)
+
+
+def mtp_copies(found: list[Leaf], num_layers: int) -> list[Leaf]:
+    """Leaves that write the main embedding and head again into every MTP layer, as
+    DeepSeek-V3's files hold them (export only)."""
+    out = []
+    for depth in range(mtp_depths(found)):
+        for leaf in found:
+            if leaf.path in MTP_SHARED_COPIES:
+                suffix, in_dims = MTP_SHARED_COPIES[leaf.path]
+                name = f"model.layers.{num_layers + depth}.{suffix}"
+                out.append(dataclasses.replace(leaf, template=name, in_dims=in_dims))
     return out
 
 

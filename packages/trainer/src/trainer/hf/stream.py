@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from trainer.hf import fp8
-from trainer.hf.keys import SCALE_SUFFIX, Leaf, is_fp8_weight_of, layer_index
+from trainer.hf.keys import SCALE_SUFFIX, Leaf, is_fp8_weight_of, layer_index, mtp_depths
 from trainer.hf.safetensors import DTYPES, SafetensorsError, TensorRef
 
 FLOAT_DTYPES = {DTYPES[n] for n in ("F32", "BF16", "F16")}
@@ -62,7 +62,7 @@ class Plan:
 
     leaves: list[Leaf]
     refs: dict[str, TensorRef]
-    skipped: list[str]  # multi-token-prediction tensors (layer index >= num layers)
+    skipped: list[str]  # MTP layers' tensors (layer index >= num layers) nothing reads
 
     def nbytes(self, leaf: Leaf) -> int:
         total = 0
@@ -173,9 +173,14 @@ def import_leaves(plan: Plan, targets: dict[str, dict], progress: bool = True) -
     count = sum(len(leaf.names()) for leaf in plan.leaves)
     bar = Progress("hf import", count, total, progress)
     if plan.skipped and progress:
+        why = (
+            "copies of the shared embedding and head"
+            if mtp_depths(plan.leaves)
+            else "MTP is off (mtp_num_layers=0)"
+        )
         print(
-            f"hf import: skipping {len(plan.skipped)} multi-token-prediction tensors "
-            f"(layers >= num_hidden_layers; MTP is off)",
+            f"hf import: skipping {len(plan.skipped)} tensors of the multi-token-prediction "
+            f"layers: {why}",
             file=sys.stderr,
         )
     out: dict[str, dict] = {}
