@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from trainer import hf
-from trainer.config import ConfigError, make_config, mesh_shape
+from trainer.config import FIELDS, ConfigError, make_config, mesh_shape
 from trainer.hf import config_map, safetensors
 from trainer.sharding import ShardCtx, logical_rules, make_mesh
 
@@ -183,3 +183,21 @@ def test_unexpected_dtype_is_named(tmp_path):
         safetensors.SafetensorsError, match="model.norm.weight has unsupported dtype"
     ):
         hf.load(str(directory), progress=False)
+
+
+@pytest.mark.skipif("mtp_num_layers" not in FIELDS, reason="needs MTP (issue 31's branch)")
+def test_mtp_layer_round_trips_when_mtp_is_on(tmp_path):
+    """With mtp_num_layers=1 the MTP layer's own tensors fill mtp/ and come back
+    bitwise; its embedding/head copies are written from the shared ones."""
+    directory = FIXTURES / "v3_sharded_mtp"
+    config, params = hf.load(str(directory), dtype="float32", mtp_num_layers=1, progress=False)
+    assert config.mtp_num_layers == 1 and "mtp" in params["params"]
+    hf.save(str(tmp_path), config, params, max_shard_bytes=60_000, progress=False)
+    original, exported = _tensors(str(directory)), _tensors(str(tmp_path))
+    assert sorted(original) == sorted(exported)
+    layer = f"model.layers.{config.base_num_decoder_layers}."
+    copies = {layer + "embed_tokens.weight": "model.embed_tokens.weight"}
+    copies[layer + "shared_head.head.weight"] = "lm_head.weight"
+    for name, value in original.items():
+        expected = original[copies[name]] if name in copies else value
+        assert np.array_equal(exported[name], expected), name
