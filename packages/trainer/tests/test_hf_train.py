@@ -1,10 +1,10 @@
 """`train hf_model_path=DIR`, `load_parameters_path=` and `export-hf`, without compiling
-a step: the state a run starts from, resumes from and exports is checked bitwise."""
+a step: the state a run starts from, resumes from and exports is checked bitwise.
+The fixture v3_yarn carries a character-level tokenizer.json."""
 
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import jax
@@ -17,6 +17,7 @@ from trainer.config import ConfigError, make_config
 from trainer.hf import safetensors
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "v3_yarn"
+TEXT = Path(__file__).parents[3] / "examples" / "text" / "train.txt"
 BASE = {"dtype": "float32", "steps": "2", "async_checkpointing": "false"}
 
 
@@ -24,16 +25,8 @@ def _equal(a, b) -> None:
     jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory) -> Path:
-    """The fixture with a tokenizer.json beside it (contents unread here)."""
-    directory = tmp_path_factory.mktemp("hf") / "model"
-    shutil.copytree(FIXTURE, directory)
-    (directory / "tokenizer.json").write_text("{}")
-    return directory
-
-
-def test_config_comes_from_the_directory_and_explicit_keys_win(hf_dir):
+def test_config_comes_from_the_directory_and_explicit_keys_win():
+    hf_dir = FIXTURE
     text = {"dataset_type": "text"}
     config = make_config({"hf_model_path": str(hf_dir), "rope_factor": "2.0", **text})
     assert config.base_emb_dim == 32 and config.rope_type == "yarn" and config.rope_interleave
@@ -44,8 +37,10 @@ def test_config_comes_from_the_directory_and_explicit_keys_win(hf_dir):
     assert make_config({"hf_model_path": str(hf_dir)}).tokenizer_path == ""  # synthetic data
 
 
-def test_start_resume_export_and_load_parameters(hf_dir, tmp_path):
+def test_start_resume_export_and_load_parameters(tmp_path):
+    hf_dir = FIXTURE
     overrides = {**BASE, "hf_model_path": str(hf_dir), "base_output_directory": str(tmp_path / "a")}
+    overrides |= {"dataset_type": "text", "dataset_path": str(TEXT)}  # DIR's tokenizer.json
     run = run_lib.setup(make_config(overrides))
     assert run.initialized_from and not run.restored_from
     _, expected = hf.load(str(hf_dir), dtype="float32", progress=False)
@@ -65,7 +60,7 @@ def test_start_resume_export_and_load_parameters(hf_dir, tmp_path):
     assert sorted(original) == sorted(exported)
     for name, ref in original.items():
         assert np.array_equal(np.asarray(ref.array()), np.asarray(exported[name].array())), name
-    assert not os.path.isfile(out / "tokenizer.json")  # a synthetic-data run has none
+    assert (out / "tokenizer.json").read_bytes() == (hf_dir / "tokenizer.json").read_bytes()
 
     # load_parameters_path: another run (same model keys) starts from those parameters.
     checkpoints = os.path.join(run.config.run_dir, "checkpoints")
