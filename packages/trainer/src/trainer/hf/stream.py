@@ -40,10 +40,11 @@ class Progress:
 
     def line(self) -> str:
         seconds = max(time.perf_counter() - self.start, 1e-9)
+        unit, scale = ("GB", 1e9) if self.nbytes >= 1e9 else ("MB", 1e6)
         return (
             f"{self.label}: {self.done_tensors}/{self.tensors} tensors, "
-            f"{self.done_bytes / 1e9:.2f}/{self.nbytes / 1e9:.2f} GB, "
-            f"{self.done_bytes / 1e9 / seconds:.2f} GB/s, {seconds:.1f} s"
+            f"{self.done_bytes / scale:.2f}/{self.nbytes / scale:.2f} {unit}, "
+            f"{self.done_bytes / scale / seconds:.2f} {unit}/s, {seconds:.1f} s"
         )
 
     def add(self, tensors: int, nbytes: int) -> None:
