@@ -74,6 +74,8 @@ def test_save_load_round_trip_is_bitwise(loaded, tmp_path):
     assert sorted(original) == sorted(exported)
     for name, value in original.items():
         assert exported[name].dtype == value.dtype and np.array_equal(exported[name], value), name
+    with pytest.raises(ConfigError, match="exists: export into a new directory"):
+        hf.save(str(tmp_path), config, params, progress=False)  # nothing saved is overwritten
     _, again = hf.load(str(tmp_path), dtype="float32", progress=False)
     jax.tree.map(
         lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, again

@@ -11,6 +11,7 @@ docs/hf.md has the key table.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -78,6 +79,16 @@ def load(
     return config, import_params(path, config, ctx or default_ctx(config), progress)
 
 
+def _check_empty(path: str) -> None:
+    """ConfigError when `path` already holds a checkpoint: stale shards beside new
+    ones would mix two models, and nothing already saved may be overwritten."""
+    if not os.path.isdir(path):
+        return
+    held = [n for n in os.listdir(path) if n.endswith(".safetensors") or n == safetensors.INDEX]
+    if held:
+        raise ConfigError(f"{os.path.join(path, held[0])} exists: export into a new directory")
+
+
 def _check_exportable(config: Config, params: dict[str, dict], model_type: str) -> None:
     if model_type != "deepseek_v2" or not config.num_moe_layers:
         return
@@ -102,6 +113,7 @@ def save(
     Tensors keep the parameters' dtypes (weight_dtype; routing biases float32)."""
     hf = config_map.to_hf(config)
     _check_exportable(config, params, hf["model_type"])
+    _check_empty(path)
     leaves = keys.leaves(params, config, hf["model_type"])
     leaves = [leaf for leaf in leaves if not leaf.optional]
     leaves += keys.mtp_copies(leaves, config.base_num_decoder_layers)
@@ -153,15 +165,11 @@ def _mesh_of(params: dict[str, dict]):
     return leaf.sharding.mesh
 
 
-def forward(config: Config, params: dict[str, dict], tokens) -> jax.Array:
-    """Logits [batch, seq, vocab] (float32) for int tokens [batch, seq]: positions
-    from 0, one segment, causal. Runs on the mesh the parameters live on."""
-    mesh = _mesh_of(params)
+@functools.cache
+def _forward_fn(config: Config, mesh):
+    """The jitted forward of `config` on `mesh` (built once per pair)."""
     ctx = ShardCtx(mesh, logical_rules(config), config.shard_mode)
     model = model_lib.define(config, ctx)
-    tokens = jnp.asarray(tokens, jnp.int32)
-    if tokens.ndim != 2:
-        raise ValueError(f"tokens of shape {tokens.shape} must be [batch, seq]")
 
     def run(params, router, tokens_BxS):
         positions_BxS = jnp.broadcast_to(jnp.arange(tokens_BxS.shape[1]), tokens_BxS.shape)
@@ -169,7 +177,17 @@ def forward(config: Config, params: dict[str, dict], tokens) -> jax.Array:
         logits, _ = model_lib.apply(model, params, router, tokens_BxS, positions_BxS, segments_BxS)
         return logits
 
+    return jax.jit(run)
+
+
+def forward(config: Config, params: dict[str, dict], tokens) -> jax.Array:
+    """Logits [batch, seq, vocab] (float32) for int tokens [batch, seq]: positions
+    from 0, one segment, causal. Runs on the mesh the parameters live on."""
+    mesh = _mesh_of(params)
+    tokens = jnp.asarray(tokens, jnp.int32)
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens of shape {tokens.shape} must be [batch, seq]")
     with jax.set_mesh(mesh):
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         tokens = jax.device_put(tokens, replicated)
-        return jax.jit(run)(params["params"], params["router"], tokens)
+        return _forward_fn(config, mesh)(params["params"], params["router"], tokens)

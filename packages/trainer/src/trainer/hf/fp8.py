@@ -22,5 +22,9 @@ def scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
 def dequantize(weight_OxI: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
     """float32 weight = e4m3 values x their block's scale."""
     out_dim, in_dim = weight_OxI.shape
-    full = np.repeat(np.repeat(np.asarray(scale_inv, np.float32), BLOCK, 0), BLOCK, 1)
-    return np.asarray(weight_OxI).astype(np.float32) * full[:out_dim, :in_dim]
+    weight = np.asarray(weight_OxI).astype(np.float32)
+    scale = np.asarray(scale_inv, np.float32)
+    # One block row at a time: no full-size scale array beside the weight.
+    for row in range(scale.shape[0]):
+        weight[row * BLOCK : (row + 1) * BLOCK] *= np.repeat(scale[row], BLOCK)[:in_dim]
+    return weight
