@@ -15,10 +15,10 @@ import pytest
 
 from trainer import flops
 from trainer import model as model_lib
-from trainer.config import ConfigError, make_config
+from trainer.config import PRESETS, ConfigError, make_config
 from trainer.model import rope as rope_lib
 from trainer.sharding import ShardCtx, logical_rules, make_mesh
-from trainer.validate import validate
+from trainer.validate import check_architecture, validate
 
 V3_YARN = dict(
     rope_type="yarn",
@@ -292,6 +292,11 @@ ROPE_SCALING_TO_TRAINER = {
     "mscale": "mscale",
     "mscale_all_dim": "mscale_all_dim",
 }
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_passes_the_architecture_checks(name):
+    check_architecture(make_config({"model_name": name}))
 
 
 @pytest.mark.parametrize(
