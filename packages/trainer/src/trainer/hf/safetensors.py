@@ -18,6 +18,8 @@ from collections.abc import Callable
 import ml_dtypes
 import numpy as np
 
+from trainer.config import ConfigError
+
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 # The format's dtype names <-> numpy dtypes (ml_dtypes supplies bf16 and fp8).
@@ -39,8 +41,10 @@ NAMES = {dtype: name for name, dtype in DTYPES.items()}
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
-class SafetensorsError(ValueError):
-    """A malformed, truncated or missing checkpoint file; the message names it."""
+class SafetensorsError(ConfigError):
+    """A malformed, truncated or missing checkpoint file, or tensors that disagree
+    with the config; the message names the file and the tensor. A ConfigError, so
+    `train hf_model_path=...` reports it in one line before compiling."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -93,8 +93,8 @@ def check(leaves: list[Leaf], refs: dict[str, TensorRef], num_layers: int, direc
                 raise SafetensorsError(f"{directory}: tensor {name} missing")
             if ref.shape != leaf.hf_shape:
                 raise SafetensorsError(
-                    f"{_where(ref)} has shape {list(ref.shape)}, the config gives "
-                    f"{list(leaf.hf_shape)} (config.json and the weights disagree)"
+                    f"{_where(ref)} has shape {list(ref.shape)}, the config (config.json "
+                    f"and any explicit keys) needs {list(leaf.hf_shape)}"
                 )
             if ref.dtype == FP8_DTYPE and is_fp8_weight_of(name, leaf):
                 scale = refs.get(name + SCALE_SUFFIX)
