@@ -109,6 +109,8 @@ def _is_token_ids(path: Path, schema, column: str, key: str) -> bool:
 
 
 def _open(path: Path, key: str):
+    """The pyarrow ParquetFile of `path` (its footer read, no rows); ConfigError naming
+    `key` when it is not parquet."""
     import pyarrow.parquet as pq
 
     try:
