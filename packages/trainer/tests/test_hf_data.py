@@ -163,6 +163,10 @@ def bad(tmp_path_factory):
     [
         ({}, r"^dataset_type=hf needs hf_train_files=GLOB"),
         (
+            {"hf_train_files": "gs://b/*.parquet"},
+            r"^hf_train_files='gs://b/\*.parquet': only local",
+        ),
+        (
             {"hf_train_files": "BAD/*.nothing"},
             r"^hf_train_files='.*/\*\.nothing' matches no files$",
         ),

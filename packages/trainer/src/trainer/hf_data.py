@@ -63,6 +63,11 @@ def check_loader(config: Config) -> None:
 
 def find_parquet_files(pattern: str, key: str) -> list[Path]:
     """The files `pattern` names: a glob, one file, or a directory (its *.parquet, recursively)."""
+    if "://" in pattern:  # MaxText reads gs:// through `datasets`; only local paths here
+        raise ConfigError(
+            f"{key}={pattern!r}: only local files are read; copy the files here "
+            "(or mount the bucket, e.g. with gcsfuse) and name the local path"
+        )
     path = Path(pattern)
     if path.is_dir():
         found = sorted(p for p in path.rglob(f"*{SUFFIX}") if p.is_file())
@@ -123,14 +128,9 @@ def open_column(config: Config, files_key: str, columns_key: str) -> ParquetColu
     """Find the files and check the column in every file's schema (no rows read)."""
     pattern = getattr(config, files_key)
     if not pattern:
-        raise ConfigError(
-            f"dataset_type=hf needs {files_key}=GLOB (local parquet files)"
-            + (
-                f" to evaluate (eval_interval={config.eval_interval})"
-                if "eval" in files_key
-                else ""
-            )
-        )
+        evaluating = files_key == "hf_eval_files"
+        purpose = f" to evaluate (eval_interval={config.eval_interval})" if evaluating else ""
+        raise ConfigError(f"dataset_type=hf needs {files_key}=GLOB (local parquet files){purpose}")
     files = find_parquet_files(pattern, files_key)
     column = column_name(getattr(config, columns_key), columns_key)
     kinds = {
