@@ -36,6 +36,12 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
 )
 
 SCORE_FUNCS = ("sigmoid", "softmax")
+# How experts are chosen (DeepSeek's / Hugging Face's `topk_method`):
+#   noaux_tc             DeepSeek-V3: a group scores the sum of its two best
+#                        (bias-corrected) scores; top-k inside the best groups
+#   group_limited_greedy DeepSeek-V2: a group scores its best expert's score
+#   greedy               plain top-k over all experts (no groups)
+TOPK_METHODS = ("noaux_tc", "group_limited_greedy", "greedy")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +53,9 @@ class MoEConfig:
         equal groups, only the `topk_groups` best groups may be picked
         (1, 1 = no group limit).
     routed_scaling_factor: multiplies the (normalized) combine weights.
-    score_func: 'sigmoid' (DeepSeek-V3) or 'softmax' (Mixtral).
+    score_func: 'sigmoid' (DeepSeek-V3) or 'softmax' (DeepSeek-V2, Mixtral).
+    topk_method: 'noaux_tc' (DeepSeek-V3, default), 'group_limited_greedy'
+        (DeepSeek-V2) or 'greedy' (plain top-k; needs n_groups=1): see TOPK_METHODS.
     norm_topk_prob: renormalize the Z combine weights to sum to one.
     mlp_dim: hidden size F of each routed expert.
     num_shared_experts, shared_mlp_dim: the always-on MLP; its hidden size is
@@ -72,6 +80,7 @@ class MoEConfig:
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0
     score_func: str = "sigmoid"
+    topk_method: str = "noaux_tc"
     norm_topk_prob: bool = True
     num_shared_experts: int = 0
     shared_mlp_dim: int | None = None
@@ -109,6 +118,13 @@ class MoEConfig:
             )
         if self.score_func not in SCORE_FUNCS:
             raise ValueError(f"score_func={self.score_func!r} is not one of {SCORE_FUNCS}")
+        if self.topk_method not in TOPK_METHODS:
+            raise ValueError(f"topk_method={self.topk_method!r} is not one of {TOPK_METHODS}")
+        if self.topk_method == "greedy" and self.n_groups != 1:
+            raise ValueError(
+                f"topk_method='greedy' picks over all experts: n_groups={self.n_groups} "
+                "must be 1 (or use noaux_tc / group_limited_greedy)"
+            )
         if self.mlp_dim < 1:
             raise ValueError(f"mlp_dim={self.mlp_dim} must be positive")
         if self.num_shared_experts < 0:

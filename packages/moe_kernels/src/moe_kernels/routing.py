@@ -1,4 +1,5 @@
-"""Token-to-expert routing: DeepSeek-V3 (sigmoid, bias, group-limited) and softmax top-k."""
+"""Token-to-expert routing: DeepSeek-V3 (sigmoid, bias, group-limited), DeepSeek-V2
+(softmax, group-limited greedy) and plain top-k."""
 
 from __future__ import annotations
 
@@ -12,13 +13,17 @@ from moe_kernels.config import MoEConfig
 def _group_mask(select_xE: jax.Array, config: MoEConfig) -> jax.Array:
     """Boolean (..., E): experts that belong to one of the `topk_groups` best groups.
 
-    A group scores the sum of its two best selection scores (DeepSeek-V3; one
-    when a group holds a single expert).
+    A group scores the sum of its two best selection scores (noaux_tc,
+    DeepSeek-V3; one when a group holds a single expert) or its best one
+    (group_limited_greedy, DeepSeek-V2).
     """
     g, per = config.n_groups, config.experts_per_group
     grouped = select_xE.reshape(*select_xE.shape[:-1], g, per)  # (..., G, E/G)
-    best, _ = lax.top_k(grouped, min(2, per))
-    group_score_xG = best.sum(-1)
+    if config.topk_method == "group_limited_greedy":
+        group_score_xG = grouped.max(-1)
+    else:
+        best, _ = lax.top_k(grouped, min(2, per))
+        group_score_xG = best.sum(-1)
     _, top_groups_xJ = lax.top_k(group_score_xG, config.topk_groups)
     keep_xG = jax.nn.one_hot(top_groups_xJ, g, dtype=jnp.int32).sum(-2) > 0
     return jnp.repeat(keep_xG, per, axis=-1)
@@ -38,9 +43,10 @@ def route(
     - `bias` (E,), the aux-loss-free balancing bias, is added for the choice of
       experts only: combine weights are read from the unbiased scores;
     - with `n_groups > 1`, only experts in the `topk_groups` best groups are
-      eligible;
-    - weights are renormalized to sum to one (`norm_topk_prob`) and scaled by
-      `routed_scaling_factor`.
+      eligible, a group scored by `topk_method` (see `_group_mask`; 'greedy'
+      has no groups);
+    - weights are renormalized to sum to one when `norm_topk_prob`, then scaled
+      by `routed_scaling_factor`.
 
     `stats["tokens_per_expert"]` (E,) int32 counts the assignments in this call
     (this shard's tokens, when called inside a shard_map);

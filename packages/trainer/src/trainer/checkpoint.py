@@ -50,6 +50,8 @@ MODEL_KEYS = (
     "qk_nope_head_dim",
     "qk_rope_head_dim",
     "v_head_dim",
+    # The rope dims' pair layout: the same arrays mean another model under the other one.
+    "rope_interleave",
     "weight_dtype",
     "scan_layers",
 )

@@ -46,6 +46,7 @@ OTHER_DCN_KEYS = tuple(
 REDUCTION_POLICIES = ("deferred", "per_microbatch", "hierarchical")
 REMAT_POLICIES = ("none", "full", "minimal")
 DTYPES = ("float32", "bfloat16")
+ROPE_TYPES = ("default", "yarn")
 
 
 class ConfigError(ValueError):
@@ -71,6 +72,15 @@ class Config:
     topk_routing_group: int = 1
     routed_scaling_factor: float = 1.0
     routed_score_func: Literal["sigmoid", "softmax"] = "sigmoid"
+    # How experts are picked (HF topk_method): noaux_tc (DeepSeek-V3: a group scores
+    # the sum of its two best biased scores), group_limited_greedy (DeepSeek-V2: a
+    # group scores its best expert), greedy (plain top-k; n_routing_groups=1).
+    # The routing bias steers the choice in every method; it stays 0 with
+    # routed_bias_update_rate=0 (deepseek2-lite).
+    routed_topk_method: Literal["noaux_tc", "group_limited_greedy", "greedy"] = "noaux_tc"
+    # Renormalize the chosen experts' combine weights to sum to one (before
+    # routed_scaling_factor).
+    norm_topk_prob: bool = True
     routed_bias_update_rate: float = 0.001
     load_balance_loss_weight: float = 0.0
     sparse_matmul: bool = True
@@ -78,12 +88,36 @@ class Config:
     # c > 0 caps each expert-parallel block at c x its fair share and drops overflow.
     capacity_factor: float = 0.0
     base_num_query_heads: int = 4
+    # > 0: queries through a low-rank bottleneck (wq_a, q_norm, wq_b; DeepSeek-V3);
+    # 0: one plain query projection `wq` (DeepSeek-V2-Lite, HF q_lora_rank null).
     q_lora_rank: int = 32
     kv_lora_rank: int = 32
     qk_nope_head_dim: int = 16
     qk_rope_head_dim: int = 8
     v_head_dim: int = 16
+    # RoPE (model/rope.py), MaxText's keys. rope_max_timescale is theta (HF rope_theta).
     rope_max_timescale: int = 10_000
+    # "default": plain RoPE; "yarn": YaRN (DeepSeek-V2/V3's rope_scaling), the keys below.
+    rope_type: Literal["default", "yarn"] = "default"
+    rope_factor: float = 40.0
+    original_max_position_embeddings: int = 4096
+    # The context YaRN extends to: with rope_type=yarn, max_target_length may not exceed it.
+    max_position_embeddings: int = 163_840
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    # m(s, k) = 0.1 k ln(s) + 1. Rotated q/k are scaled by m(rope_factor, mscale) /
+    # m(rope_factor, mscale_all_dim); the softmax scale by m(rope_factor, mscale_all_dim)^2.
+    # mscale_all_dim < 0: equal to mscale (MaxText's one-key meaning: q/k unscaled,
+    # softmax times m(rope_factor, mscale)^2); HF's rope_scaling sets both.
+    mscale: float = 1.0
+    mscale_all_dim: float = -1.0
+    # Rotate interleaved pairs (2i, 2i+1), DeepSeek/HF's weight layout, instead of
+    # half-split pairs (i, i+R/2): HF weights then load without a permutation.
+    rope_interleave: bool = False
+    # Floor/ceil YaRN's ramp bounds (DeepSeek's and transformers' default).
+    rope_truncate: bool = True
+    # Also scale rotated q/k by m(rope_factor, 1) (MaxText's YaRN attention_scaling).
+    rope_attention_scaling: bool = False
     max_target_length: int = 32
     normalization_layer_epsilon: float = 1e-6
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
@@ -281,6 +315,22 @@ _MAXTEXT_DEEPSEEK3_ROUTING = dict(
     max_target_length=1024,
 )
 
+# DeepSeek-V2/V3's published rope_scaling (config.json): YaRN from 4k to 160k
+# positions, theta 10000, rope dims stored as interleaved pairs.
+_DEEPSEEK_YARN = dict(
+    rope_type="yarn",
+    rope_max_timescale=10_000,
+    rope_factor=40.0,
+    original_max_position_embeddings=4096,
+    max_position_embeddings=163_840,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    rope_interleave=True,
+    rope_truncate=True,
+    rope_attention_scaling=False,
+    normalization_layer_epsilon=1e-6,
+)
+
 PRESETS: dict[str, dict[str, Any]] = {
     # Seconds per step on 8 CPU devices: every shape tiny, every feature on.
     # The small presets carry tagtrain's own names: MaxText's deepseek3-tiny is another shape.
@@ -351,8 +401,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         q_lora_rank=1536,
         kv_lora_rank=512,
     ),
-    # The DeepSeek-V3 shape (671B total, 37B active): for AOT compiles only.
+    # DeepSeek-V3 (671B total, 37B active) with its published config.json values
+    # (YaRN rope_scaling, interleaved rope weights, noaux_tc sigmoid routing): AOT compiles.
     "deepseek3-671b": dict(
+        _DEEPSEEK_YARN,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+        routed_score_func="sigmoid",
+        routed_topk_method="noaux_tc",
+        norm_topk_prob=True,
         vocab_size=129_280,
         base_emb_dim=7168,
         base_num_decoder_layers=61,
@@ -367,6 +424,38 @@ PRESETS: dict[str, dict[str, Any]] = {
         routed_scaling_factor=2.5,
         base_num_query_heads=128,
         q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        max_target_length=4096,
+        remat_policy="full",
+    ),
+    # DeepSeek-V2-Lite (15.7B total, 2.4B active) with its published config.json
+    # values: no q LoRA, softmax greedy routing without renormalization, no routing
+    # bias (V2 has none: the bias is kept at 0), untied embeddings.
+    "deepseek2-lite": dict(
+        _DEEPSEEK_YARN,
+        mscale=0.707,
+        mscale_all_dim=0.707,
+        vocab_size=102_400,
+        base_emb_dim=2048,
+        base_num_decoder_layers=27,
+        first_num_dense_layers=1,
+        base_mlp_dim=10_944,
+        base_moe_mlp_dim=1408,
+        num_experts=64,
+        num_experts_per_tok=6,
+        shared_experts=2,
+        n_routing_groups=1,
+        topk_routing_group=1,
+        routed_scaling_factor=1.0,
+        routed_score_func="softmax",
+        routed_topk_method="greedy",
+        norm_topk_prob=False,
+        routed_bias_update_rate=0.0,
+        base_num_query_heads=16,
+        q_lora_rank=0,
         kv_lora_rank=512,
         qk_nope_head_dim=128,
         qk_rope_head_dim=64,

@@ -37,11 +37,18 @@ def count_params(params) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(params))
 
 
+def _query_params(c: Config) -> int:
+    """Query projection weights: the low-rank pair, or the plain wq (q_lora_rank=0)."""
+    h = c.base_num_query_heads
+    if not c.q_lora_rank:
+        return c.emb_dim * h * c.qk_head_dim
+    return c.emb_dim * c.q_lora_rank + c.q_lora_rank * h * c.qk_head_dim
+
+
 def _attention_params(c: Config) -> int:
     h = c.base_num_query_heads
     return (
-        c.emb_dim * c.q_lora_rank
-        + c.q_lora_rank * h * c.qk_head_dim
+        _query_params(c)
         + c.emb_dim * (c.kv_lora_rank + c.qk_rope_head_dim)
         + c.kv_lora_rank * h * (c.qk_nope_head_dim + c.v_head_dim)
         + h * c.v_head_dim * c.emb_dim

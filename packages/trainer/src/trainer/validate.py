@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from trainer.config import DTYPES, Config, ConfigError, mesh_shape
+from moe_kernels.config import TOPK_METHODS
+from trainer.config import DTYPES, ROPE_TYPES, Config, ConfigError, mesh_shape
 
 
 def _require(ok: bool, message: str) -> None:
@@ -99,8 +100,42 @@ def _check_model(config: Config) -> None:
         config.qk_rope_head_dim % 2 == 0,
         f"qk_rope_head_dim={config.qk_rope_head_dim} must be even (RoPE rotates pairs)",
     )
+    check_architecture(config)
     if config.num_moe_layers:
         _check_routing(config)
+
+
+def check_architecture(config: Config) -> None:
+    """ConfigError naming the key for a bad attention/RoPE option (no machine needed)."""
+    _require(
+        config.q_lora_rank >= 0,
+        f"q_lora_rank={config.q_lora_rank} must be >= 0 (0 = a plain query projection)",
+    )
+    for key, choices in (("rope_type", ROPE_TYPES), ("routed_topk_method", TOPK_METHODS)):
+        value = getattr(config, key)
+        _require(value in choices, f"{key}={value!r} is not one of {choices}")
+    if config.rope_type != "yarn":
+        return
+    _require(
+        config.rope_factor > 1,
+        f"rope_factor={config.rope_factor} must be > 1 with rope_type=yarn (it stretches "
+        "the original context; use rope_type=default for plain RoPE)",
+    )
+    _require(
+        config.original_max_position_embeddings >= 1,
+        f"original_max_position_embeddings={config.original_max_position_embeddings} must be >= 1",
+    )
+    _require(config.beta_slow > 0, f"beta_slow={config.beta_slow} must be > 0")
+    _require(
+        config.beta_fast >= config.beta_slow,
+        f"beta_fast={config.beta_fast} must be >= beta_slow={config.beta_slow}",
+    )
+    _require(config.mscale >= 0, f"mscale={config.mscale} must be >= 0")
+    _require(
+        config.max_target_length <= config.max_position_embeddings,
+        f"max_target_length={config.max_target_length} exceeds max_position_embeddings="
+        f"{config.max_position_embeddings}, the context rope_type=yarn extends to",
+    )
 
 
 def _check_routing(config: Config) -> None:
@@ -114,6 +149,11 @@ def _check_routing(config: Config) -> None:
         1 <= k <= experts, f"num_experts_per_tok={k} must be between 1 and num_experts={experts}"
     )
     groups, top_groups = config.n_routing_groups, config.topk_routing_group
+    _require(
+        config.routed_topk_method != "greedy" or groups == 1,
+        f"routed_topk_method=greedy picks over all experts: n_routing_groups={groups} "
+        "must be 1 (or use noaux_tc / group_limited_greedy)",
+    )
     _require(
         groups >= 1 and experts % groups == 0,
         f"n_routing_groups={groups} must divide num_experts={experts}",

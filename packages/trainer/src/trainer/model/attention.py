@@ -9,8 +9,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trainer.config import Config
-from trainer.model.layers import BSE, RMSNorm, rope
+from trainer.model.layers import BSE, RMSNorm
 from trainer.model.params import param
+from trainer.model.rope import rope, softmax_scale
 from trainer.sharding import ShardCtx
 
 
@@ -19,6 +20,7 @@ class MLANames:
     """Every logical axis name this layer uses, weights and activations, in one place."""
 
     # Weights.
+    wq: tuple = ("embed", "heads", "head_dim")  # q_lora_rank=0: the plain projection
     wq_a: tuple = ("embed", "q_lora")
     wq_b: tuple = ("q_lora", "heads", "head_dim")
     wkv_a: tuple = ("embed", "kv_lora")
@@ -46,18 +48,22 @@ NAMES = MLANames()
 
 
 class MLA(nnx.Module):
-    """Queries through a q_lora bottleneck; keys/values from one shared kv_lora latent.
+    """Queries through a q_lora bottleneck (or, with q_lora_rank=0, one plain
+    projection `wq_DxHxK`); keys/values from one shared kv_lora latent.
 
     Shapes: D embed, H heads, Q q_lora_rank, C kv_lora_rank, N nope dim,
-    R rope dim, V value dim.
+    R rope dim, V value dim, K = N + R.
     """
 
     def __init__(self, config: Config, ctx: ShardCtx, *, rngs: nnx.Rngs):
         c = config
         d, h = c.emb_dim, c.base_num_query_heads
-        self.wq_a_DxQ = param(rngs, (d, c.q_lora_rank), NAMES.wq_a)
-        self.q_norm = RMSNorm(c.q_lora_rank, c.normalization_layer_epsilon, rngs=rngs)
-        self.wq_b_QxHxK = param(rngs, (c.q_lora_rank, h, c.qk_head_dim), NAMES.wq_b)
+        if c.q_lora_rank:
+            self.wq_a_DxQ = param(rngs, (d, c.q_lora_rank), NAMES.wq_a)
+            self.q_norm = RMSNorm(c.q_lora_rank, c.normalization_layer_epsilon, rngs=rngs)
+            self.wq_b_QxHxK = param(rngs, (c.q_lora_rank, h, c.qk_head_dim), NAMES.wq_b)
+        else:
+            self.wq_DxHxK = param(rngs, (d, h, c.qk_head_dim), NAMES.wq)
         self.wkv_a_DxCR = param(rngs, (d, c.kv_lora_rank + c.qk_rope_head_dim), NAMES.wkv_a)
         self.kv_norm = RMSNorm(c.kv_lora_rank, c.normalization_layer_epsilon, rngs=rngs)
         self.wkv_b_CxHxNV = param(
@@ -69,26 +75,38 @@ class MLA(nnx.Module):
         self.config, self.ctx = config, ctx
         self.dtype = jnp.dtype(config.dtype)
 
-    def __call__(
-        self, x_BxSxD: jax.Array, positions_BxS: jax.Array, segments_BxS: jax.Array
-    ) -> jax.Array:
-        c, ctx, dt = self.config, self.ctx, self.dtype
-        nope, rope_dim = c.qk_nope_head_dim, c.qk_rope_head_dim
-
+    def _queries(self, x_BxSxD: jax.Array) -> jax.Array:
+        """q_BxSxHxK before RoPE: through the low-rank path, or the plain one."""
+        ctx, dt = self.ctx, self.dtype
+        if not self.config.q_lora_rank:
+            return ctx.einsum(
+                "bsd,dhk->bshk",
+                x_BxSxD,
+                ctx.weight(self.wq_DxHxK[...].astype(dt), NAMES.wq),
+                out=NAMES.q,
+            )
         q_BxSxQ = ctx.einsum(
             "bsd,dq->bsq",
             x_BxSxD,
             ctx.weight(self.wq_a_DxQ[...].astype(dt), NAMES.wq_a),
             out=NAMES.lora,
         )
-        q_BxSxHxK = ctx.einsum(
+        return ctx.einsum(
             "bsq,qhk->bshk",
             self.q_norm(q_BxSxQ),
             ctx.weight(self.wq_b_QxHxK[...].astype(dt), NAMES.wq_b),
             out=NAMES.q,
         )
+
+    def __call__(
+        self, x_BxSxD: jax.Array, positions_BxS: jax.Array, segments_BxS: jax.Array
+    ) -> jax.Array:
+        c, ctx, dt = self.config, self.ctx, self.dtype
+        nope, rope_dim = c.qk_nope_head_dim, c.qk_rope_head_dim
+
+        q_BxSxHxK = self._queries(x_BxSxD)
         q_nope, q_pe = q_BxSxHxK[..., :nope], q_BxSxHxK[..., nope:]
-        q_BxSxHxK = jnp.concatenate([q_nope, rope(q_pe, positions_BxS, c.rope_max_timescale)], -1)
+        q_BxSxHxK = jnp.concatenate([q_nope, rope(q_pe, positions_BxS, c)], -1)
 
         kv_BxSxCR = ctx.einsum(
             "bsd,dc->bsc",
@@ -105,7 +123,7 @@ class MLA(nnx.Module):
         )
         k_nope, v_BxSxHxO = kv_BxSxHxNO[..., :nope], kv_BxSxHxNO[..., nope:]
         # One rope key shared by every head (DeepSeek's decoupled RoPE).
-        k_pe_BxSx1xR = rope(k_pe_BxSxR[:, :, None, :], positions_BxS, c.rope_max_timescale)
+        k_pe_BxSx1xR = rope(k_pe_BxSxR[:, :, None, :], positions_BxS, c)
         # Laid out like k_nope (heads over 'tensor') so the concatenate type-checks.
         k_pe_BxSxHxR = ctx.act(
             jnp.broadcast_to(k_pe_BxSx1xR, (*k_nope.shape[:3], rope_dim)), NAMES.q
@@ -119,7 +137,8 @@ class MLA(nnx.Module):
         kv_positions_BxU = ctx.act(positions_BxS, NAMES.kv[:2])
         kv_segments_BxU = ctx.act(segments_BxS, NAMES.kv[:2])
 
-        scale = c.qk_head_dim**-0.5
+        # qk_head_dim^-0.5, with YaRN's mscale correction when rope_type=yarn.
+        scale = softmax_scale(c)
         logits_BxHxSxU = ctx.einsum(
             "bshk,bthk->bhst", q_BxSxHxK * scale, k_BxUxHxK, out=NAMES.scores
         ).astype(jnp.float32)

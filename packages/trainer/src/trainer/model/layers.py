@@ -1,4 +1,4 @@
-"""Small building blocks: RMSNorm, SwiGLU MLP, rotary embeddings."""
+"""Small building blocks: RMSNorm, SwiGLU MLP (rotary embeddings: rope.py)."""
 
 from __future__ import annotations
 
@@ -72,15 +72,3 @@ class MLP(nnx.Module):
             ctx.weight(self.wo[...].astype(dt), MLP_NAMES.wo),
             out=MLP_NAMES.out,
         )
-
-
-def rope(x_BxSxHxR: jax.Array, positions_BxS: jax.Array, max_timescale: int) -> jax.Array:
-    """Rotary embedding on the last dim (pairs (i, i + R/2)), in f32."""
-    half = x_BxSxHxR.shape[-1] // 2
-    freq_R2 = max_timescale ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle_BxSx1xR2 = (positions_BxS.astype(jnp.float32)[..., None] * freq_R2)[:, :, None, :]
-    sin, cos = jnp.sin(angle_BxSx1xR2), jnp.cos(angle_BxSx1xR2)
-    x32 = x_BxSxHxR.astype(jnp.float32)
-    first, second = x32[..., :half], x32[..., half:]
-    rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
-    return rotated.astype(x_BxSxHxR.dtype)

@@ -22,6 +22,8 @@ def moe_config(config: Config) -> moe_kernels.MoEConfig:
         topk_groups=config.topk_routing_group,
         routed_scaling_factor=config.routed_scaling_factor,
         score_func=config.routed_score_func,
+        topk_method=config.routed_topk_method,
+        norm_topk_prob=config.norm_topk_prob,
         num_shared_experts=config.shared_experts,
         # Same meaning on both sides: 0 = no token dropped.
         capacity_factor=config.capacity_factor,
