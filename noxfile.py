@@ -143,9 +143,10 @@ ROOT = Path(__file__).parent
 WHEELS = ["pspec-tags", "hlo-tools", "accum", "moe-kernels", "tagtrain"]
 SMALL_PACKAGES = ["pspec_tags", "hlo_tools", "accum", "moe_kernels"]
 # The trainer tests that exercise the dependencies the 2-step train does not import
-# (orbax-checkpoint, grain, tokenizers, matplotlib): run at the declared minimums.
+# (orbax-checkpoint, grain, tokenizers, pyarrow, matplotlib): run at the declared minimums.
 TRAINER_DEPENDENCY_TESTS = tuple(
-    f"packages/trainer/tests/test_{name}.py" for name in ("checkpoint", "text_data", "outputs")
+    f"packages/trainer/tests/test_{name}.py"
+    for name in ("checkpoint", "text_data", "hf_data", "outputs")
 )
 UNIT_TESTS = "not aot and not integration and not slow"
 

@@ -68,6 +68,8 @@ TRAJECTORY_KEYS = (
     "dataset_path",
     "jsonl_field",
     "tokenizer_path",
+    "hf_train_files",
+    "train_data_columns",
 )
 
 

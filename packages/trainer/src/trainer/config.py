@@ -209,12 +209,24 @@ class Config:
     adam_weight_decay: float = 0.1
     gradient_clipping_threshold: float = 1.0
     seed: int = 0
-    # Data (input_pipeline.py, text_data.py): synthetic, or .txt/.jsonl files
-    # (a directory or glob), byte tokens unless tokenizer_path names a tokenizer.json.
-    dataset_type: Literal["synthetic", "text"] = "synthetic"
+    # Data (input_pipeline.py, text_data.py, hf_data.py): synthetic; text: .txt/.jsonl
+    # files (a directory or glob); hf: local parquet files. Byte tokens unless
+    # tokenizer_path names a tokenizer.json.
+    dataset_type: Literal["synthetic", "text", "hf"] = "synthetic"
     dataset_path: str = ""
     jsonl_field: str = "text"
     tokenizer_path: str = ""
+    # dataset_type=hf, under MaxText's names: hf_train_files / hf_eval_files are parquet
+    # files (a glob, a file, or a directory of *.parquet); train_data_columns /
+    # eval_data_columns (empty: the train column) the one column read, `text` or
+    # MaxText's `['text']`: text (tokenized with the run's tokenizer, end-of-document
+    # appended) or token ids (a list of integers, taken as they are). hf_path: MaxText's
+    # loader name, "parquet" or empty (no Hub streaming here).
+    hf_path: str = ""
+    hf_train_files: str = ""
+    hf_eval_files: str = ""
+    train_data_columns: str = "text"
+    eval_data_columns: str = ""
     # Start from a Hugging Face directory (trainer.hf, docs/hf.md): the architecture
     # from its config.json (explicit keys still win), the initial weights from its
     # safetensors, the tokenizer from its tokenizer.json unless tokenizer_path is set.
@@ -225,10 +237,11 @@ class Config:
     load_parameters_path: str = ""
     # Evaluation (eval_data.py, evaluate.py), under MaxText's names: a held-out loss
     # every eval_interval steps and at the end (<= 0: never), over the first eval_steps
-    # batches of the eval set (<= 0: all of it, text only) of eval_per_device_batch_size
-    # sequences per device (0: per_device_batch_size). Text runs read eval_dataset_path
-    # (MaxText names it per data type: grain_eval_files, hf_eval_files); synthetic runs
-    # get a held-out stream drawn from the same seed.
+    # batches of the eval set (<= 0: all of it, text and hf only) of
+    # eval_per_device_batch_size sequences per device (0: per_device_batch_size). Text
+    # runs read eval_dataset_path (MaxText names it per data type: grain_eval_files,
+    # hf_eval_files), hf runs hf_eval_files; synthetic runs get a held-out stream drawn
+    # from the same seed.
     eval_interval: int = -1
     eval_steps: int = -1
     eval_per_device_batch_size: float = 0.0

@@ -8,6 +8,9 @@ set, in order — so eval losses at different steps are comparable.
   segments), read in file order without shuffling; rows past the end of the set
   are padding (weight 0), so no row is counted twice. `eval_steps <= 0` reads the
   whole set once; a larger `eval_steps` than the set holds is capped to it.
+- `dataset_type=hf`: the parquet files `hf_eval_files`, column
+  `eval_data_columns` (unset: `train_data_columns`), read and packed as the
+  training files are (hf_data.py), then as the text eval set.
 - `dataset_type=synthetic`: the same counting generator on another stream of the
   same seed (`data.synthetic_batch(..., stream=EVAL_STREAM)`): held out from
   every training batch, and `eval_steps` must be >= 1 (the stream has no end).
@@ -20,7 +23,7 @@ import math
 
 import numpy as np
 
-from trainer import text_data
+from trainer import hf_data, text_data
 from trainer.config import Config, ConfigError
 from trainer.input_pipeline import Source, SyntheticSource
 from trainer.validate import batch_shard_count
@@ -67,8 +70,8 @@ def eval_batch_size(config: Config, num_devices: int, sizes: dict[str, int]) -> 
 class TextEvalSource:
     """The packed eval rows in order; row i of eval batch b is row b * batch + i of the set."""
 
-    def __init__(self, text: text_data.PackedText, global_batch: int):
-        self.text, self.global_batch = text, global_batch
+    def __init__(self, text: text_data.PackedText, global_batch: int, kind: str = "text"):
+        self.text, self.global_batch, self.kind = text, global_batch, kind
         self._padding = {
             key: np.zeros(text.packed.length, np.float32 if key == "weights" else np.int32)
             for key in text_data.KEYS
@@ -88,7 +91,7 @@ class TextEvalSource:
         return {key: np.stack([e[key] for e in examples]) for key in text_data.KEYS}
 
     def describe(self) -> str:
-        return f"text, {self.text.describe()}"
+        return f"{self.kind}, {self.text.describe()}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,11 +110,6 @@ def make_eval_set(config: Config, num_devices: int, sizes: dict[str, int]) -> Ev
         return None
     batch = eval_batch_size(config, num_devices, sizes)
     if config.dataset_type == "synthetic":
-        if config.eval_dataset_path:
-            raise ConfigError(
-                f"eval_dataset_path={config.eval_dataset_path!r} is set but "
-                "dataset_type=synthetic; add dataset_type=text to evaluate on it"
-            )
         if config.eval_steps <= 0:
             raise ConfigError(
                 f"eval_steps={config.eval_steps} means the whole eval set, but the synthetic "
@@ -120,13 +118,18 @@ def make_eval_set(config: Config, num_devices: int, sizes: dict[str, int]) -> Ev
         source = SyntheticSource(config, batch, stream=EVAL_STREAM)
         note = f"synthetic, held-out stream {EVAL_STREAM} of seed {config.seed}"
         return EvalSet(source, config.eval_steps, batch, note)
-    if not config.eval_dataset_path:
-        raise ConfigError(
-            f"eval_interval={config.eval_interval} with dataset_type=text needs "
-            "eval_dataset_path=DIR_OR_GLOB (.txt / .jsonl files held out from training)"
-        )
-    text = text_data.load_packed(config, config.eval_dataset_path, key="eval_dataset_path")
-    source = TextEvalSource(text, batch)
+    if config.dataset_type == "hf":
+        column = hf_data.open_column(config, "hf_eval_files", hf_data.eval_columns_key(config))
+        text = hf_data.load_packed(config, column)
+        source = TextEvalSource(text, batch, hf_data.describe_kind(column))
+    else:
+        if not config.eval_dataset_path:
+            raise ConfigError(
+                f"eval_interval={config.eval_interval} with dataset_type=text needs "
+                "eval_dataset_path=DIR_OR_GLOB (.txt / .jsonl files held out from training)"
+            )
+        text = text_data.load_packed(config, config.eval_dataset_path, key="eval_dataset_path")
+        source = TextEvalSource(text, batch)
     steps = source.num_batches
     note = source.describe()
     if 0 < config.eval_steps < steps:

@@ -44,18 +44,41 @@ class SyntheticSource:
         return "data: synthetic (counting sequences, seed-determined)"
 
 
+# The data keys and the dataset_type that reads each (first: the one to suggest); set
+# under another dataset_type, a key would be silently ignored, so it is refused.
+DATA_KEYS = {
+    "dataset_path": ("text",),
+    "eval_dataset_path": ("text",),
+    "tokenizer_path": ("text", "hf"),
+    "hf_path": ("hf",),
+    "hf_train_files": ("hf",),
+    "hf_eval_files": ("hf",),
+}
+
+
+def check_data_keys(config: Config) -> None:
+    """Refuse a data key that the configured dataset_type would not read."""
+    for key, readers in DATA_KEYS.items():
+        value = getattr(config, key)
+        if value and config.dataset_type not in readers:
+            purpose = "evaluate on" if "eval" in key else "train on"
+            raise ConfigError(
+                f"{key}={value!r} is set but dataset_type={config.dataset_type}; "
+                f"add dataset_type={readers[0]} to {purpose} it"
+            )
+
+
 def make_source(config: Config, global_batch: int) -> Source:
     """Open the configured dataset; every input problem is a ConfigError, before compiling."""
+    check_data_keys(config)
     if config.dataset_type == "text":
         from trainer import text_data
 
         return text_data.make_text_source(config, global_batch)
-    for key in ("dataset_path", "tokenizer_path"):
-        if getattr(config, key):
-            raise ConfigError(
-                f"{key}={getattr(config, key)!r} is set but dataset_type=synthetic; "
-                "add dataset_type=text to train on it"
-            )
+    if config.dataset_type == "hf":
+        from trainer import hf_data
+
+        return hf_data.make_hf_source(config, global_batch)
     return SyntheticSource(config, global_batch)
 
 

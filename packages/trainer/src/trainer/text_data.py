@@ -22,7 +22,7 @@ import dataclasses
 import glob
 import json
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -204,14 +204,18 @@ def pack(documents: Sequence[np.ndarray], length: int) -> PackedRows:
 
 @dataclasses.dataclass
 class TextSource:
-    """The text stream: `rows(step, start, stop)` -> global rows [start, stop) of `step`."""
+    """The packed stream: `rows(step, start, stop)` -> global rows [start, stop) of `step`.
+
+    Built by `shuffled_source` for dataset_type=text and (hf_data.py) dataset_type=hf.
+    """
 
     dataset: grain.MapDataset
     packed: PackedRows
     global_batch: int
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None
     files: list[Path]
     documents: int
+    kind: str = "text"  # the startup line's name for where the documents came from
 
     def rows(self, step: int, start: int, stop: int) -> dict[str, np.ndarray]:
         base = step * self.global_batch
@@ -227,7 +231,7 @@ class TextSource:
 
     def describe(self) -> str:
         text = PackedText(self.packed, self.tokenizer, self.files, self.documents)
-        return f"data: text, {text.describe()}"
+        return f"data: {self.kind}, {text.describe()}"
 
 
 def process_row_range(global_batch: int, process_index: int, process_count: int) -> tuple[int, int]:
@@ -242,27 +246,30 @@ def process_row_range(global_batch: int, process_index: int, process_count: int)
 
 @dataclasses.dataclass(frozen=True)
 class PackedText:
-    """Files read, tokenized and packed (what a training or an eval source is built on)."""
+    """Files read, tokenized and packed (what a training or an eval source is built on).
+
+    `tokenizer` is None when the files held token ids already (a parquet ids column).
+    """
 
     packed: PackedRows
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None
     files: list[Path]
     documents: int
 
     def describe(self) -> str:
         tokens = int(self.packed.piece_len.sum())
         fill = tokens / max(1, len(self.packed) * self.packed.length)
+        name = self.tokenizer.name if self.tokenizer else "pre-tokenized"
         return (
             f"{len(self.files)} files, {self.documents} documents, "
-            f"{self.tokenizer.name} tokens: {tokens:,} targets in {len(self.packed):,} "
+            f"{name} tokens: {tokens:,} targets in {len(self.packed):,} "
             f"packed rows of {self.packed.length} ({fill:.0%} filled)"
         )
 
 
-def load_packed(config: Config, path: str, key: str = "dataset_path") -> PackedText:
-    """Read, tokenize and pack the files under `path` (named by config key `key`) once,
-    with the run's tokenizer and `max_target_length`; ConfigError on any bad input."""
-    files = find_files(path, key)
+def run_tokenizer(config: Config) -> Tokenizer:
+    """The run's tokenizer (tokenizer_path's tokenizer.json, else bytes); ConfigError
+    when vocab_size cannot hold its ids."""
     tokenizer = load_tokenizer(config.tokenizer_path) if config.tokenizer_path else byte_tokenizer()
     if tokenizer.vocab_size > config.vocab_size:
         raise ConfigError(
@@ -271,31 +278,63 @@ def load_packed(config: Config, path: str, key: str = "dataset_path") -> PackedT
             + (" (256 bytes + end-of-document)" if tokenizer.name == "bytes" else "")
             + f"; set vocab_size={tokenizer.vocab_size} or more"
         )
-    eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+    return tokenizer
+
+
+def tokenize(texts: Iterable[str], tokenizer: Tokenizer) -> list[np.ndarray]:
+    """Each non-empty text's ids followed by end-of-document (when the tokenizer has one)."""
+    eos = np.asarray([] if tokenizer.eos_id is None else [tokenizer.eos_id], np.int32)
     documents = []
-    for text in read_documents(files, config.jsonl_field):
+    for text in texts:
         ids = np.asarray(tokenizer.encode(text), np.int32)
         if ids.size:
-            documents.append(np.concatenate([ids, np.asarray(eos, np.int32)]))
+            documents.append(np.concatenate([ids, eos]))
+    return documents
+
+
+def packed_text(
+    documents: Sequence[np.ndarray],
+    config: Config,
+    tokenizer: Tokenizer | None,
+    files: list[Path],
+    where: str,
+) -> PackedText:
+    """`documents` packed into rows of `max_target_length`; ConfigError naming `where`
+    (the key=value that named the files) when nothing is left to train on."""
     packed = pack(documents, config.max_target_length)
     if not len(packed):
         raise ConfigError(
-            f"{key}={path!r}: {len(files)} files hold no text "
-            f"(every document is empty or a single token)"
+            f"{where}: {len(files)} files hold no text (every document is empty or a single token)"
         )
     return PackedText(packed, tokenizer, files, len(documents))
 
 
-def make_text_source(config: Config, global_batch: int) -> TextSource:
-    """The training stream over `dataset_path`; raise ConfigError on any bad input."""
+def load_packed(config: Config, path: str, key: str = "dataset_path") -> PackedText:
+    """Read, tokenize and pack the files under `path` (named by config key `key`) once,
+    with the run's tokenizer and `max_target_length`; ConfigError on any bad input."""
+    files = find_files(path, key)
+    tokenizer = run_tokenizer(config)
+    documents = tokenize(read_documents(files, config.jsonl_field), tokenizer)
+    return packed_text(documents, config, tokenizer, files, f"{key}={path!r}")
+
+
+def shuffled_source(
+    text: PackedText, config: Config, global_batch: int, kind: str = "text"
+) -> TextSource:
+    """The training stream over packed rows: shuffled with `seed`, repeated with a new
+    order every epoch; element `step * global_batch + row` is a function of (seed, step)."""
     import grain  # here, not at import: synthetic runs (device_check.sh's host) need no grain
 
-    text = load_packed(config, config.dataset_path)
     dataset = (
         grain.MapDataset.source(text.packed)
         .shuffle(seed=config.seed % 2**32)
         .repeat(reseed_each_epoch=True)
     )
     return TextSource(
-        dataset, text.packed, global_batch, text.tokenizer, text.files, text.documents
+        dataset, text.packed, global_batch, text.tokenizer, text.files, text.documents, kind
     )
+
+
+def make_text_source(config: Config, global_batch: int) -> TextSource:
+    """The training stream over `dataset_path`; raise ConfigError on any bad input."""
+    return shuffled_source(load_packed(config, config.dataset_path), config, global_batch)
