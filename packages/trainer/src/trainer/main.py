@@ -100,7 +100,9 @@ def main(argv: list[str]) -> int:
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
-    print(f"model: {config.model_name}", flush=True)
+    # With hf_model_path the preset only fills what config.json does not say.
+    source = f" (architecture: {config.hf_model_path}/config.json)" if config.hf_model_path else ""
+    print(f"model: {config.model_name}{source}", flush=True)
     run_lib.compile_step(run)
     if FLAGS.dump_hlo:
         with open(FLAGS.dump_hlo, "w") as f:
