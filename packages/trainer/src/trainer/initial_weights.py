@@ -9,6 +9,7 @@ start only: a restart resumes from the run's own checkpoints.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 
 from trainer.config import Config, ConfigError
@@ -72,14 +73,14 @@ def restore_parameters(path: str, config: Config, ctx, model) -> dict[str, dict]
         os.path.abspath(directory), options=ocp.CheckpointManagerOptions(read_only=True)
     )
     target = {"params": params, "router": router}
-    restored = manager.restore(
-        step,
-        args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(
-                item=target,
-                restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                partial_restore=True,
-            )
-        ),
+    # Only these two subtrees of the saved state: `partial_restore` where this orbax
+    # has it, else the older spelling of the same (an empty `transforms`).
+    partial = (
+        {"partial_restore": True}
+        if "partial_restore" in inspect.signature(ocp.args.PyTreeRestore).parameters
+        else {"transforms": {}}
     )
-    return restored.state
+    restore = ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), **partial
+    )
+    return manager.restore(step, args=ocp.args.Composite(state=restore)).state
