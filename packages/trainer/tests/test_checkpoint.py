@@ -1,5 +1,6 @@
 """Checkpoints: exact resume, half-written checkpoints, NaN, output directory, SIGTERM/SIGKILL."""
 
+import errno
 import json
 import os
 import shutil
@@ -314,3 +315,168 @@ def test_second_ctrl_c_aborts():
             os.kill(os.getpid(), signal.SIGINT)
     # Outside, the previous handler is back.
     assert signal.getsignal(signal.SIGINT) == before
+
+
+# Damaged checkpoints (issue 34): each case copies one run's checkpoints, damages
+# them, and resumes with the module's executable.
+
+
+def _largest_data_file(step_dir):
+    files = (step_dir / "state").glob("ocdbt.process_*/d/*")
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+def _truncate(ckpt):
+    data = _largest_data_file(ckpt / "4")
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+
+
+def _garbage_bytes(ckpt):
+    data = _largest_data_file(ckpt / "4")
+    data.write_bytes(np.random.default_rng(0).bytes(data.stat().st_size))
+
+
+def _garbage_json(ckpt):
+    (ckpt / "4" / "meta" / "metadata").write_bytes(b"\xff\xfe{not json")
+
+
+def _swapped_arrays(ckpt):
+    # Step 3's array files under step 4's name: every file decodes, the values are wrong.
+    shutil.rmtree(ckpt / "4" / "state")
+    shutil.copytree(ckpt / "3" / "state", ckpt / "4" / "state")
+
+
+def _two_damaged(ckpt):
+    _truncate(ckpt)
+    (ckpt / "3" / "meta" / "metadata").write_text('{"step": 3, "rows_consumed": 1}')
+
+
+@pytest.fixture(scope="module")
+def damage(resumed, tmp_path_factory):
+    """A run killed after step 4 (checkpoints 2, 3, 4), and `resume(damage_fn)`: a copy of
+    its checkpoints damaged by `damage_fn`, resumed with the module's executable."""
+    pristine = tmp_path_factory.mktemp("pristine")
+    run = run_lib.setup(_config(pristine, max_checkpoints_to_keep="3"))
+    run.compiled = resumed["compiled"]
+
+    def die_after_4(step, metrics):
+        if step == 4:
+            raise Killed
+
+    with pytest.raises(Killed):
+        run_lib.train(run, die_after_4)
+    source = pristine / "tagtrain-tiny"
+    assert sorted(p.name for p in (source / "checkpoints").iterdir()) == ["2", "3", "4"]
+
+    def resume(damage_fn=None, keep_steps=None):
+        out = tmp_path_factory.mktemp("case")
+        shutil.copytree(source, out / "tagtrain-tiny")
+        ckpt = out / "tagtrain-tiny" / "checkpoints"
+        for step in ckpt.iterdir():
+            if keep_steps is not None and int(step.name) not in keep_steps:
+                shutil.rmtree(step)
+        if damage_fn:
+            damage_fn(ckpt)
+        restarted = run_lib.setup(_config(out, max_checkpoints_to_keep="3"))
+        restarted.compiled = resumed["compiled"]
+        return restarted, _losses(run_lib.train(restarted)), ckpt
+
+    return resume
+
+
+@pytest.fixture(scope="module")
+def undamaged_from_2(damage):
+    """The losses of an undamaged resume from step 2 (steps 3-6)."""
+    run, losses, _ = damage(keep_steps={2})
+    assert run.start_step == 2
+    return losses
+
+
+@pytest.mark.parametrize(
+    "damage_fn, item",
+    [
+        pytest.param(_truncate, "state", id="truncated"),
+        pytest.param(_garbage_bytes, "state", id="garbage-bytes"),
+        pytest.param(_garbage_json, "meta", id="garbage-json"),
+        pytest.param(_swapped_arrays, "state/", id="swapped-arrays"),
+    ],
+)
+def test_a_damaged_checkpoint_falls_back_to_the_older_one(resumed, damage, damage_fn, item, capfd):
+    run, losses, ckpt = damage(damage_fn)
+    err = capfd.readouterr().err
+    assert run.start_step == 3
+    # Bitwise equal to the undamaged resume from step 3 (the module's restart).
+    assert losses == _losses(resumed["history"])
+    warning = next(line for line in err.splitlines() if "is damaged" in line)
+    assert warning.startswith(f"warning: checkpoint step 4 is damaged ({item}")
+    assert f"moved to {ckpt / 'quarantine' / '4'}; trying the next older one" in warning
+    if damage_fn is _swapped_arrays:
+        assert "checksum mismatch" in warning  # every file decodes: only our checksums see it
+    # Kept for the user, not restored from; the run saved 4, 5, 6 afresh.
+    assert (ckpt / "quarantine" / "4" / "state").is_dir()
+    assert sorted(p.name for p in ckpt.iterdir()) == ["4", "5", "6", "quarantine"]
+
+
+def test_two_damaged_checkpoints_fall_back_twice(damage, undamaged_from_2, capfd):
+    run, losses, ckpt = damage(_two_damaged)
+    err = capfd.readouterr().err
+    assert run.start_step == 2
+    assert losses == undamaged_from_2
+    assert "checkpoint step 4 is damaged (state: " in err
+    assert "checkpoint step 3 is damaged (meta: checksum mismatch)" in err
+    assert sorted(p.name for p in (ckpt / "quarantine").iterdir()) == ["3", "4"]
+
+
+def test_no_intact_checkpoint_stops_listing_what_was_tried(damage, tmp_path):
+    def all_damaged(ckpt):
+        for step in ("2", "3", "4"):
+            (ckpt / step / "meta" / "metadata").write_text("garbage")
+
+    with pytest.raises(checkpoint.CheckpointRestoreError) as raised:
+        damage(all_damaged)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message.startswith("no intact checkpoint in ")
+    assert "tried step 4 (meta: JSONDecodeError" in message
+    assert "; 3 (meta: " in message and "; 2 (meta: " in message
+
+
+def test_a_full_disk_stops_the_run_and_keeps_the_earlier_checkpoints(
+    resumed, undamaged_from_2, tmp_path, monkeypatch
+):
+    """No space left while step 3 is saved, in orbax's background write.
+
+    Simulated by raising OSError(ENOSPC) from orbax's JSON item write (the write
+    layer in Python; the arrays go through tensorstore, in C++): no real full disk,
+    no root, the same path through orbax's async save as a disk that fills up.
+    """
+    import orbax.checkpoint as ocp
+
+    write_json = ocp.JsonCheckpointHandler._save_fn
+
+    async def full_at_3(self, item, directory):
+        if item.get("step") == 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory / "metadata"))
+        return await write_json(self, item, directory)
+
+    monkeypatch.setattr(ocp.JsonCheckpointHandler, "_save_fn", full_at_3)
+    run = run_lib.setup(_config(tmp_path, max_checkpoints_to_keep="3"))
+    run.compiled = resumed["compiled"]
+    with pytest.raises(checkpoint.CheckpointSaveError) as raised:
+        run_lib.train(run)
+    ckpt = Path(checkpoint.checkpoint_dir(run.config))
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message.startswith(
+        f"saving checkpoint step 3 in {ckpt} failed (No space left on device: "
+    )
+    assert "a checkpoint needs about " in message
+    assert f"({run.checkpoints.checkpoint_bytes} bytes)" in message
+    assert message.endswith("earlier checkpoints kept: steps 1, 2")
+    # The failed save's leftovers are gone; the complete ones stay.
+    assert sorted(p.name for p in ckpt.iterdir()) == ["1", "2"]
+    monkeypatch.undo()  # space freed: the same command resumes from step 2
+    restarted = run_lib.setup(_config(tmp_path, max_checkpoints_to_keep="3"))
+    restarted.compiled = resumed["compiled"]
+    assert restarted.start_step == 2
+    assert _losses(run_lib.train(restarted)) == undamaged_from_2

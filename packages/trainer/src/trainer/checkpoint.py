@@ -7,33 +7,52 @@ and every random stream follow from (seed, step), so restoring the state
 restores the run exactly.
 
 Orbax writes each save to a temporary directory and renames it only once
-complete, and deletes old checkpoints only after a newer one is complete, so a
-save killed midway never damages the previous checkpoint. At startup, a
-leftover temporary directory (deleted), or a step directory without orbax's
-completion metadata (moved aside to `N.incomplete`, so it cannot shadow the
-complete ones), is skipped with a warning naming it.
+complete. Then, in the save's background thread, the run records our own
+checksums (trainer.checksums: one per array, taken from memory at the save, and
+one of the metadata) in `N/tagtrain_checksums.json`, reads that back, and only
+then deletes checkpoints beyond `max_checkpoints_to_keep`: an older checkpoint
+goes only once a newer one is committed and verified. At startup, a leftover
+temporary directory (deleted), or a step directory without orbax's completion
+metadata or without our checksums (moved aside to `N.incomplete`, so it cannot
+shadow the complete ones), is skipped with a warning naming it.
+
+A restore that fails for any reason (an array that does not read or decode,
+metadata that does not parse, a shape or dtype the model does not have, a
+checksum that does not match) warns naming the step, the item and the cause,
+moves the step to `checkpoints/quarantine/N` and tries the next older one; the
+run's state is replaced only by a checkpoint that read and verified whole. A
+save that fails (no space, lost permission, I/O error) stops the run with
+CheckpointSaveError once its leftovers are removed; earlier checkpoints stay.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
+import errno
+import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
 import uuid
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
 import jax
 
+from trainer import checksums
 from trainer.config import Config, ConfigError
 
 SUBDIR = "checkpoints"
 TMP_MARK = ".orbax-checkpoint-tmp"
 INCOMPLETE = ".incomplete"
+QUARANTINE = "quarantine"  # damaged checkpoints go here, under the checkpoint directory
+CHECKSUMS = "tagtrain_checksums.json"  # our record in each step directory; written last
 # A checkpoint written with any other value of these cannot be restored into this run.
 MODEL_KEYS = (
     "vocab_size",
@@ -69,9 +88,55 @@ TRAJECTORY_KEYS = (
 )
 
 
+class CheckpointError(Exception):
+    """A checkpoint could not be saved or restored; the message is one line for the user."""
+
+
+class CheckpointSaveError(CheckpointError):
+    pass
+
+
+class CheckpointRestoreError(CheckpointError):
+    pass
+
+
+class Damaged(Exception):
+    """One checkpoint failed to restore: `item` (meta, state, state/NAME, checksums) and why."""
+
+    def __init__(self, item: str, cause: str):
+        super().__init__(f"{item}: {cause}")
+        self.item, self.cause = item, cause
+
+
 def _quiet_orbax_info(record: logging.LogRecord) -> bool:
-    """Orbax logs every save phase at INFO through absl; keep its warnings only."""
-    return record.levelno >= logging.WARNING or f"{os.sep}orbax{os.sep}" not in record.pathname
+    """Orbax logs every save phase at INFO through absl; keep its warnings only.
+
+    Not its errors either (each with a traceback, several per failure): every
+    failed save or restore reaches the run as an exception, reported in one line
+    naming the step, the directory and the cause.
+    """
+    return record.levelno == logging.WARNING or f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
+def one_line(error: BaseException) -> str:
+    """The cause of `error` in one line: an OSError found in its chain, else its first line."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno:
+            where = f": {seen.filename}" if seen.filename else ""
+            return f"{seen.strerror or os.strerror(seen.errno)}{where}"
+        seen = seen.__cause__ or seen.__context__
+    text = str(error).strip().splitlines()
+    first = text[0] if text else ""
+    return f"{type(error).__name__}: {first[:300]}"
+
+
+def _human(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if nbytes < 1024 or unit == "TiB":
+            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{int(nbytes)} B"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
 
 
 def _serial_array_saves_on_cpu(ocp: Any) -> None:
@@ -124,12 +189,33 @@ def check_writable(directory: str, key: str = "base_output_directory") -> None:
         ) from None
 
 
-def is_complete(path: str) -> bool:
-    """A step directory orbax finished: its metadata and both items' metadata exist."""
+def _orbax_complete(path: str) -> bool:
+    """Orbax finished this step directory: its metadata and both items' metadata exist."""
     return all(
         os.path.exists(os.path.join(path, name))
         for name in ("_CHECKPOINT_METADATA", os.path.join("state", "_METADATA"), "meta")
     )
+
+
+def is_complete(path: str) -> bool:
+    """A step directory whose save finished: orbax's metadata and our checksums exist."""
+    return _orbax_complete(path) and os.path.exists(os.path.join(path, CHECKSUMS))
+
+
+def _aside(path: str) -> str:
+    """`path` if free, else `path.1`, `path.2`, ...: where to move something without overwriting."""
+    candidate, suffix = path, 1
+    while os.path.exists(candidate):
+        candidate, suffix = f"{path}.{suffix}", suffix + 1
+    return candidate
+
+
+def step_dirs(directory: str) -> list[int]:
+    """The step numbers of `directory`'s step directories, newest first."""
+    if not os.path.isdir(directory):
+        return []
+    names = os.listdir(directory)
+    return sorted((int(n) for n in names if n.isdigit()), reverse=True)
 
 
 def sweep_incomplete(directory: str) -> list[str]:
@@ -147,11 +233,11 @@ def sweep_incomplete(directory: str) -> list[str]:
             continue
         if not (name.isdigit() and os.path.isdir(path) and not is_complete(path)):
             continue
-        reason = "no completion metadata"
-        aside = path + INCOMPLETE
-        suffix = 1
-        while os.path.exists(aside):
-            aside, suffix = f"{path}{INCOMPLETE}{suffix}", suffix + 1
+        if _orbax_complete(path):
+            reason = "no checksums recorded: the save stopped before they were written"
+        else:
+            reason = "no completion metadata"
+        aside = _aside(path + INCOMPLETE)
         warn(f"skipping incomplete checkpoint {path} ({reason}); moved to {aside}")
         if primary:
             os.rename(path, aside)
@@ -187,6 +273,80 @@ class Restored:
     path: str
 
 
+def _write_json_atomic(path: str, record: dict) -> None:
+    """Write `record` to `path` so that a reader sees all of it or nothing."""
+    partial = f"{path}.partial-{uuid.uuid4().hex}"
+    with open(partial, "w") as f:
+        json.dump(record, f, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)
+
+
+def _sealed(body: dict) -> dict:
+    """`body` with a crc32 of itself: a damaged record is told from a damaged checkpoint."""
+    return {**body, "crc32": zlib.crc32(json.dumps(body, sort_keys=True).encode())}
+
+
+def read_record(path: str) -> dict:
+    """The checksum record of the step directory `path`; Damaged("checksums", ...) if unreadable."""
+    try:
+        with open(os.path.join(path, CHECKSUMS)) as f:
+            record = json.load(f)
+        body = {k: v for k, v in record.items() if k != "crc32"}
+        intact = _sealed(body)["crc32"] == record.get("crc32")
+    except (OSError, ValueError, AttributeError) as error:
+        raise Damaged("checksums", one_line(error)) from None
+    if not intact:
+        raise Damaged("checksums", f"{CHECKSUMS} does not match its own crc32")
+    return record
+
+
+def _all_processes_ok(ok: bool) -> bool:
+    """True when `ok` on every process (each reads its own shards, so one may fail alone)."""
+    if jax.process_count() == 1:
+        return ok
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.array([int(ok)], np.int32))))
+
+
+def _sync(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"tagtrain: {name}")
+
+
+def _tree_listing(path: str) -> list[tuple[str, int]]:
+    listing = []
+    for root, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                listing.append(
+                    (os.path.join(root, name), os.path.getsize(os.path.join(root, name)))
+                )
+    return sorted(listing)
+
+
+def _remove_when_quiet(path: str, settle_s: float = 0.2, limit_s: float = 60.0) -> None:
+    """Delete what a failed save left at `path`, once nothing writes there any more.
+
+    When one of orbax's writes fails, it reports the save as failed at once while
+    its other writes (the arrays, in tensorstore's threads) may still be running and
+    would create files again after a plain delete.
+    """
+    import time
+
+    deadline = time.monotonic() + limit_s
+    while os.path.exists(path) and time.monotonic() < deadline:
+        before = _tree_listing(path)
+        time.sleep(settle_s)
+        if _tree_listing(path) == before:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 class Checkpointer:
     """One run's CheckpointManager and its save policy."""
 
@@ -201,13 +361,11 @@ class Checkpointer:
         self.config, self.directory, self.global_batch = config, directory, global_batch
         self.period = config.checkpoint_period
         self.skipped = sweep_incomplete(directory)
-        if jax.process_count() > 1:
-            # Process 0 moves the incomplete ones aside: nobody lists steps before that.
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices("tagtrain: checkpoint sweep")
+        # Process 0 moves the incomplete ones aside: nobody lists steps before that.
+        _sync("checkpoint sweep")
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=config.max_checkpoints_to_keep,
+            # Deleting old checkpoints is ours (_finish): only after the newer one is verified.
+            max_to_keep=None,
             save_interval_steps=1,  # the policy is `should_save`; saves pass force=True
             enable_async_checkpointing=config.async_checkpointing,
             create=True,
@@ -215,6 +373,10 @@ class Checkpointer:
         )
         self.manager = ocp.CheckpointManager(directory, options=options)
         self.last_saved: int | None = self.manager.latest_step()
+        self.checkpoint_bytes = 0  # the state's size, set by check_space
+        # One save in flight: orbax's async write, then our checksums and clean-up.
+        self._finisher = concurrent.futures.ThreadPoolExecutor(1, "tagtrain-checkpoint")
+        self._pending: tuple[int, concurrent.futures.Future] | None = None
 
     def describe(self) -> str:
         every = f"every {self.period} steps and " if self.period else ""
@@ -224,20 +386,106 @@ class Checkpointer:
             f"{self.config.max_checkpoints_to_keep})"
         )
 
+    def check_space(self, state: Any) -> None:
+        """Warn when the disk cannot hold max_checkpoints_to_keep + 1 checkpoints of `state`
+        (a save writes the new one before the oldest goes)."""
+        self.checkpoint_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+        need = (self.config.max_checkpoints_to_keep + 1) * self.checkpoint_bytes
+        free = shutil.disk_usage(self.directory).free
+        if free < need:
+            warn(
+                f"{_human(free)} free in {self.directory}, below the "
+                f"{_human(need)} that max_checkpoints_to_keep + 1 = "
+                f"{self.config.max_checkpoints_to_keep + 1} checkpoints of "
+                f"{_human(self.checkpoint_bytes)} take; a save may fail"
+            )
+
+    # Restore.
+
     def restore_latest(self, state: Any, mesh: jax.sharding.Mesh) -> Restored | None:
-        """The newest complete checkpoint in `state`'s shardings, or None when there is none."""
-        step = self.manager.latest_step()
-        if step is None:
-            return None
+        """The newest checkpoint that reads and verifies whole, in `state`'s shardings.
+
+        Each damaged one is reported, moved to quarantine and the next older one
+        tried; None when there is no checkpoint, CheckpointRestoreError when none
+        of them is intact. ConfigError (another model's checkpoint) is not damage.
+        """
+        tried = []
+        for step in step_dirs(self.directory):
+            path = os.path.join(self.directory, str(step))
+            try:
+                restored = self._restore_verified(step, path, state, mesh)
+            except Damaged as damage:
+                aside = self._quarantine(path)
+                warn(
+                    f"checkpoint step {step} is damaged ({damage.item}: {damage.cause}); "
+                    f"moved to {aside}; trying the next older one"
+                )
+                tried.append(f"{step} ({damage.item}: {damage.cause})")
+                continue
+            if tried:
+                self.manager.reload()  # orbax listed the quarantined steps
+            self.last_saved = step
+            return restored
+        if tried:
+            self.manager.reload()
+            raise CheckpointRestoreError(
+                f"no intact checkpoint in {self.directory}; tried step "
+                + "; ".join(tried)
+                + f" (moved to {os.path.join(self.directory, QUARANTINE)})"
+            )
+        return None
+
+    def _restore_verified(self, step: int, path: str, state: Any, mesh) -> Restored:
+        """Restore step `step` and check it whole, or raise Damaged; the same verdict on
+        every process."""
+        from etils import epath
+
         ocp = self._ocp
-        path = os.path.join(self.directory, str(step))
-        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        self._check_compatible(meta.meta.get("config", {}), path)
-        restored = self.manager.restore(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(state, mesh))),
-        )
-        return Restored(restored.state, int(step), path)
+        record = read_record(path)
+        try:
+            meta = ocp.JsonCheckpointHandler().restore(epath.Path(path) / "meta")
+        except Exception as error:  # any reason: an unreadable item is a damaged checkpoint
+            raise Damaged("meta", one_line(error)) from None
+        if checksums.of_json(meta) != record.get("meta_crc32"):
+            raise Damaged("meta", "checksum mismatch")
+        if meta.get("step") != step:
+            raise Damaged("meta", f"says step {meta.get('step')!r}")
+        self._check_compatible(meta.get("config", {}), path)
+        expected = record.get("arrays", {})
+        for name, (shape, dtype) in checksums.shapes(state).items():
+            saved = expected.get(name)
+            if saved is None:
+                raise Damaged(f"state/{name}", "not in the checkpoint")
+            if (saved["shape"], saved["dtype"]) != (shape, dtype):
+                raise Damaged(
+                    f"state/{name}",
+                    f"{saved['dtype']}{saved['shape']} in the checkpoint, the model has "
+                    f"{dtype}{shape}",
+                )
+        # Each process reads its own shards: agree before anyone goes on.
+        handler = ocp.StandardCheckpointHandler()
+        try:
+            args = ocp.args.StandardRestore(_abstract(state, mesh))
+            restored, failure = handler.restore(epath.Path(path) / "state", args=args), None
+        except Exception as error:  # any reason: it is not used
+            restored, failure = None, one_line(error)
+        finally:
+            handler.close()
+        if not _all_processes_ok(failure is None):
+            raise Damaged("state", failure or "failed to read on another process (see its log)")
+        for name, got in checksums.of_tree(restored).items():
+            if got != expected[name]["sum"]:
+                raise Damaged(f"state/{name}", "checksum mismatch")
+        return Restored(restored, step, path)
+
+    def _quarantine(self, path: str) -> str:
+        """Move a damaged step directory to quarantine/ (kept for the user); returns where."""
+        aside = _aside(os.path.join(self.directory, QUARANTINE, os.path.basename(path)))
+        if jax.process_index() == 0:
+            os.makedirs(os.path.dirname(aside), exist_ok=True)
+            os.rename(path, aside)
+        _sync("checkpoint quarantine")
+        return aside
 
     def _check_compatible(self, saved: dict, path: str) -> None:
         current = _config_dict(self.config)
@@ -253,35 +501,134 @@ class Checkpointer:
             listing = ", ".join(f"{k}={saved[k]!r} (now {current[k]!r})" for k in changed)
             warn(f"resuming from {path} with changed settings: {listing}")
 
+    # Save.
+
     def should_save(self, step: int) -> bool:
         periodic = self.period > 0 and step % self.period == 0
         return (periodic or step == self.config.steps) and step != self.last_saved
 
     def save(self, step: int, state: Any) -> bool:
-        """Start saving `state` as `step` (async: returns once arrays are copied off device)."""
+        """Start saving `state` as `step` (async: returns once arrays are copied off device).
+
+        Waits for the previous save to finish first (orbax would too); raises
+        CheckpointSaveError when that one, or this one's start, failed.
+        """
         if step == self.last_saved:
             return False
+        self.wait()
         ocp = self._ocp
         meta = {
             "step": step,
             "rows_consumed": step * self.global_batch,
             "config": _config_dict(self.config),
         }
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
-            ),
-            force=True,
-        )
+        # Dispatched now, read in the background: the next step does not wait for them.
+        sums, shapes = checksums.start(state), checksums.shapes(state)
+        try:
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+                ),
+                force=True,
+            )
+        except Exception as error:  # any reason: the run must not go on without saving
+            self._failed(step, error)
         self.last_saved = step
+        future = self._finisher.submit(self._finish, step, sums, shapes, meta)
+        self._pending = (step, future)
         return True
 
-    def wait(self) -> None:
+    def _finish(self, step: int, sums: Any, shapes: dict, meta: dict) -> None:
+        """In the background: wait for orbax's write, record our checksums, read them
+        back, then delete the checkpoints beyond max_checkpoints_to_keep."""
         self.manager.wait_until_finished()
+        self.manager.check_for_errors()
+        values = checksums.values(sums, list(shapes))
+        if jax.process_index() != 0:
+            return
+        path = os.path.join(self.directory, str(step))
+        if not _orbax_complete(path):
+            raise OSError(errno.EIO, "orbax reported success but the step is incomplete", path)
+        arrays = {
+            name: {"shape": shape, "dtype": dtype, "sum": values[name]}
+            for name, (shape, dtype) in shapes.items()
+        }
+        body = {
+            "step": step,
+            "meta_crc32": checksums.of_json(meta),
+            "arrays": arrays,
+            "checksum": "trainer.checksums: fmix32 sums over elements, 2 lanes",
+        }
+        _write_json_atomic(os.path.join(path, CHECKSUMS), _sealed(body))
+        read_record(path)  # verified: what a restore will read
+        self._delete_old(step)
+
+    def _delete_old(self, newest: int) -> None:
+        """Keep the newest max_checkpoints_to_keep complete steps up to `newest`; delete
+        older ones (quarantined and incomplete ones are elsewhere, untouched)."""
+        kept = 0
+        for step in step_dirs(self.directory):
+            path = os.path.join(self.directory, str(step))
+            if step > newest:
+                continue
+            if kept < self.config.max_checkpoints_to_keep and is_complete(path):
+                kept += 1
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _failed(self, step: int, error: BaseException):
+        """Remove what the failed save of `step` left, then raise CheckpointSaveError."""
+        with contextlib.suppress(Exception):
+            self.manager.wait_until_finished()
+        if jax.process_index() == 0 and os.path.isdir(self.directory):
+            for name in os.listdir(self.directory):
+                leftover = name == str(step) or name.startswith(f"{step}{TMP_MARK}")
+                path = os.path.join(self.directory, name)
+                if leftover and not is_complete(path):
+                    _remove_when_quiet(path)
+        with contextlib.suppress(Exception):
+            self.manager.reload()
+        self.last_saved = None
+        kept = [
+            s
+            for s in step_dirs(self.directory)
+            if is_complete(os.path.join(self.directory, str(s)))
+        ]
+        try:
+            free = f", {_human(shutil.disk_usage(self.directory).free)} free there"
+        except OSError:
+            free = ""
+        need = self.checkpoint_bytes
+        kept_text = f"steps {', '.join(map(str, sorted(kept)))}" if kept else "none"
+        raise CheckpointSaveError(
+            f"saving checkpoint step {step} in {self.directory} failed ({one_line(error)}); "
+            f"a checkpoint needs about {_human(need)} ({need} bytes){free}; "
+            f"earlier checkpoints kept: {kept_text}"
+        ) from error
+
+    def raise_if_failed(self) -> None:
+        """Raise CheckpointSaveError if the save in flight has failed (never waits)."""
+        if self._pending and self._pending[1].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Wait for the save in flight; CheckpointSaveError if it failed."""
+        if not self._pending:
+            return
+        step, future = self._pending
+        self._pending = None
+        try:
+            future.result()
+        except Exception as error:  # any reason: report it as a failed save
+            self._failed(step, error)
 
     def close(self) -> None:
-        self.manager.close()
+        try:
+            self.wait()
+        finally:
+            self._finisher.shutdown()
+            self.manager.close()
 
 
 def open_checkpointer(config: Config, global_batch: int) -> Checkpointer | None:
