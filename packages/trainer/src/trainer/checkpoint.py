@@ -119,16 +119,19 @@ def _quiet_orbax_info(record: logging.LogRecord) -> bool:
 
 
 def one_line(error: BaseException) -> str:
-    """The cause of `error` in one line: an OSError found in its chain, else its first line."""
-    seen = error
-    while seen is not None:
+    """The cause of `error` in one line: an OSError found in its chain, else the first line
+    of the innermost error (orbax wraps the one that names the array and the file)."""
+    chain = [error]
+    while (chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 20:
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    for seen in chain:
         if isinstance(seen, OSError) and seen.errno:
             where = f": {seen.filename}" if seen.filename else ""
             return f"{seen.strerror or os.strerror(seen.errno)}{where}"
-        seen = seen.__cause__ or seen.__context__
-    text = str(error).strip().splitlines()
+    root = chain[-1]
+    text = str(root).strip().splitlines()
     first = text[0] if text else ""
-    return f"{type(error).__name__}: {first[:300]}"
+    return f"{type(root).__name__}: {first[:300]}"
 
 
 def _human(nbytes: float) -> str:
@@ -446,11 +449,13 @@ class Checkpointer:
             meta = ocp.JsonCheckpointHandler().restore(epath.Path(path) / "meta")
         except Exception as error:  # any reason: an unreadable item is a damaged checkpoint
             raise Damaged("meta", one_line(error)) from None
+        if not isinstance(meta, dict):
+            raise Damaged("meta", f"a JSON {type(meta).__name__}, not an object")
         if checksums.of_json(meta) != record.get("meta_crc32"):
             raise Damaged("meta", "checksum mismatch")
         if meta.get("step") != step:
             raise Damaged("meta", f"says step {meta.get('step')!r}")
-        self._check_compatible(meta.get("config", {}), path)
+        changed = self._check_compatible(meta.get("config", {}), path)
         expected = record.get("arrays", {})
         for name, (shape, dtype) in checksums.shapes(state).items():
             saved = expected.get(name)
@@ -476,10 +481,15 @@ class Checkpointer:
         for name, got in checksums.of_tree(restored).items():
             if got != expected[name]["sum"]:
                 raise Damaged(f"state/{name}", "checksum mismatch")
+        if changed:  # only now: a damaged checkpoint is not the one resumed from
+            warn(f"resuming from {path} with changed settings: {changed}")
         return Restored(restored, step, path)
 
     def _quarantine(self, path: str) -> str:
         """Move a damaged step directory to quarantine/ (kept for the user); returns where."""
+        # Every process is done reading it first: a rename under a slower process's
+        # read would give that one another verdict, and another sequence of collectives.
+        _sync("checkpoint verdict")
         aside = _aside(os.path.join(self.directory, QUARANTINE, os.path.basename(path)))
         if jax.process_index() == 0:
             os.makedirs(os.path.dirname(aside), exist_ok=True)
@@ -487,7 +497,9 @@ class Checkpointer:
         _sync("checkpoint quarantine")
         return aside
 
-    def _check_compatible(self, saved: dict, path: str) -> None:
+    def _check_compatible(self, saved: dict, path: str) -> str:
+        """ConfigError when `saved` is another model's config; else the trajectory keys
+        that changed, listed ("" when none)."""
         current = _config_dict(self.config)
         differ = [k for k in MODEL_KEYS if k in saved and saved[k] != current[k]]
         if differ:
@@ -497,9 +509,7 @@ class Checkpointer:
                 "set another run_name or base_output_directory to start fresh"
             )
         changed = [k for k in TRAJECTORY_KEYS if k in saved and saved[k] != current[k]]
-        if changed:
-            listing = ", ".join(f"{k}={saved[k]!r} (now {current[k]!r})" for k in changed)
-            warn(f"resuming from {path} with changed settings: {listing}")
+        return ", ".join(f"{k}={saved[k]!r} (now {current[k]!r})" for k in changed)
 
     # Save.
 
