@@ -480,3 +480,41 @@ def test_a_full_disk_stops_the_run_and_keeps_the_earlier_checkpoints(
     restarted.compiled = resumed["compiled"]
     assert restarted.start_step == 2
     assert _losses(run_lib.train(restarted)) == undamaged_from_2
+
+
+def _no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "record")
+
+
+def test_an_older_checkpoint_goes_only_after_the_newer_one_is_verified(tmp_path, monkeypatch):
+    config = _config(tmp_path, max_checkpoints_to_keep="1")
+    saver = checkpoint.Checkpointer(config, str(tmp_path / "ckpt"), 8)
+    state = {"w": jax.numpy.arange(4.0)}
+    for step in (1, 2):
+        saver.save(step, state)
+        saver.wait()
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["2"]
+    # Orbax commits step 3, then recording our checksums fails: 3 is not verified.
+    monkeypatch.setattr(checkpoint, "_write_json_atomic", _no_space)
+    saver.save(3, state)
+    with pytest.raises(checkpoint.CheckpointSaveError, match="earlier checkpoints kept: steps 2$"):
+        saver.wait()
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["2"]
+
+
+def test_low_free_space_warns_at_start(tmp_path, monkeypatch, capfd):
+    saver = checkpoint.Checkpointer(_config(tmp_path), str(tmp_path / "ckpt"), 8)
+    state = {"w": jax.numpy.zeros(1024, np.float32)}  # 4 KiB; keep 2 + 1 -> 12 KiB
+
+    def free(nbytes):
+        return lambda path: shutil._ntuple_diskusage(1 << 40, 0, nbytes)
+
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", free(13_000))
+    saver.check_space(state)
+    assert capfd.readouterr().err == ""
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", free(12_000))
+    saver.check_space(state)
+    assert capfd.readouterr().err == (
+        f"warning: 11.7 KiB free in {tmp_path / 'ckpt'}, below the 12.0 KiB that "
+        "max_checkpoints_to_keep + 1 = 3 checkpoints of 4.0 KiB take; a save may fail\n"
+    )

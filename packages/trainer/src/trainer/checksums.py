@@ -78,19 +78,26 @@ def _strides(shape: Sequence[int]) -> np.ndarray:
     return (strides % (1 << 32)).astype(np.uint32)
 
 
+@functools.lru_cache(maxsize=1 << 14)
+def _place_on(device, offsets: tuple, strides: tuple) -> tuple[jax.Array, jax.Array]:
+    """A shard's offsets and its array's strides on `device`: the same at every save, so
+    kept there (a transfer per shard per save would hold up the training loop)."""
+    return jax.device_put((np.array(offsets, np.uint32), np.array(strides, np.uint32)), device)
+
+
 def _local_sums(leaves: list[jax.Array]) -> dict[Any, list[jax.Array]]:
     """Per local device, one uint32[LANES] per leaf (zeros where it holds no replica-0 shard)."""
     per_device: dict[Any, list] = {d: [None] * len(leaves) for d in jax.local_devices()}
     for i, leaf in enumerate(leaves):
         if leaf.dtype.itemsize not in _UNSIGNED:
             raise TypeError(f"checksums cover 1, 2 and 4-byte dtypes, not {leaf.dtype}")
-        strides = _strides(leaf.shape)
+        strides = tuple(int(x) for x in _strides(leaf.shape))
         for shard in leaf.addressable_shards:
             if shard.replica_id != 0:
                 continue  # another device holds the same values: count them once
-            offsets = np.array([s.start or 0 for s in shard.index], np.uint32)
-            offsets_d, strides_d = jax.device_put((offsets, strides), shard.device)
-            per_device[shard.device][i] = _shard_sums(shard.data, offsets_d, strides_d)
+            offsets = tuple(s.start or 0 for s in shard.index)
+            place = _place_on(shard.device, offsets, strides)
+            per_device[shard.device][i] = _shard_sums(shard.data, *place)
     for device, sums in per_device.items():
         zeros = None
         for i, value in enumerate(sums):
