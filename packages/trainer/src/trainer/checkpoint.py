@@ -122,8 +122,12 @@ def one_line(error: BaseException) -> str:
     """The cause of `error` in one line: an OSError found in its chain, else the first line
     of the innermost error (orbax wraps the one that names the array and the file)."""
     chain = [error]
-    while (chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 20:
-        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    while len(chain) < 20:
+        last = chain[-1]
+        inner = last.__cause__ or (None if last.__suppress_context__ else last.__context__)
+        if inner is None:
+            break
+        chain.append(inner)
     for seen in chain:
         if isinstance(seen, OSError) and seen.errno:
             where = f": {seen.filename}" if seen.filename else ""
