@@ -519,3 +519,29 @@ def test_low_free_space_warns_at_start(tmp_path, monkeypatch, capfd):
         f"warning: 11.7 KiB free in {tmp_path / 'ckpt'}, below the 12.0 KiB that "
         "max_checkpoints_to_keep + 1 = 3 checkpoints of 4.0 KiB take; a save may fail\n"
     )
+
+
+def test_a_shape_or_dtype_the_model_lacks_is_damage(tmp_path, capfd):
+    # The one-array state of the test above: its programs are compiled already.
+    config = _config(tmp_path)
+    saver = checkpoint.Checkpointer(config, str(tmp_path / "ckpt"), 8)
+    saver.save(1, {"w": jax.numpy.arange(4.0)})
+    saver.wait()
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+
+    def restore(template):
+        reader = checkpoint.Checkpointer(config, str(tmp_path / "ckpt"), 8)
+        return reader.restore_latest(template, mesh)
+
+    with pytest.raises(checkpoint.CheckpointRestoreError, match=r"tried step 1 \(state/w: "):
+        restore({"w": jax.numpy.zeros(5)})
+    err = capfd.readouterr().err
+    assert "(state/w: float32[4] in the checkpoint, the model has float32[5])" in err
+    # Back from quarantine, as the README says; checked again at the next start.
+    shutil.move(tmp_path / "ckpt" / "quarantine" / "1", tmp_path / "ckpt" / "1")
+    with pytest.raises(checkpoint.CheckpointRestoreError, match=r"the model has int32\[4\]\)"):
+        restore({"w": jax.numpy.zeros(4, np.int32)})
+    shutil.move(tmp_path / "ckpt" / "quarantine" / "1", tmp_path / "ckpt" / "1")
+    restored = restore({"w": jax.numpy.zeros(4)})  # it was intact all along
+    assert restored.step == 1
+    np.testing.assert_array_equal(restored.state["w"], np.arange(4.0))

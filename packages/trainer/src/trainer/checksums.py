@@ -72,6 +72,7 @@ def _shard_sums(shard: jax.Array, offsets: jax.Array, strides: jax.Array) -> jax
 
 
 def _strides(shape: Sequence[int]) -> np.ndarray:
+    """Row-major element strides of `shape`, mod 2**32 (the hash's index width)."""
     strides = np.ones(len(shape), np.uint64)
     for dim in range(len(shape) - 2, -1, -1):
         strides[dim] = strides[dim + 1] * shape[dim + 1]
@@ -99,35 +100,29 @@ def _local_sums(leaves: list[jax.Array]) -> dict[Any, list[jax.Array]]:
             place = _place_on(shard.device, offsets, strides)
             per_device[shard.device][i] = _shard_sums(shard.data, *place)
     for device, sums in per_device.items():
-        zeros = None
-        for i, value in enumerate(sums):
-            if value is None:
-                zeros = (
-                    zeros
-                    if zeros is not None
-                    else jax.device_put(np.zeros(LANES, np.uint32), device)
-                )
-                sums[i] = zeros
+        zeros = jax.device_put(np.zeros(LANES, np.uint32), device)
+        per_device[device] = [zeros if value is None else value for value in sums]
     return per_device
 
 
 @jax.jit
 def _stack(sums: list[jax.Array]) -> jax.Array:
+    """One device's sums as its row: uint32[1, leaves, LANES]."""
     return jnp.stack(sums)[None]
 
 
 @functools.cache
 def _device_mesh(devices: tuple) -> jax.sharding.Mesh:
+    """Every device on one auto-mode axis: ours, apart from the run's mesh and its tags."""
     return jax.sharding.Mesh(np.array(devices), ("devices",), axis_types=(AxisType.Auto,))
 
 
 @functools.cache
 def _sum_rows(mesh: jax.sharding.Mesh):
     """jit: the rows of every device summed, the result replicated over `mesh`."""
-    return jax.jit(
-        lambda rows: jnp.sum(rows, axis=0, dtype=jnp.uint32),
-        out_shardings=NamedSharding(mesh, P()),
-    )
+    # TAG: untagged and replicated: a plain all-reduce, nothing deferred on this mesh.
+    replicated = NamedSharding(mesh, P())
+    return jax.jit(lambda rows: jnp.sum(rows, axis=0, dtype=jnp.uint32), out_shardings=replicated)
 
 
 def start(tree: Any) -> jax.Array:
@@ -143,7 +138,9 @@ def start(tree: Any) -> jax.Array:
         # Our own mesh of all devices, in auto mode: the sum is the one all-reduce
         # (across processes too) and comes back replicated, readable on every process.
         stacked = jax.make_array_from_single_device_arrays(
-            (mesh.size, len(leaves), LANES), NamedSharding(mesh, P("devices")), rows
+            (mesh.size, len(leaves), LANES),
+            NamedSharding(mesh, P("devices")),  # TAG: one row per device, untagged (auto mesh)
+            rows,
         )
         return _sum_rows(mesh)(stacked)
 
