@@ -31,7 +31,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import errno
-import json
 import logging
 import os
 import shutil
@@ -39,20 +38,24 @@ import signal
 import sys
 import threading
 import uuid
-import zlib
 from collections.abc import Iterator
 from typing import Any
 
 import jax
 
+from trainer import checkpoint_files as files
 from trainer import checksums
+from trainer.checkpoint_files import (  # noqa: F401 (public here: callers and tests use them)
+    CHECKSUMS,
+    INCOMPLETE,
+    Damaged,
+    is_complete,
+    sweep_incomplete,
+    warn,
+)
 from trainer.config import Config, ConfigError
 
 SUBDIR = "checkpoints"
-TMP_MARK = ".orbax-checkpoint-tmp"
-INCOMPLETE = ".incomplete"
-QUARANTINE = "quarantine"  # damaged checkpoints go here, under the checkpoint directory
-CHECKSUMS = "tagtrain_checksums.json"  # our record in each step directory; written last
 # A checkpoint written with any other value of these cannot be restored into this run.
 MODEL_KEYS = (
     "vocab_size",
@@ -100,14 +103,6 @@ class CheckpointRestoreError(CheckpointError):
     pass
 
 
-class Damaged(Exception):
-    """One checkpoint failed to restore: `item` (meta, state, state/NAME, checksums) and why."""
-
-    def __init__(self, item: str, cause: str):
-        super().__init__(f"{item}: {cause}")
-        self.item, self.cause = item, cause
-
-
 def _quiet_orbax_info(record: logging.LogRecord) -> bool:
     """Orbax logs every save phase at INFO through absl; keep its warnings only.
 
@@ -116,34 +111,6 @@ def _quiet_orbax_info(record: logging.LogRecord) -> bool:
     naming the step, the directory and the cause.
     """
     return record.levelno == logging.WARNING or f"{os.sep}orbax{os.sep}" not in record.pathname
-
-
-def one_line(error: BaseException) -> str:
-    """The cause of `error` in one line: an OSError found in its chain, else the first line
-    of the innermost error (orbax wraps the one that names the array and the file)."""
-    chain = [error]
-    while len(chain) < 20:
-        last = chain[-1]
-        inner = last.__cause__ or (None if last.__suppress_context__ else last.__context__)
-        if inner is None:
-            break
-        chain.append(inner)
-    for seen in chain:
-        if isinstance(seen, OSError) and seen.errno:
-            where = f": {seen.filename}" if seen.filename else ""
-            return f"{seen.strerror or os.strerror(seen.errno)}{where}"
-    root = chain[-1]
-    text = str(root).strip().splitlines()
-    first = text[0] if text else ""
-    return f"{type(root).__name__}: {first[:300]}"
-
-
-def _human(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if nbytes < 1024 or unit == "TiB":
-            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{int(nbytes)} B"
-        nbytes /= 1024
-    raise AssertionError("unreachable")
 
 
 def _serial_array_saves_on_cpu(ocp: Any) -> None:
@@ -165,10 +132,6 @@ def _serial_array_saves_on_cpu(ocp: Any) -> None:
             ),
             override=True,
         )
-
-
-def warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def checkpoint_dir(config: Config) -> str | None:
@@ -194,62 +157,6 @@ def check_writable(directory: str, key: str = "base_output_directory") -> None:
         raise ConfigError(
             f"{key}: output directory {directory!r} is not writable ({error.strerror or error})"
         ) from None
-
-
-def _orbax_complete(path: str) -> bool:
-    """Orbax finished this step directory: its metadata and both items' metadata exist."""
-    return all(
-        os.path.exists(os.path.join(path, name))
-        for name in ("_CHECKPOINT_METADATA", os.path.join("state", "_METADATA"), "meta")
-    )
-
-
-def is_complete(path: str) -> bool:
-    """A step directory whose save finished: orbax's metadata and our checksums exist."""
-    return _orbax_complete(path) and os.path.exists(os.path.join(path, CHECKSUMS))
-
-
-def _aside(path: str) -> str:
-    """`path` if free, else `path.1`, `path.2`, ...: where to move something without overwriting."""
-    candidate, suffix = path, 1
-    while os.path.exists(candidate):
-        candidate, suffix = f"{path}.{suffix}", suffix + 1
-    return candidate
-
-
-def step_dirs(directory: str) -> list[int]:
-    """The step numbers of `directory`'s step directories, newest first."""
-    if not os.path.isdir(directory):
-        return []
-    names = os.listdir(directory)
-    return sorted((int(n) for n in names if n.isdigit()), reverse=True)
-
-
-def sweep_incomplete(directory: str) -> list[str]:
-    """Warn about (and move aside) every half-written checkpoint; return their paths."""
-    if not os.path.isdir(directory):
-        return []
-    skipped = []
-    primary = jax.process_index() == 0
-    for name in sorted(os.listdir(directory)):
-        path = os.path.join(directory, name)
-        if TMP_MARK in name:
-            # Orbax's own temporary directory: the manager deletes it on opening.
-            warn(f"skipping incomplete checkpoint {path} (an interrupted save); removing it")
-            skipped.append(path)
-            continue
-        if not (name.isdigit() and os.path.isdir(path) and not is_complete(path)):
-            continue
-        if _orbax_complete(path):
-            reason = "no checksums recorded: the save stopped before they were written"
-        else:
-            reason = "no completion metadata"
-        aside = _aside(path + INCOMPLETE)
-        warn(f"skipping incomplete checkpoint {path} ({reason}); moved to {aside}")
-        if primary:
-            os.rename(path, aside)
-        skipped.append(path)
-    return skipped
 
 
 def _abstract(state: Any, mesh: jax.sharding.Mesh) -> Any:
@@ -280,35 +187,6 @@ class Restored:
     path: str
 
 
-def _write_json_atomic(path: str, record: dict) -> None:
-    """Write `record` to `path` so that a reader sees all of it or nothing."""
-    partial = f"{path}.partial-{uuid.uuid4().hex}"
-    with open(partial, "w") as f:
-        json.dump(record, f, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, path)
-
-
-def _sealed(body: dict) -> dict:
-    """`body` with a crc32 of itself: a damaged record is told from a damaged checkpoint."""
-    return {**body, "crc32": zlib.crc32(json.dumps(body, sort_keys=True).encode())}
-
-
-def read_record(path: str) -> dict:
-    """The checksum record of the step directory `path`; Damaged("checksums", ...) if unreadable."""
-    try:
-        with open(os.path.join(path, CHECKSUMS)) as f:
-            record = json.load(f)
-        body = {k: v for k, v in record.items() if k != "crc32"}
-        intact = _sealed(body)["crc32"] == record.get("crc32")
-    except (OSError, ValueError, AttributeError) as error:
-        raise Damaged("checksums", one_line(error)) from None
-    if not intact:
-        raise Damaged("checksums", f"{CHECKSUMS} does not match its own crc32")
-    return record
-
-
 def _all_processes_ok(ok: bool) -> bool:
     """True when `ok` on every process (each reads its own shards, so one may fail alone)."""
     if jax.process_count() == 1:
@@ -324,34 +202,6 @@ def _sync(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(f"tagtrain: {name}")
-
-
-def _tree_listing(path: str) -> list[tuple[str, int]]:
-    listing = []
-    for root, _, files in os.walk(path):
-        for name in files:
-            with contextlib.suppress(OSError):
-                listing.append(
-                    (os.path.join(root, name), os.path.getsize(os.path.join(root, name)))
-                )
-    return sorted(listing)
-
-
-def _remove_when_quiet(path: str, settle_s: float = 0.2, limit_s: float = 60.0) -> None:
-    """Delete what a failed save left at `path`, once nothing writes there any more.
-
-    When one of orbax's writes fails, it reports the save as failed at once while
-    its other writes (the arrays, in tensorstore's threads) may still be running and
-    would create files again after a plain delete.
-    """
-    import time
-
-    deadline = time.monotonic() + limit_s
-    while os.path.exists(path) and time.monotonic() < deadline:
-        before = _tree_listing(path)
-        time.sleep(settle_s)
-        if _tree_listing(path) == before:
-            shutil.rmtree(path, ignore_errors=True)
 
 
 class Checkpointer:
@@ -401,10 +251,10 @@ class Checkpointer:
         free = shutil.disk_usage(self.directory).free
         if free < need:
             warn(
-                f"{_human(free)} free in {self.directory}, below the "
-                f"{_human(need)} that max_checkpoints_to_keep + 1 = "
+                f"{files.human(free)} free in {self.directory}, below the "
+                f"{files.human(need)} that max_checkpoints_to_keep + 1 = "
                 f"{self.config.max_checkpoints_to_keep + 1} checkpoints of "
-                f"{_human(self.checkpoint_bytes)} take; a save may fail"
+                f"{files.human(self.checkpoint_bytes)} take; a save may fail"
             )
 
     # Restore.
@@ -417,7 +267,7 @@ class Checkpointer:
         of them is intact. ConfigError (another model's checkpoint) is not damage.
         """
         tried = []
-        for step in step_dirs(self.directory):
+        for step in files.step_dirs(self.directory):
             path = os.path.join(self.directory, str(step))
             try:
                 restored = self._restore_verified(step, path, state, mesh)
@@ -438,7 +288,7 @@ class Checkpointer:
             raise CheckpointRestoreError(
                 f"no intact checkpoint in {self.directory}; tried step "
                 + "; ".join(tried)
-                + f" (moved to {os.path.join(self.directory, QUARANTINE)})"
+                + f" (moved to {os.path.join(self.directory, files.QUARANTINE)})"
             )
         return None
 
@@ -448,11 +298,11 @@ class Checkpointer:
         from etils import epath
 
         ocp = self._ocp
-        record = read_record(path)
+        record = files.read_record(path)
         try:
             meta = ocp.JsonCheckpointHandler().restore(epath.Path(path) / "meta")
         except Exception as error:  # any reason: an unreadable item is a damaged checkpoint
-            raise Damaged("meta", one_line(error)) from None
+            raise Damaged("meta", files.one_line(error)) from None
         if not isinstance(meta, dict):
             raise Damaged("meta", f"a JSON {type(meta).__name__}, not an object")
         if checksums.of_json(meta) != record.get("meta_crc32"):
@@ -477,7 +327,7 @@ class Checkpointer:
             args = ocp.args.StandardRestore(_abstract(state, mesh))
             restored, failure = handler.restore(epath.Path(path) / "state", args=args), None
         except Exception as error:  # any reason: it is not used
-            restored, failure = None, one_line(error)
+            restored, failure = None, files.one_line(error)
         finally:
             handler.close()
         if not _all_processes_ok(failure is None):
@@ -494,7 +344,9 @@ class Checkpointer:
         # Every process is done reading it first: a rename under a slower process's
         # read would give that one another verdict, and another sequence of collectives.
         _sync("checkpoint verdict")
-        aside = _aside(os.path.join(self.directory, QUARANTINE, os.path.basename(path)))
+        aside = files.unused_path(
+            os.path.join(self.directory, files.QUARANTINE, os.path.basename(path))
+        )
         if jax.process_index() == 0:
             os.makedirs(os.path.dirname(aside), exist_ok=True)
             os.rename(path, aside)
@@ -562,7 +414,7 @@ class Checkpointer:
         if jax.process_index() != 0:
             return
         path = os.path.join(self.directory, str(step))
-        if not _orbax_complete(path):
+        if not files.orbax_complete(path):
             raise OSError(errno.EIO, "orbax reported success but the step is incomplete", path)
         arrays = {
             name: {"shape": shape, "dtype": dtype, "sum": values[name]}
@@ -574,15 +426,15 @@ class Checkpointer:
             "arrays": arrays,
             "checksum": "trainer.checksums: fmix32 sums over elements, 2 lanes",
         }
-        _write_json_atomic(os.path.join(path, CHECKSUMS), _sealed(body))
-        read_record(path)  # verified: what a restore will read
+        files.write_json_atomic(os.path.join(path, CHECKSUMS), files.sealed(body))
+        files.read_record(path)  # verified: what a restore will read
         self._delete_old(step)
 
     def _delete_old(self, newest: int) -> None:
         """Keep the newest max_checkpoints_to_keep complete steps up to `newest`; delete
         older ones (quarantined and incomplete ones are elsewhere, untouched)."""
         kept = 0
-        for step in step_dirs(self.directory):
+        for step in files.step_dirs(self.directory):
             path = os.path.join(self.directory, str(step))
             if step > newest:
                 continue
@@ -597,27 +449,27 @@ class Checkpointer:
             self.manager.wait_until_finished()
         if jax.process_index() == 0 and os.path.isdir(self.directory):
             for name in os.listdir(self.directory):
-                leftover = name == str(step) or name.startswith(f"{step}{TMP_MARK}")
+                leftover = name == str(step) or name.startswith(f"{step}{files.TMP_MARK}")
                 path = os.path.join(self.directory, name)
                 if leftover and not is_complete(path):
-                    _remove_when_quiet(path)
+                    files.remove_when_quiet(path)
         with contextlib.suppress(Exception):
             self.manager.reload()
         self.last_saved = None
         kept = [
             s
-            for s in step_dirs(self.directory)
+            for s in files.step_dirs(self.directory)
             if is_complete(os.path.join(self.directory, str(s)))
         ]
         try:
-            free = f", {_human(shutil.disk_usage(self.directory).free)} free there"
+            free = f", {files.human(shutil.disk_usage(self.directory).free)} free there"
         except OSError:
             free = ""
         need = self.checkpoint_bytes
         kept_text = f"steps {', '.join(map(str, sorted(kept)))}" if kept else "none"
         raise CheckpointSaveError(
-            f"saving checkpoint step {step} in {self.directory} failed ({one_line(error)}); "
-            f"a checkpoint needs about {_human(need)} ({need} bytes){free}; "
+            f"saving checkpoint step {step} in {self.directory} failed ({files.one_line(error)}); "
+            f"a checkpoint needs about {files.human(need)} ({need} bytes){free}; "
             f"earlier checkpoints kept: {kept_text}"
         ) from error
 
