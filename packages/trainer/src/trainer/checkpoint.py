@@ -197,6 +197,11 @@ def _all_processes_ok(ok: bool) -> bool:
     return bool(np.all(multihost_utils.process_allgather(np.array([int(ok)], np.int32))))
 
 
+def _state_bytes(state: Any) -> int:
+    """What a checkpoint of `state` takes, about: its arrays' bytes, uncompressed."""
+    return sum(x.nbytes for x in jax.tree.leaves(state))
+
+
 def _sync(name: str) -> None:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
@@ -230,7 +235,7 @@ class Checkpointer:
         )
         self.manager = ocp.CheckpointManager(directory, options=options)
         self.last_saved: int | None = self.manager.latest_step()
-        self.checkpoint_bytes = 0  # the state's size, set by check_space
+        self.checkpoint_bytes = 0  # the state's size, set by check_space and save
         # One save in flight: orbax's async write, then our checksums and clean-up.
         self._finisher = concurrent.futures.ThreadPoolExecutor(1, "tagtrain-checkpoint")
         self._pending: tuple[int, concurrent.futures.Future] | None = None
@@ -246,7 +251,7 @@ class Checkpointer:
     def check_space(self, state: Any) -> None:
         """Warn when the disk cannot hold max_checkpoints_to_keep + 1 checkpoints of `state`
         (a save writes the new one before the oldest goes)."""
-        self.checkpoint_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+        self.checkpoint_bytes = _state_bytes(state)
         need = (self.config.max_checkpoints_to_keep + 1) * self.checkpoint_bytes
         free = shutil.disk_usage(self.directory).free
         if free < need:
@@ -388,6 +393,7 @@ class Checkpointer:
             "rows_consumed": step * self.global_batch,
             "config": _config_dict(self.config),
         }
+        self.checkpoint_bytes = _state_bytes(state)  # for the error, should this one fail
         # Dispatched now, read in the background: the next step does not wait for them.
         sums, shapes = checksums.start(state), checksums.shapes(state)
         try:
