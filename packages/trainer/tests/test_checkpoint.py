@@ -1,5 +1,6 @@
 """Checkpoints: exact resume, half-written checkpoints, NaN, output directory, SIGTERM/SIGKILL."""
 
+import errno
 import json
 import os
 import shutil
@@ -12,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from trainer import checkpoint
+from trainer import checkpoint, checkpoint_files
 from trainer import run as run_lib
 from trainer.config import ConfigError, make_config
 
@@ -357,3 +358,243 @@ def test_second_ctrl_c_aborts():
             os.kill(os.getpid(), signal.SIGINT)
     # Outside, the previous handler is back.
     assert signal.getsignal(signal.SIGINT) == before
+
+
+# Damaged checkpoints (issue 34): each case copies one run's checkpoints, damages
+# them, and resumes with the module's executable.
+
+
+def _largest_data_file(step_dir):
+    files = (step_dir / "state").glob("ocdbt.process_*/d/*")
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+def _truncate(ckpt):
+    data = _largest_data_file(ckpt / "4")
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+
+
+def _garbage_bytes(ckpt):
+    data = _largest_data_file(ckpt / "4")
+    data.write_bytes(np.random.default_rng(0).bytes(data.stat().st_size))
+
+
+def _garbage_json(ckpt, step="4"):
+    (ckpt / step / "meta" / "metadata").write_bytes(b"\xff\xfe{not json")
+
+
+def _swapped_arrays(ckpt):
+    # Step 3's array files under step 4's name: every file decodes, the values are wrong.
+    shutil.rmtree(ckpt / "4" / "state")
+    shutil.copytree(ckpt / "3" / "state", ckpt / "4" / "state")
+
+
+def _two_damaged(ckpt):
+    _truncate(ckpt)
+    _garbage_json(ckpt, step="3")
+
+
+@pytest.fixture(scope="module")
+def damage(resumed, tmp_path_factory):
+    """A run killed after step 4 (checkpoints 2, 3, 4), and `resume(damage_fn)`: a copy of
+    its checkpoints damaged by `damage_fn`, resumed with the module's executable."""
+    pristine = tmp_path_factory.mktemp("pristine")
+    run = run_lib.setup(_config(pristine, max_checkpoints_to_keep="3"))
+    run.compiled = resumed["compiled"]
+
+    def die_after_4(step, metrics):
+        if step == 4:
+            raise Killed
+
+    with pytest.raises(Killed):
+        run_lib.train(run, die_after_4)
+    source = pristine / "tagtrain-tiny"
+    assert sorted(p.name for p in (source / "checkpoints").iterdir()) == ["2", "3", "4"]
+
+    def resume(damage_fn):
+        out = tmp_path_factory.mktemp("case")
+        shutil.copytree(source, out / "tagtrain-tiny")
+        ckpt = out / "tagtrain-tiny" / "checkpoints"
+        damage_fn(ckpt)
+        # Saves only at the end (the losses do not depend on it), and two steps are
+        # enough: the first reads the parameters, the second the optimizer state too.
+        config = _config(out, max_checkpoints_to_keep="3", checkpoint_period="0")
+        restarted = run_lib.setup(config)
+        restarted.compiled = resumed["compiled"]
+        history = []
+
+        def two_steps(step, metrics):
+            history.append(metrics)
+            if step == restarted.start_step + 2:
+                raise Killed
+
+        with pytest.raises(Killed):
+            run_lib.train(restarted, two_steps)
+        return restarted, _losses(history), ckpt
+
+    return resume
+
+
+@pytest.fixture(scope="module")
+def undamaged_from_2(resumed):
+    """Steps 3-4 of the uninterrupted run: what an undamaged resume from step 2 gives
+    (test_restart_continues_with_identical_losses: a resume equals it bitwise)."""
+    return _losses(resumed["reference"])[2:4]
+
+
+@pytest.mark.parametrize(
+    "damage_fn, item",
+    [
+        pytest.param(_truncate, "state", id="truncated"),
+        pytest.param(_garbage_bytes, "state", id="garbage-bytes"),
+        pytest.param(_swapped_arrays, "state/", id="swapped-arrays"),
+    ],
+)
+def test_a_damaged_checkpoint_falls_back_to_the_older_one(resumed, damage, damage_fn, item, capfd):
+    run, losses, ckpt = damage(damage_fn)
+    err = capfd.readouterr().err
+    assert run.start_step == 3
+    # Bitwise equal to the undamaged resume from step 3 (the module's restart).
+    assert losses == _losses(resumed["history"])[:2]
+    warning = next(line for line in err.splitlines() if "is damaged" in line)
+    assert warning.startswith(f"warning: checkpoint step 4 is damaged ({item}")
+    assert f"moved to {ckpt / 'quarantine' / '4'}; trying the next older one" in warning
+    if damage_fn is _swapped_arrays:
+        assert "checksum mismatch" in warning  # every file decodes: only our checksums see it
+    # Kept for the user, not restored from, not counted among the kept ones.
+    assert (ckpt / "quarantine" / "4" / "state").is_dir()
+    assert sorted(p.name for p in ckpt.iterdir()) == ["2", "3", "quarantine"]
+
+
+def test_two_damaged_checkpoints_fall_back_twice(damage, undamaged_from_2, capfd):
+    run, losses, ckpt = damage(_two_damaged)
+    err = capfd.readouterr().err
+    assert run.start_step == 2
+    assert losses == undamaged_from_2
+    assert "checkpoint step 4 is damaged (state: ValueError: OUT_OF_RANGE: Error reading" in err
+    assert "checkpoint step 3 is damaged (meta: UnicodeDecodeError: 'utf-8' codec" in err
+    assert sorted(p.name for p in (ckpt / "quarantine").iterdir()) == ["3", "4"]
+
+
+def test_no_intact_checkpoint_stops_listing_what_was_tried(damage, tmp_path):
+    def all_damaged(ckpt):
+        (ckpt / "4" / "meta" / "metadata").write_text("garbage")
+        # Valid JSON, other content: only the metadata's checksum sees it.
+        (ckpt / "3" / "meta" / "metadata").write_text('{"step": 3, "rows_consumed": 1}')
+        record = json.loads((ckpt / "2" / checkpoint.CHECKSUMS).read_text())
+        record["arrays"]["step"]["sum"][0] += 1
+        (ckpt / "2" / checkpoint.CHECKSUMS).write_text(json.dumps(record))
+
+    with pytest.raises(checkpoint.CheckpointRestoreError) as raised:
+        damage(all_damaged)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message.startswith("no intact checkpoint in ")
+    assert "; tried step 4 (meta: JSONDecodeError: Expecting value: line 1 column 1" in message
+    assert "; 3 (meta: checksum mismatch); " in message
+    assert f"; 2 (checksums: {checkpoint.CHECKSUMS} does not match its own crc32) " in message
+
+
+def test_a_full_disk_stops_the_run_and_keeps_the_earlier_checkpoints(
+    resumed, tmp_path, monkeypatch
+):
+    """No space left while step 3 is saved, in orbax's background write.
+
+    Simulated by raising OSError(ENOSPC) from orbax's JSON item write (the write
+    layer in Python; the arrays go through tensorstore, in C++): no real full disk,
+    no root, the same path through orbax's async save as a disk that fills up.
+    """
+    import orbax.checkpoint as ocp
+
+    write_json = ocp.JsonCheckpointHandler._save_fn
+
+    async def full_at_3(self, item, directory):
+        if item.get("step") == 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory / "metadata"))
+        return await write_json(self, item, directory)
+
+    monkeypatch.setattr(ocp.JsonCheckpointHandler, "_save_fn", full_at_3)
+    run = run_lib.setup(_config(tmp_path, max_checkpoints_to_keep="3"))
+    run.compiled = resumed["compiled"]
+    with pytest.raises(checkpoint.CheckpointSaveError) as raised:
+        run_lib.train(run)
+    ckpt = Path(checkpoint.checkpoint_dir(run.config))
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message.startswith(
+        f"saving checkpoint step 3 in {ckpt} failed (No space left on device: "
+    )
+    assert "a checkpoint needs about " in message
+    assert f"({run.checkpoints.checkpoint_bytes} bytes)" in message
+    assert message.endswith("earlier checkpoints kept: steps 1, 2")
+    # The failed save's leftovers are gone; the complete ones stay.
+    assert sorted(p.name for p in ckpt.iterdir()) == ["1", "2"]
+    monkeypatch.undo()  # space freed: the command resumes from step 2 (saving at the end)
+    restarted = run_lib.setup(_config(tmp_path, checkpoint_period="0"))
+    restarted.compiled = resumed["compiled"]
+    assert restarted.start_step == 2
+    assert _losses(run_lib.train(restarted)) == _losses(resumed["reference"])[2:]  # steps 3-6
+
+
+def _no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "record")
+
+
+def test_an_older_checkpoint_goes_only_after_the_newer_one_is_verified(tmp_path, monkeypatch):
+    config = _config(tmp_path, max_checkpoints_to_keep="1")
+    saver = checkpoint.Checkpointer(config, str(tmp_path / "ckpt"), 8)
+    state = {"w": jax.numpy.arange(4.0)}
+    for step in (1, 2):
+        saver.save(step, state)
+        saver.wait()
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["2"]
+    # Orbax commits step 3, then recording our checksums fails: 3 is not verified.
+    monkeypatch.setattr(checkpoint_files, "write_json_atomic", _no_space)
+    saver.save(3, state)
+    with pytest.raises(checkpoint.CheckpointSaveError, match="earlier checkpoints kept: steps 2$"):
+        saver.wait()
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["2"]
+
+
+def test_low_free_space_warns_at_start(tmp_path, monkeypatch, capfd):
+    saver = checkpoint.Checkpointer(_config(tmp_path), str(tmp_path / "ckpt"), 8)
+    state = {"w": jax.numpy.zeros(1024, np.float32)}  # 4 KiB; keep 2 + 1 -> 12 KiB
+
+    def free(nbytes):
+        return lambda path: shutil._ntuple_diskusage(1 << 40, 0, nbytes)
+
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", free(13_000))
+    saver.check_space(state)
+    assert capfd.readouterr().err == ""
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", free(12_000))
+    saver.check_space(state)
+    assert capfd.readouterr().err == (
+        f"warning: 11.7 KiB free in {tmp_path / 'ckpt'}, below the 12.0 KiB that "
+        "max_checkpoints_to_keep + 1 = 3 checkpoints of 4.0 KiB take; a save may fail\n"
+    )
+
+
+def test_a_shape_or_dtype_the_model_lacks_is_damage(tmp_path, capfd):
+    # The one-array state of the test above: its programs are compiled already.
+    config = _config(tmp_path)
+    saver = checkpoint.Checkpointer(config, str(tmp_path / "ckpt"), 8)
+    saver.save(1, {"w": jax.numpy.arange(4.0)})
+    saver.wait()
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+
+    def restore(template):
+        reader = checkpoint.Checkpointer(config, str(tmp_path / "ckpt"), 8)
+        return reader.restore_latest(template, mesh)
+
+    with pytest.raises(checkpoint.CheckpointRestoreError, match=r"tried step 1 \(state/w: "):
+        restore({"w": jax.numpy.zeros(5)})
+    err = capfd.readouterr().err
+    assert "(state/w: float32[4] in the checkpoint, the model has float32[5])" in err
+    # Back from quarantine, as the README says; checked again at the next start.
+    shutil.move(tmp_path / "ckpt" / "quarantine" / "1", tmp_path / "ckpt" / "1")
+    with pytest.raises(checkpoint.CheckpointRestoreError, match=r"the model has int32\[4\]\)"):
+        restore({"w": jax.numpy.zeros(4, np.int32)})
+    shutil.move(tmp_path / "ckpt" / "quarantine" / "1", tmp_path / "ckpt" / "1")
+    restored = restore({"w": jax.numpy.zeros(4)})  # it was intact all along
+    assert restored.step == 1
+    np.testing.assert_array_equal(restored.state["w"], np.arange(4.0))

@@ -7,19 +7,33 @@ and every random stream follow from (seed, step), so restoring the state
 restores the run exactly.
 
 Orbax writes each save to a temporary directory and renames it only once
-complete, and deletes old checkpoints only after a newer one is complete, so a
-save killed midway never damages the previous checkpoint. At startup, a
-leftover temporary directory (deleted), or a step directory without orbax's
-completion metadata (moved aside to `N.incomplete`, so it cannot shadow the
-complete ones), is skipped with a warning naming it.
+complete. Then, in the save's background thread, the run records our own
+checksums (trainer.checksums: one per array, taken from memory at the save, and
+one of the metadata) in `N/tagtrain_checksums.json`, reads that back, and only
+then deletes checkpoints beyond `max_checkpoints_to_keep`: an older checkpoint
+goes only once a newer one is committed and verified. At startup, a leftover
+temporary directory (deleted), or a step directory without orbax's completion
+metadata or without our checksums (moved aside to `N.incomplete`, so it cannot
+shadow the complete ones), is skipped with a warning naming it.
+
+A restore that fails for any reason (an array that does not read or decode,
+metadata that does not parse, a shape or dtype the model does not have, a
+checksum that does not match) warns naming the step, the item and the cause,
+moves the step to `checkpoints/quarantine/N` and tries the next older one; the
+run's state is replaced only by a checkpoint that read and verified whole. A
+save that fails (no space, lost permission, I/O error) stops the run with
+CheckpointSaveError once its leftovers are removed; earlier checkpoints stay.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
+import errno
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -29,11 +43,19 @@ from typing import Any
 
 import jax
 
+from trainer import checkpoint_files as files
+from trainer import checksums
+from trainer.checkpoint_files import (  # noqa: F401 (public here: callers and tests use them)
+    CHECKSUMS,
+    INCOMPLETE,
+    Damaged,
+    is_complete,
+    sweep_incomplete,
+    warn,
+)
 from trainer.config import Config, ConfigError
 
 SUBDIR = "checkpoints"
-TMP_MARK = ".orbax-checkpoint-tmp"
-INCOMPLETE = ".incomplete"
 # A checkpoint written with any other value of these cannot be restored into this run.
 MODEL_KEYS = (
     "vocab_size",
@@ -73,9 +95,26 @@ TRAJECTORY_KEYS = (
 )
 
 
+class CheckpointError(Exception):
+    """A checkpoint could not be saved or restored; the message is one line for the user."""
+
+
+class CheckpointSaveError(CheckpointError):
+    pass
+
+
+class CheckpointRestoreError(CheckpointError):
+    pass
+
+
 def _quiet_orbax_info(record: logging.LogRecord) -> bool:
-    """Orbax logs every save phase at INFO through absl; keep its warnings only."""
-    return record.levelno >= logging.WARNING or f"{os.sep}orbax{os.sep}" not in record.pathname
+    """Orbax logs every save phase at INFO through absl; keep its warnings only.
+
+    Not its errors either (each with a traceback, several per failure): every
+    failed save or restore reaches the run as an exception, reported in one line
+    naming the step, the directory and the cause.
+    """
+    return record.levelno == logging.WARNING or f"{os.sep}orbax{os.sep}" not in record.pathname
 
 
 def _serial_array_saves_on_cpu(ocp: Any) -> None:
@@ -97,10 +136,6 @@ def _serial_array_saves_on_cpu(ocp: Any) -> None:
             ),
             override=True,
         )
-
-
-def warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def checkpoint_dir(config: Config) -> str | None:
@@ -126,41 +161,6 @@ def check_writable(directory: str, key: str = "base_output_directory") -> None:
         raise ConfigError(
             f"{key}: output directory {directory!r} is not writable ({error.strerror or error})"
         ) from None
-
-
-def is_complete(path: str) -> bool:
-    """A step directory orbax finished: its metadata and both items' metadata exist."""
-    return all(
-        os.path.exists(os.path.join(path, name))
-        for name in ("_CHECKPOINT_METADATA", os.path.join("state", "_METADATA"), "meta")
-    )
-
-
-def sweep_incomplete(directory: str) -> list[str]:
-    """Warn about (and move aside) every half-written checkpoint; return their paths."""
-    if not os.path.isdir(directory):
-        return []
-    skipped = []
-    primary = jax.process_index() == 0
-    for name in sorted(os.listdir(directory)):
-        path = os.path.join(directory, name)
-        if TMP_MARK in name:
-            # Orbax's own temporary directory: the manager deletes it on opening.
-            warn(f"skipping incomplete checkpoint {path} (an interrupted save); removing it")
-            skipped.append(path)
-            continue
-        if not (name.isdigit() and os.path.isdir(path) and not is_complete(path)):
-            continue
-        reason = "no completion metadata"
-        aside = path + INCOMPLETE
-        suffix = 1
-        while os.path.exists(aside):
-            aside, suffix = f"{path}{INCOMPLETE}{suffix}", suffix + 1
-        warn(f"skipping incomplete checkpoint {path} ({reason}); moved to {aside}")
-        if primary:
-            os.rename(path, aside)
-        skipped.append(path)
-    return skipped
 
 
 def _abstract(state: Any, mesh: jax.sharding.Mesh) -> Any:
@@ -191,6 +191,28 @@ class Restored:
     path: str
 
 
+def _all_processes_ok(ok: bool) -> bool:
+    """True when `ok` on every process (each reads its own shards, so one may fail alone)."""
+    if jax.process_count() == 1:
+        return ok
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.array([int(ok)], np.int32))))
+
+
+def _state_bytes(state: Any) -> int:
+    """What a checkpoint of `state` takes, about: its arrays' bytes, uncompressed."""
+    return sum(x.nbytes for x in jax.tree.leaves(state))
+
+
+def _sync(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"tagtrain: {name}")
+
+
 class Checkpointer:
     """One run's CheckpointManager and its save policy."""
 
@@ -205,13 +227,11 @@ class Checkpointer:
         self.config, self.directory, self.global_batch = config, directory, global_batch
         self.period = config.checkpoint_period
         self.skipped = sweep_incomplete(directory)
-        if jax.process_count() > 1:
-            # Process 0 moves the incomplete ones aside: nobody lists steps before that.
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices("tagtrain: checkpoint sweep")
+        # Process 0 moves the incomplete ones aside: nobody lists steps before that.
+        _sync("checkpoint sweep")
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=config.max_checkpoints_to_keep,
+            # Deleting old checkpoints is ours (_finish): only after the newer one is verified.
+            max_to_keep=None,
             save_interval_steps=1,  # the policy is `should_save`; saves pass force=True
             enable_async_checkpointing=config.async_checkpointing,
             create=True,
@@ -219,6 +239,10 @@ class Checkpointer:
         )
         self.manager = ocp.CheckpointManager(directory, options=options)
         self.last_saved: int | None = self.manager.latest_step()
+        self.checkpoint_bytes = 0  # the state's size, set by check_space and save
+        # One save in flight: orbax's async write, then our checksums and clean-up.
+        self._finisher = concurrent.futures.ThreadPoolExecutor(1, "tagtrain-checkpoint")
+        self._pending: tuple[int, concurrent.futures.Future] | None = None
 
     def describe(self) -> str:
         every = f"every {self.period} steps and " if self.period else ""
@@ -228,22 +252,119 @@ class Checkpointer:
             f"{self.config.max_checkpoints_to_keep})"
         )
 
-    def restore_latest(self, state: Any, mesh: jax.sharding.Mesh) -> Restored | None:
-        """The newest complete checkpoint in `state`'s shardings, or None when there is none."""
-        step = self.manager.latest_step()
-        if step is None:
-            return None
-        ocp = self._ocp
-        path = os.path.join(self.directory, str(step))
-        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        self._check_compatible(meta.meta.get("config", {}), path)
-        restored = self.manager.restore(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(state, mesh))),
-        )
-        return Restored(restored.state, int(step), path)
+    def check_space(self, state: Any) -> None:
+        """Warn when the disk cannot hold max_checkpoints_to_keep + 1 checkpoints of `state`
+        (a save writes the new one before the oldest goes)."""
+        self.checkpoint_bytes = _state_bytes(state)
+        need = (self.config.max_checkpoints_to_keep + 1) * self.checkpoint_bytes
+        free = shutil.disk_usage(self.directory).free
+        if free < need:
+            warn(
+                f"{files.human(free)} free in {self.directory}, below the "
+                f"{files.human(need)} that max_checkpoints_to_keep + 1 = "
+                f"{self.config.max_checkpoints_to_keep + 1} checkpoints of "
+                f"{files.human(self.checkpoint_bytes)} take; a save may fail"
+            )
 
-    def _check_compatible(self, saved: dict, path: str) -> None:
+    # Restore.
+
+    def restore_latest(self, state: Any, mesh: jax.sharding.Mesh) -> Restored | None:
+        """The newest checkpoint that reads and verifies whole, in `state`'s shardings.
+
+        Each damaged one is reported, moved to quarantine and the next older one
+        tried; None when there is no checkpoint, CheckpointRestoreError when none
+        of them is intact. ConfigError (another model's checkpoint) is not damage.
+        """
+        tried = []
+        for step in files.step_dirs(self.directory):
+            path = os.path.join(self.directory, str(step))
+            try:
+                restored = self._restore_verified(step, path, state, mesh)
+            except Damaged as damage:
+                aside = self._quarantine(path)
+                warn(
+                    f"checkpoint step {step} is damaged ({damage.item}: {damage.cause}); "
+                    f"moved to {aside}; trying the next older one"
+                )
+                tried.append(f"{step} ({damage.item}: {damage.cause})")
+                continue
+            if tried:
+                self.manager.reload()  # orbax listed the quarantined steps
+            self.last_saved = step
+            return restored
+        if tried:
+            self.manager.reload()
+            raise CheckpointRestoreError(
+                f"no intact checkpoint in {self.directory}; tried step "
+                + "; ".join(tried)
+                + f" (moved to {os.path.join(self.directory, files.QUARANTINE)})"
+            )
+        return None
+
+    def _restore_verified(self, step: int, path: str, state: Any, mesh) -> Restored:
+        """Restore step `step` and check it whole, or raise Damaged; the same verdict on
+        every process."""
+        from etils import epath
+
+        ocp = self._ocp
+        record = files.read_record(path)
+        try:
+            meta = ocp.JsonCheckpointHandler().restore(epath.Path(path) / "meta")
+        except Exception as error:  # any reason: an unreadable item is a damaged checkpoint
+            raise Damaged("meta", files.one_line(error)) from None
+        if not isinstance(meta, dict):
+            raise Damaged("meta", f"a JSON {type(meta).__name__}, not an object")
+        if checksums.of_json(meta) != record.get("meta_crc32"):
+            raise Damaged("meta", "checksum mismatch")
+        if meta.get("step") != step:
+            raise Damaged("meta", f"says step {meta.get('step')!r}")
+        changed = self._check_compatible(meta.get("config", {}), path)
+        expected = record.get("arrays", {})
+        for name, (shape, dtype) in checksums.shapes(state).items():
+            saved = expected.get(name)
+            if saved is None:
+                raise Damaged(f"state/{name}", "not in the checkpoint")
+            if (saved["shape"], saved["dtype"]) != (shape, dtype):
+                raise Damaged(
+                    f"state/{name}",
+                    f"{saved['dtype']}{saved['shape']} in the checkpoint, the model has "
+                    f"{dtype}{shape}",
+                )
+        # Each process reads its own shards: agree before anyone goes on.
+        handler = ocp.StandardCheckpointHandler()
+        try:
+            args = ocp.args.StandardRestore(_abstract(state, mesh))
+            restored, failure = handler.restore(epath.Path(path) / "state", args=args), None
+        except Exception as error:  # any reason: it is not used
+            restored, failure = None, files.one_line(error)
+        finally:
+            handler.close()
+        if not _all_processes_ok(failure is None):
+            raise Damaged("state", failure or "failed to read on another process (see its log)")
+        for name, got in checksums.of_tree(restored).items():
+            if got != expected[name]["sum"]:
+                raise Damaged(f"state/{name}", "checksum mismatch")
+        if changed:  # only now: a damaged checkpoint is not the one resumed from
+            warn(f"resuming from {path} with changed settings: {changed}")
+        return Restored(restored, step, path)
+
+    def _quarantine(self, path: str) -> str:
+        """Move a damaged step directory to quarantine/ (kept for the user); returns where."""
+        # Every process is done reading it first: a rename under a slower process's
+        # read would give that one another verdict, and another sequence of collectives.
+        _sync("checkpoint verdict")
+        aside = files.unused_path(
+            os.path.join(self.directory, files.QUARANTINE, os.path.basename(path))
+        )
+        if jax.process_index() == 0:
+            os.makedirs(os.path.dirname(aside), exist_ok=True)
+            os.rename(path, aside)
+        _sync("checkpoint quarantine")
+        return aside
+
+    def _check_compatible(self, saved: dict, path: str) -> str:
+        """ConfigError when `saved` is another model's config; else the trajectory keys
+        that changed, listed ("" when none)."""
         current = _config_dict(self.config)
         differ = [k for k in MODEL_KEYS if k in saved and saved[k] != current[k]]
         if differ:
@@ -253,39 +374,137 @@ class Checkpointer:
                 "set another run_name or base_output_directory to start fresh"
             )
         changed = [k for k in TRAJECTORY_KEYS if k in saved and saved[k] != current[k]]
-        if changed:
-            listing = ", ".join(f"{k}={saved[k]!r} (now {current[k]!r})" for k in changed)
-            warn(f"resuming from {path} with changed settings: {listing}")
+        return ", ".join(f"{k}={saved[k]!r} (now {current[k]!r})" for k in changed)
+
+    # Save.
 
     def should_save(self, step: int) -> bool:
         periodic = self.period > 0 and step % self.period == 0
         return (periodic or step == self.config.steps) and step != self.last_saved
 
     def save(self, step: int, state: Any) -> bool:
-        """Start saving `state` as `step` (async: returns once arrays are copied off device)."""
+        """Start saving `state` as `step` (async: returns once arrays are copied off device).
+
+        Waits for the previous save to finish first (orbax would too); raises
+        CheckpointSaveError when that one, or this one's start, failed.
+        """
         if step == self.last_saved:
             return False
+        self.wait()
         ocp = self._ocp
         meta = {
             "step": step,
             "rows_consumed": step * self.global_batch,
             "config": _config_dict(self.config),
         }
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
-            ),
-            force=True,
-        )
+        self.checkpoint_bytes = _state_bytes(state)  # for the error, should this one fail
+        # Dispatched now, read in the background: the next step does not wait for them.
+        sums, shapes = checksums.start(state), checksums.shapes(state)
+        try:
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+                ),
+                force=True,
+            )
+        except Exception as error:  # any reason: the run must not go on without saving
+            self._failed(step, error)
         self.last_saved = step
+        future = self._finisher.submit(self._finish, step, sums, shapes, meta)
+        self._pending = (step, future)
         return True
 
-    def wait(self) -> None:
+    def _finish(self, step: int, sums: Any, shapes: dict, meta: dict) -> None:
+        """In the background: wait for orbax's write, record our checksums, read them
+        back, then delete the checkpoints beyond max_checkpoints_to_keep."""
         self.manager.wait_until_finished()
+        self.manager.check_for_errors()
+        values = checksums.values(sums, list(shapes))
+        if jax.process_index() != 0:
+            return
+        path = os.path.join(self.directory, str(step))
+        if not files.orbax_complete(path):
+            raise OSError(errno.EIO, "orbax reported success but the step is incomplete", path)
+        arrays = {
+            name: {"shape": shape, "dtype": dtype, "sum": values[name]}
+            for name, (shape, dtype) in shapes.items()
+        }
+        body = {
+            "step": step,
+            "meta_crc32": checksums.of_json(meta),
+            "arrays": arrays,
+            "checksum": "trainer.checksums: fmix32 sums over elements, 2 lanes",
+        }
+        files.write_json_atomic(os.path.join(path, CHECKSUMS), files.sealed(body))
+        files.read_record(path)  # verified: what a restore will read
+        self._delete_old(step)
+
+    def _delete_old(self, newest: int) -> None:
+        """Keep the newest max_checkpoints_to_keep complete steps up to `newest`; delete
+        older ones (quarantined and incomplete ones are elsewhere, untouched)."""
+        kept = 0
+        for step in files.step_dirs(self.directory):
+            path = os.path.join(self.directory, str(step))
+            if step > newest:
+                continue
+            if kept < self.config.max_checkpoints_to_keep and is_complete(path):
+                kept += 1
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _failed(self, step: int, error: BaseException):
+        """Remove what the failed save of `step` left, then raise CheckpointSaveError."""
+        with contextlib.suppress(Exception):
+            self.manager.wait_until_finished()
+        if jax.process_index() == 0 and os.path.isdir(self.directory):
+            for name in os.listdir(self.directory):
+                leftover = name == str(step) or name.startswith(f"{step}{files.TMP_MARK}")
+                path = os.path.join(self.directory, name)
+                if leftover and not is_complete(path):
+                    files.remove_when_quiet(path)
+        with contextlib.suppress(Exception):
+            self.manager.reload()
+        self.last_saved = None
+        kept = [
+            s
+            for s in files.step_dirs(self.directory)
+            if is_complete(os.path.join(self.directory, str(s)))
+        ]
+        try:
+            free = f", {files.human(shutil.disk_usage(self.directory).free)} free there"
+        except OSError:
+            free = ""
+        need = self.checkpoint_bytes
+        kept_text = f"steps {', '.join(map(str, sorted(kept)))}" if kept else "none"
+        raise CheckpointSaveError(
+            f"saving checkpoint step {step} in {self.directory} failed ({files.one_line(error)}); "
+            f"a checkpoint needs about {files.human(need)} ({need} bytes){free}; "
+            f"earlier checkpoints kept: {kept_text}"
+        ) from error
+
+    def raise_if_failed(self) -> None:
+        """Raise CheckpointSaveError if the save in flight has failed (never waits)."""
+        if self._pending and self._pending[1].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Wait for the save in flight; CheckpointSaveError if it failed."""
+        if not self._pending:
+            return
+        step, future = self._pending
+        self._pending = None
+        try:
+            future.result()
+        except Exception as error:  # any reason: report it as a failed save
+            self._failed(step, error)
 
     def close(self) -> None:
-        self.manager.close()
+        try:
+            self.wait()
+        finally:
+            self._finisher.shutdown()
+            self.manager.close()
 
 
 def open_checkpointer(config: Config, global_batch: int) -> Checkpointer | None:

@@ -88,7 +88,7 @@ def main(argv: list[str]) -> int:
     # as before: a bad key is reported before jax and the model code load.
     try:
         config, launch = _checked_config(argv)
-        from trainer import aot, distributed, profiling
+        from trainer import aot, checkpoint, distributed, profiling
 
         if config.compile_topology:
             return aot.main(config, FLAGS.dump_hlo)
@@ -96,7 +96,11 @@ def main(argv: list[str]) -> int:
         distributed.initialize(launch)
         from trainer import run as run_lib
 
-        run = run_lib.setup(config)
+        try:
+            run = run_lib.setup(config)
+        except checkpoint.CheckpointRestoreError as error:  # no intact checkpoint to resume
+            print(f"error: {error}", file=sys.stderr)
+            return 1
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
@@ -153,6 +157,9 @@ def main(argv: list[str]) -> int:
             kept = run.checkpoints.last_saved if run.checkpoints else None
             where = f" (newest checkpoint: step {kept})" if kept else ""
             print(f"error: {error}{where}", file=sys.stderr)
+            return 1
+        except checkpoint.CheckpointSaveError as error:  # a full or broken disk
+            print(f"error: {error}", file=sys.stderr)
             return 1
     if run.stop_reason:
         print(run.stop_reason, flush=True)

@@ -80,7 +80,10 @@ def setup(config: Config, devices: list | None = None) -> Run:
     run = _build(config, devices, sizes, batch, abstract=False, weights=weights)
     run.source, run.checkpoints = source, checkpoints
     run.evaluator = evaluate.make_evaluator(config, run.ctx, run.model, eval_set)
-    restored = checkpoints.restore_latest(run.state, run.ctx.mesh) if checkpoints else None
+    restored = None
+    if checkpoints:
+        checkpoints.check_space(run.state)
+        restored = checkpoints.restore_latest(run.state, run.ctx.mesh)
     if restored:
         run.state, run.start_step, run.restored_from = restored.state, restored.step, restored.path
     elif weights:
@@ -267,6 +270,8 @@ def train(
                             f"{key} is {metrics[key]} at step {step + 1}; stopping"
                         )
                 history.append(metrics)
+                if checkpoints:
+                    checkpoints.raise_if_failed()  # a failed background save stops the run
                 if checkpoints and checkpoints.should_save(step + 1):
                     checkpoints.save(step + 1, run.state)
                 if on_step:
@@ -285,6 +290,7 @@ def train(
         finally:
             if checkpoints:
                 checkpoints.wait()  # a pending async save completes, even on an error
+                # (CheckpointSaveError if it failed, its leftovers removed)
     return history
 
 
