@@ -598,3 +598,36 @@ def test_a_shape_or_dtype_the_model_lacks_is_damage(tmp_path, capfd):
     restored = restore({"w": jax.numpy.zeros(4)})  # it was intact all along
     assert restored.step == 1
     np.testing.assert_array_equal(restored.state["w"], np.arange(4.0))
+
+
+def _saved_before_checksums(ckpt):
+    # What a tagtrain from before checksum records left: no record, a meta item
+    # that does not promise one.
+    for step_dir in ckpt.iterdir():
+        (step_dir / checkpoint.CHECKSUMS).unlink()
+        meta = json.loads((step_dir / "meta" / "metadata").read_text())
+        del meta[checkpoint_files.RECORDED]
+        (step_dir / "meta" / "metadata").write_text(json.dumps(meta))
+
+
+def _record_never_written(ckpt):
+    # A save cut short after orbax finished but before our record: not resumed from.
+    (ckpt / "4" / checkpoint.CHECKSUMS).unlink()
+
+
+def test_a_checkpoint_saved_before_checksum_records_still_resumes(resumed, damage, capfd):
+    run, losses, ckpt = damage(_saved_before_checksums)
+    err = capfd.readouterr().err
+    assert run.start_step == 4
+    assert losses == _losses(resumed["reference"])[4:6]  # bitwise: the run goes on
+    assert "checkpoint step 4 has no checksum record" in err
+    assert not (ckpt / "quarantine").exists()
+
+
+def test_a_save_cut_short_before_its_record_is_not_resumed_from(resumed, damage, capfd):
+    run, losses, ckpt = damage(_record_never_written)
+    err = capfd.readouterr().err
+    assert run.start_step == 3
+    assert losses == _losses(resumed["history"])[:2]
+    assert "no checksums recorded: the save stopped before they were written" in err
+    assert (ckpt / "4.incomplete").is_dir()

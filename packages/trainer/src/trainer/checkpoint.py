@@ -307,20 +307,21 @@ class Checkpointer:
         from etils import epath
 
         ocp = self._ocp
-        record = files.read_record(path)
+        # A checkpoint from before checksum records: everything below but the checksums.
+        record = None if files.is_unrecorded(path) else files.read_record(path)
         try:
             meta = ocp.JsonCheckpointHandler().restore(epath.Path(path) / "meta")
         except Exception as error:  # any reason: an unreadable item is a damaged checkpoint
             raise Damaged("meta", files.one_line(error)) from None
         if not isinstance(meta, dict):
             raise Damaged("meta", f"a JSON {type(meta).__name__}, not an object")
-        if checksums.of_json(meta) != record.get("meta_crc32"):
+        if record is not None and checksums.of_json(meta) != record.get("meta_crc32"):
             raise Damaged("meta", "checksum mismatch")
         if meta.get("step") != step:
             raise Damaged("meta", f"says step {meta.get('step')!r}")
         changed = self._check_compatible(meta.get("config", {}), path)
-        expected = record.get("arrays", {})
-        for name, (shape, dtype) in checksums.shapes(state).items():
+        expected = record.get("arrays", {}) if record is not None else None
+        for name, (shape, dtype) in checksums.shapes(state).items() if record is not None else ():
             saved = expected.get(name)
             if saved is None:
                 raise Damaged(f"state/{name}", "not in the checkpoint")
@@ -341,9 +342,14 @@ class Checkpointer:
             handler.close()
         if not _all_processes_ok(failure is None):
             raise Damaged("state", failure or "failed to read on another process (see its log)")
-        for name, got in checksums.of_tree(restored).items():
+        for name, got in checksums.of_tree(restored).items() if record is not None else ():
             if got != expected[name]["sum"]:
                 raise Damaged(f"state/{name}", "checksum mismatch")
+        if record is None:
+            warn(
+                f"checkpoint step {step} has no checksum record (saved before tagtrain "
+                "recorded them): read whole, not checksum-verified"
+            )
         if changed:  # only now: a damaged checkpoint is not the one resumed from
             warn(f"resuming from {path} with changed settings: {changed}")
         return Restored(restored, step, path)
@@ -396,6 +402,7 @@ class Checkpointer:
             "step": step,
             "rows_consumed": step * self.global_batch,
             "config": _config_dict(self.config),
+            files.RECORDED: True,  # a record follows: without it this save was cut short
         }
         self.checkpoint_bytes = _state_bytes(state)  # for the error, should this one fail
         # Dispatched now, read in the background: the next step does not wait for them.

@@ -74,9 +74,31 @@ def orbax_complete(path: str) -> bool:
     )
 
 
+# The meta item's key saying a checksum record belongs to this checkpoint: a save
+# that stopped before writing the record is told from one made before records existed.
+RECORDED = "checksums"
+
+
+def is_unrecorded(path: str) -> bool:
+    """An orbax-complete step saved before tagtrain recorded checksums: no record, and
+    a meta item that does not promise one. Restored unverified (read whole, shapes
+    checked by orbax) rather than moved aside, so an upgrade does not restart a run."""
+    if not orbax_complete(path) or os.path.exists(os.path.join(path, CHECKSUMS)):
+        return False
+    try:
+        with open(os.path.join(path, "meta", "metadata")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and RECORDED not in meta
+
+
 def is_complete(path: str) -> bool:
-    """A step directory whose save finished: orbax's metadata and our checksums exist."""
-    return orbax_complete(path) and os.path.exists(os.path.join(path, CHECKSUMS))
+    """A step directory whose save finished: orbax's metadata and our checksums exist
+    (or it predates checksum records: is_unrecorded)."""
+    if not orbax_complete(path):
+        return False
+    return os.path.exists(os.path.join(path, CHECKSUMS)) or is_unrecorded(path)
 
 
 def unused_path(path: str) -> str:
