@@ -1,0 +1,161 @@
+"""Multi-token prediction (model/mtp.py): config errors, the depth targets' masking, the
+parameter tree (one embedding, one head), and the train step with MTP on: accumulated
+gradients equal full-batch ones and no gradient is reduced inside the microbatch loop.
+
+The cpu tier compiles three steps (explicit ZeRO-1 GA=4 fused with 2 depths, its
+single-device full-batch reference, explicit plain data parallelism GA=4 unfused with
+1 depth); the rest of the matrix (explicit/auto x ZeRO-1/plain x fused/unfused x 1/2
+depths) is slow. Auto mode lets XLA place every reduction, with MTP as without it
+(benchmarks/results/explicit_auto.md: in the loop on CPU): there the matrix checks the
+numbers against one device, and deferral is asserted in explicit mode.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+import hlo_tools
+from trainer import flops
+from trainer import model as model_lib
+from trainer.config import ConfigError, make_config
+from trainer.model.mtp import depth_targets
+from trainer.sharding import ShardCtx, logical_rules, make_mesh
+from trainer.validate import validate
+
+GA4 = {"gradient_accumulation_steps": "4"}
+ZERO1 = {"shard_optimizer_over_data": "true"}
+UNFUSED = {"fused_gradient_accumulation": "false"}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"mtp_num_layers": "-1"}, "mtp_num_layers=-1 must be >= 0"),
+        ({"mtp_num_layers": "32"}, "mtp_num_layers=32 leaves no target token"),
+        (
+            {"mtp_num_layers": "1", "mtp_eval_target_module": "2"},
+            "mtp_eval_target_module=2 must be between 0 (off) and mtp_num_layers=1",
+        ),
+        ({"mtp_loss_scaling_factor": "-0.1"}, "mtp_loss_scaling_factor=-0.1 must be >= 0"),
+    ],
+)
+def test_bad_mtp_keys_are_one_line_config_errors(overrides, message):
+    config = make_config({"model_name": "tagtrain-tiny", **overrides})
+    with pytest.raises(ConfigError) as error:
+        validate(config, 8)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def _ctx(config):
+    sizes = validate(config, 8)
+    return ShardCtx(make_mesh(sizes, "explicit"), logical_rules(config), "explicit")
+
+
+def test_depth_targets_stop_at_documents_and_the_sequence_end():
+    config = make_config({"model_name": "tagtrain-tiny", "max_target_length": "8"})
+    ctx = _ctx(config)
+    # Two rows: one document of 8 targets; documents of 3, 4 and 1 pairs, then padding.
+    segments = np.array([[1] * 8, [1, 1, 1, 2, 2, 2, 2, 3]], np.int32)
+    weights = np.ones((2, 8), np.float32)
+    inputs = np.arange(16, dtype=np.int32).reshape(2, 8)
+    batch = {"inputs": inputs, "targets": inputs + 1, "segments": segments, "weights": weights}
+    batch = jax.device_put(batch, ctx.sharding(("activation_batch", "activation_length"), (2, 8)))
+    with jax.set_mesh(ctx.mesh):
+        for k in (1, 2):
+            got_inputs, got_targets, got_weights = jax.device_get(depth_targets(batch, k, ctx))
+            for row in range(2):
+                for i in range(8):
+                    inside = i + k < 8 and segments[row, i + k] == segments[row, i]
+                    assert got_weights[row, i] == float(inside), (k, row, i)
+                    if i + k < 8:
+                        # Depth k reads t_{i+k} and predicts t_{i+k+1}.
+                        assert got_inputs[row, i] == inputs[row, i + k]
+                        assert got_targets[row, i] == inputs[row, i + k] + 1
+
+
+def test_mtp_parameters_share_the_embedding_and_head():
+    config = make_config({"model_name": "tagtrain-tiny", "mtp_num_layers": "2"})
+    ctx = _ctx(config)
+    params, router = model_lib.abstract_state(model_lib.define(config, ctx), ctx)
+    # One embedding table and one output matrix in the whole tree: no copies.
+    vocab_sized = [
+        jax.tree_util.keystr(path)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+        if config.vocab_size in leaf.shape
+    ]
+    assert vocab_sized == ["['embedding_VxD']", "['logits_DxV']"]
+    mtp = params["mtp"]
+    d = config.emb_dim
+    assert mtp["eh_proj_2xDxD"].shape == (2, 2, d, d)
+    for norm in ("enorm", "hnorm", "head_norm"):
+        assert mtp[norm]["scale"].shape == (2, d)
+    # Each depth's block is one of the later (MoE) layers, with its own router bias.
+    block = jax.tree.map(lambda x: x.shape[1:], mtp["block"])
+    later = jax.tree.map(lambda x: x.shape[1:], params["moe_layers"])
+    assert block == later
+    assert router["mtp"]["block"]["ffn"]["bias"].shape == (2, config.num_experts)
+    # Counting: MTP's share named apart; the rest is what the model had without it.
+    plain = make_config({"model_name": "tagtrain-tiny"})
+    plain_params, _ = model_lib.abstract_state(model_lib.define(plain, ctx), ctx)
+    total, own = flops.count_params(params), flops.mtp_param_count(params)
+    assert own == flops.count_params(mtp) > 0
+    assert total - own == flops.count_params(plain_params)
+
+
+def _assert_no_gradient_reduction_in_the_loop(text):
+    outside = hlo_tools.assert_reduced_once_per_step(text)
+    assert sum(c.elements for c in outside) > 10_000  # the gradients, not a scalar
+
+
+def _assert_first_step_equal(got_history, want_history, got_grads, want_grads):
+    for key in ("loss", "ce_loss", "mtp_loss_1", "grad_norm"):
+        np.testing.assert_allclose(got_history[0][key], want_history[0][key], rtol=1e-4)
+    assert "eh_proj_2xDxD" in "".join(want_grads)  # the MTP leaves are compared too
+    for leaf, want in want_grads.items():
+        scale = float(np.abs(want).max())
+        np.testing.assert_allclose(
+            got_grads[leaf], want, rtol=1e-4, atol=1e-6 * scale, err_msg=leaf
+        )
+
+
+def test_accumulated_mtp_gradients_equal_the_full_batch_and_stay_deferred(runner, grads_runner):
+    """ZeRO-1, fused accumulation, 2 depths: the shared embedding and head get both
+    uses' gradients, accumulated unreduced and reduced once after the loop."""
+    mtp = {"mtp_num_layers": "2"}
+    history, text = runner(1, **mtp, **ZERO1, **GA4)
+    reference, _ = runner(1, devices=1, **mtp)
+    _assert_first_step_equal(
+        history,
+        reference,
+        grads_runner(1, **mtp, **ZERO1, **GA4),
+        grads_runner(1, devices=1, **mtp),
+    )
+    assert history[0]["loss"] > history[0]["ce_loss"]  # the MTP term is in the loss
+    _assert_no_gradient_reduction_in_the_loop(text)
+
+
+def test_unfused_data_parallel_mtp_stays_deferred(runner):
+    _, text = runner(1, mtp_num_layers="1", **GA4, **UNFUSED)
+    _assert_no_gradient_reduction_in_the_loop(text)
+
+
+MATRIX = [
+    pytest.param(
+        depth, mode, layout, fused, marks=pytest.mark.slow, id=f"{depth}-{mode}-{name}-{f}"
+    )
+    for depth in ("1", "2")
+    for mode in ("explicit", "auto")
+    for name, layout in (("data", {}), ("zero1", ZERO1))
+    for f, fused in (("fused", {}), ("unfused", UNFUSED))
+]
+
+
+@pytest.mark.parametrize(("depth", "mode", "layout", "fused"), MATRIX)
+def test_mtp_matrix_keeps_one_reduction_per_step(runner, depth, mode, layout, fused):
+    overrides = {"mtp_num_layers": depth, "shard_mode": mode, **layout, **fused, **GA4}
+    history, text = runner(1, **overrides)
+    if mode == "explicit":
+        _assert_no_gradient_reduction_in_the_loop(text)
+    reference, _ = runner(1, devices=1, mtp_num_layers=depth)
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose(history[0][key], reference[0][key], rtol=1e-4)
