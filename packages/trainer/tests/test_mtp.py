@@ -4,10 +4,10 @@ gradients equal full-batch ones and no gradient is reduced inside the microbatch
 
 The cpu tier compiles two steps (explicit ZeRO-1 GA=4 fused with 1 depth and its
 single-device full-batch reference; the same with 2 depths is slow); the rest of the
-matrix (explicit/auto x ZeRO-1/plain x fused/unfused x 1/2 depths) is slow. Auto mode
-lets XLA place every reduction, with MTP as without it (benchmarks/results/
-explicit_auto.md: in the loop on CPU): there the matrix checks the numbers against one
-device; deferral is asserted in explicit mode.
+matrix (explicit/auto x ZeRO-1/plain x fused/unfused x 1/2 depths, and the overlapped
+reduction) is slow. Auto mode lets XLA place every reduction, with MTP as without it
+(benchmarks/results/explicit_auto.md: in the loop on CPU): there the matrix checks the
+numbers against one device; deferral is asserted in explicit mode.
 """
 
 import jax
@@ -137,20 +137,24 @@ def test_accumulated_mtp_gradients_equal_the_full_batch_and_stay_deferred(
     _assert_no_gradient_reduction_in_the_loop(text)
 
 
+OVERLAP = {"overlap_gradient_reduction": "true"}
 MATRIX = [
-    pytest.param(
-        depth, mode, layout, fused, marks=pytest.mark.slow, id=f"{depth}-{mode}-{name}-{f}"
-    )
+    pytest.param(depth, mode, layout, way, marks=pytest.mark.slow, id=f"{depth}-{mode}-{name}-{w}")
     for depth in ("1", "2")
     for mode in ("explicit", "auto")
     for name, layout in (("data", {}), ("zero1", ZERO1))
-    for f, fused in (("fused", {}), ("unfused", UNFUSED))
+    for w, way in (("fused", {}), ("unfused", UNFUSED))
+] + [
+    # The overlapped reduction (last microbatch after the loop): MTP's leaves are
+    # reduced right after its backward pass, the stacked layers' inside it.
+    pytest.param(depth, "explicit", ZERO1, OVERLAP, marks=pytest.mark.slow, id=f"{depth}-overlap")
+    for depth in ("1", "2")
 ]
 
 
-@pytest.mark.parametrize(("depth", "mode", "layout", "fused"), MATRIX)
-def test_mtp_matrix_keeps_one_reduction_per_step(runner, depth, mode, layout, fused):
-    overrides = {"mtp_num_layers": depth, "shard_mode": mode, **layout, **fused, **GA4}
+@pytest.mark.parametrize(("depth", "mode", "layout", "way"), MATRIX)
+def test_mtp_matrix_keeps_one_reduction_per_step(runner, depth, mode, layout, way):
+    overrides = {"mtp_num_layers": depth, "shard_mode": mode, **layout, **way, **GA4}
     history, text = runner(1, **overrides)
     if mode == "explicit":
         _assert_no_gradient_reduction_in_the_loop(text)
@@ -199,3 +203,55 @@ def test_mtp_losses_reach_the_record_the_scalars_and_the_plot(tmp_path):
     assert merged["eval_mtp_acceptance_2"] == 0.25
     written = plots.plot(plots.load_runs([str(path)]), str(tmp_path / "plots"))
     assert str(tmp_path / "plots" / "mtp_loss.png") in written
+
+
+@pytest.mark.slow
+def test_no_counted_mtp_prediction_sees_the_next_document():
+    """Two packed documents in a row: changing the second one's tokens changes no
+    depth's loss at a counted position of the first (forward, one device)."""
+    from trainer.loss import token_cross_entropy
+
+    config = make_config({"model_name": "tagtrain-tiny", "mtp_num_layers": "2"})
+    sizes = validate(config, 1)
+    ctx = ShardCtx(
+        make_mesh(sizes, "explicit", jax.devices()[:1]), logical_rules(config), "explicit"
+    )
+    model = model_lib.define(config, ctx)
+    params, router = model_lib.init(config, ctx, model)
+    length, first = config.max_target_length, 12
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, config.vocab_size, (1, length + 1))
+    segments = np.where(np.arange(length) < first, 1, 2)[None].astype(np.int32)
+    positions = np.where(np.arange(length) < first, np.arange(length), np.arange(length) - first)
+
+    def batch(tokens):
+        targets = tokens[:, 1:].copy()
+        targets[0, first - 1] = 0  # the first document's last input has no target in it
+        weights = np.ones((1, length), np.float32)
+        weights[0, first - 1] = 0.0
+        return {
+            "inputs": tokens[:, :-1].astype(np.int32),
+            "targets": targets.astype(np.int32),
+            "positions": positions[None].astype(np.int32),
+            "segments": segments,
+            "weights": weights,
+        }
+
+    forward = jax.jit(
+        lambda p, r, b: model_lib.apply_with_mtp(
+            model, p, r, b, lambda lg, t, w: (token_cross_entropy(lg, t), w)
+        )[1]
+    )
+    changed = tokens.copy()
+    changed[0, first:] = (changed[0, first:] + 7) % config.vocab_size
+    with jax.set_mesh(ctx.mesh):
+        before = jax.device_get(forward(params, router, batch(tokens)))
+        after = jax.device_get(forward(params, router, batch(changed)))
+    for k, ((nll, weights), (nll_after, _)) in enumerate(zip(before, after, strict=True), 1):
+        counted = weights[0] > 0
+        assert counted[: first - 1 - k].all() and not counted[first - 1 - k : first].any(), k
+        np.testing.assert_array_equal(
+            nll_after[0, :first][counted[:first]], nll[0, :first][counted[:first]]
+        )
+        # The second document's own predictions did change: the test can fail.
+        assert not np.array_equal(nll_after[0, first:], nll[0, first:])
