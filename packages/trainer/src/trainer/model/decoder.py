@@ -87,6 +87,13 @@ def _mtp_stack(config: Config, ctx: ShardCtx, rngs: nnx.Rngs):
     )
 
 
+REMAT = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
 def _remat(body, config: Config):
     """`body` under the configured rematerialization policy (as the layer scan runs it)."""
     if REMAT[config.remat_policy] is None:
@@ -94,11 +101,9 @@ def _remat(body, config: Config):
     return jax.checkpoint(body, policy=REMAT[config.remat_policy])
 
 
-REMAT = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
+def _layer_slice(state, i: int):
+    """Layer `i` of a stacked state (the leading axis dropped)."""
+    return jax.tree.map(lambda leaf: jax.lax.index_in_dim(leaf, i, keepdims=False), state)
 
 
 def _run_stack(stack: nnx.Module, x_BxSxD, positions_BxS, segments_BxS, config: Config):
@@ -120,10 +125,7 @@ def _run_stack(stack: nnx.Module, x_BxSxD, positions_BxS, segments_BxS, config: 
     count = jax.tree.leaves(state)[0].shape[0]
     per_layer = []
     for i in range(count):
-        x_BxSxD, stats = body(
-            x_BxSxD,
-            jax.tree.map(lambda leaf, i=i: jax.lax.index_in_dim(leaf, i, keepdims=False), state),
-        )
+        x_BxSxD, stats = body(x_BxSxD, _layer_slice(state, i))
         per_layer.append(stats)
     return x_BxSxD, jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
 
@@ -202,10 +204,9 @@ class Decoder(nnx.Module):
         results, depth_stats = [], []
         for k in range(1, (depths or c.mtp_num_layers) + 1):
             inputs_BxS, targets_BxS, weights_BxS = depth_targets(batch, k, self.ctx)
-            layer_state = jax.tree.map(
-                lambda leaf, k=k: jax.lax.index_in_dim(leaf, k - 1, keepdims=False), state
+            hidden_BxSxD, normed_BxSxD, s = depth(
+                hidden_BxSxD, self.embed(inputs_BxS), _layer_slice(state, k - 1)
             )
-            hidden_BxSxD, normed_BxSxD, s = depth(hidden_BxSxD, self.embed(inputs_BxS), layer_state)
             results.append(consume(self.head(normed_BxSxD), targets_BxS, weights_BxS))
             depth_stats.append(s)
         mtp_stats = jax.tree.map(lambda *xs: jnp.stack(xs), *depth_stats) if depth_stats else {}
