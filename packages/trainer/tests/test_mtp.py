@@ -171,7 +171,7 @@ def test_top1_hits_mark_where_the_target_has_the_largest_logit():
     np.testing.assert_array_equal(np.asarray(top1_hits(logits, targets)), [[1.0, 0.0, 1.0]])
 
 
-def test_mtp_losses_reach_the_record_the_scalars_and_the_plot(tmp_path):
+def test_mtp_losses_reach_the_record_the_scalars_and_the_plot_lines(tmp_path):
     from trainer import metrics, plots
     from trainer.evaluate import eval_line
     from trainer.run import step_line
@@ -201,8 +201,12 @@ def test_mtp_losses_reach_the_record_the_scalars_and_the_plot(tmp_path):
     assert "mtp depth 2 acceptance 25.0%" in eval_line(1, result)
     (merged,) = metrics.read(str(path))
     assert merged["eval_mtp_acceptance_2"] == 0.25
-    written = plots.plot(plots.load_runs([str(path)]), str(tmp_path / "plots"))
-    assert str(tmp_path / "plots" / "mtp_loss.png") in written
+    # plot-metrics' MTP chart: one line per depth.
+    _, _, key = plots.CHARTS["mtp_loss.png"]
+    assert plots._series([merged], key, "run") == [
+        ("learning/mtp_loss_1", "run depth 1"),
+        ("learning/mtp_loss_2", "run depth 2"),
+    ]
 
 
 @pytest.mark.slow
