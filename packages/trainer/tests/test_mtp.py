@@ -259,3 +259,45 @@ def test_no_counted_mtp_prediction_sees_the_next_document():
         )
         # The second document's own predictions did change: the test can fail.
         assert not np.array_equal(nll_after[0, first:], nll[0, first:])
+
+
+@pytest.mark.slow
+def test_eval_reports_the_target_depths_top1_acceptance():
+    """mtp_eval_target_module=2: the share of depth 2's counted positions whose
+    argmax is the token 3 ahead, summed over the eval set, as numpy counts it from
+    the depth's logits; the eval loss is the one evaluation without it reports."""
+
+    from trainer import run as run_lib
+    from trainer.evaluate import make_evaluator
+
+    values = {
+        "model_name": "tagtrain-tiny",
+        "dtype": "float32",
+        "mtp_num_layers": "2",
+        "eval_interval": "1",
+        "eval_steps": "2",
+        "per_device_batch_size": "1",
+        "enable_tensorboard": "false",
+    }
+    run = run_lib.setup(make_config({**values, "mtp_eval_target_module": "2"}))
+    result = run.evaluator.evaluate(run.state)
+    plain_config = make_config({**values, "mtp_eval_target_module": "0"})
+    plain = make_evaluator(plain_config, run.ctx, run.model, run.evaluator.eval_set)
+    assert "eval_mtp_acceptance_2" not in plain.evaluate(run.state)
+    np.testing.assert_allclose(result["eval_loss"], plain.evaluate(run.state)["eval_loss"], 1e-6)
+
+    forward = jax.jit(
+        lambda p, r, b: model_lib.apply_with_mtp(
+            run.model, p, r, b, lambda lg, t, w: (lg, t, w), 2
+        )[1][1]
+    )
+    hits = counted = 0.0
+    with jax.set_mesh(run.ctx.mesh):
+        for index in range(run.evaluator.eval_set.steps):
+            logits, targets, weights = jax.device_get(
+                forward(run.state["params"], run.state["router"], run.evaluator.batch(index))
+            )
+            hits += float(np.sum((logits.argmax(-1) == targets) * weights))
+            counted += float(np.sum(weights))
+    assert counted == 2 * 8 * (32 - 2)  # every row a whole sequence: 2 fewer targets
+    assert result["eval_mtp_acceptance_2"] == pytest.approx(hits / counted, abs=1e-9)
