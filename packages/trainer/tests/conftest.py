@@ -29,6 +29,9 @@ SPOT_LEAVES = (
     ("moe_layers", "attn", "wkv_b_CxHxNV"),
     ("moe_layers", "ffn", "wi_0"),
     ("moe_layers", "ffn", "gate"),
+    # Multi-token prediction's own parameters (runs with mtp_num_layers > 0 only).
+    ("mtp", "eh_proj_2xDxD"),
+    ("mtp", "block", "attn", "wq_a_DxQ"),
 )
 
 
@@ -54,8 +57,9 @@ def _run(steps: int, devices: int, overrides: tuple) -> tuple[list[dict], str, d
     for path in SPOT_LEAVES:
         node = mu
         for key in path:
-            node = node[key]
-        spots["/".join(path)] = np.asarray(node)
+            node = node.get(key) if isinstance(node, dict) else None
+        if node is not None:  # leaves of an option the run has off are absent
+            spots["/".join(path)] = np.asarray(node)
     return history, run.compiled.as_text(), spots
 
 

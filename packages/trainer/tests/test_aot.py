@@ -212,6 +212,43 @@ def test_deepseek2_lite_has_the_model_cards_counts_and_compiles(tmp_path, capsys
     assert re.search(r"total\s+[\d.]+ GiB of 95 GiB HBM \([\d.]+%, fits\)", out), out[:4000]
 
 
+def test_671b_with_mtp_counts_its_depth_apart_and_matches_the_model_card():
+    """DeepSeek-V3's card: 671B main model + 14B MTP module = 685B tensors. The
+    checkpoint's MTP layer also stores copies of the embedding and the output head;
+    here those are the main model's own (shared), so they are counted once."""
+    from trainer import flops, report
+    from trainer import model as model_lib
+    from trainer.sharding import ShardCtx, logical_rules, make_mesh
+    from trainer.validate import validate
+
+    config = make_config({"model_name": "deepseek3-671b", "mtp_num_layers": "1"})
+    ctx = ShardCtx(make_mesh(validate(config, 8), "explicit"), logical_rules(config), "explicit")
+    params, _ = model_lib.abstract_state(model_lib.define(config, ctx), ctx)
+    total, mtp = flops.count_params(params), flops.mtp_param_count(params)
+    assert 671.0e9 < total - mtp < 671.1e9  # the main model, as without MTP
+    assert 11.5e9 < mtp < 11.7e9  # one MoE block of the 671b shape, eh_proj, 3 norms
+    copies = 2 * config.vocab_size * config.emb_dim  # layer 61's embed_tokens, shared_head.head
+    assert abs(total + copies - 685e9) / 685e9 < 0.002
+    line = report.params_line_of(config, params)
+    assert f"multi-token prediction: {mtp / 1e6:.3f}M in 1 depth" in line
+    # FLOPs / MFU: per token, one more projection, MoE block (top-8 + shared expert)
+    # and head pass, and one more layer of attention products.
+    c, plain = config, make_config({"model_name": "deepseek3-671b"})
+    d, h, v = c.emb_dim, c.base_num_query_heads, c.v_head_dim
+    attention = (
+        d * c.q_lora_rank
+        + c.q_lora_rank * h * c.qk_head_dim
+        + d * (c.kv_lora_rank + c.qk_rope_head_dim)
+        + c.kv_lora_rank * h * (c.qk_nope_head_dim + v)
+        + h * v * d
+    )
+    moe = d * c.num_experts + 3 * d * c.base_moe_mlp_dim * (c.num_experts_per_tok + 1)
+    added = 2 * d * d + attention + moe + d * c.vocab_size
+    assert flops.active_matmul_params(c) - flops.active_matmul_params(plain) == added
+    extra_flops = flops.training_flops_per_token(c) - flops.training_flops_per_token(plain)
+    assert extra_flops == 6 * added + 6 * c.max_target_length * h * (c.qk_head_dim + v)
+
+
 def test_671b_fsdp_only_reports_that_it_does_not_fit(tmp_path, capsys):
     # FSDP alone gathers each MoE layer's 256 experts whole: XLA refuses, and
     # the report says so with XLA's figures instead of crashing.

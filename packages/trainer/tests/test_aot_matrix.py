@@ -166,6 +166,15 @@ def test_v5e8_explicit_ga4_no_data_gradient_reduction_in_the_loop(layout):
     assert 0 < case.memory["total"] < case.hbm_bytes
 
 
+@pytest.mark.parametrize("depth", ["1", "2"])
+def test_v5e8_mtp_keeps_data_gradient_reductions_out_of_the_loop(depth):
+    """Multi-token prediction (ZeRO-1, fused): its shared embedding and head, used
+    twice per microbatch, and its own depths reduce once per step too."""
+    case = compile_case("v5e-8", "data+zero1", "explicit", mtp_num_layers=depth)
+    check_explicit_placement(case)
+    assert 0 < case.memory["total"] < case.hbm_bytes
+
+
 def test_v5e8_per_microbatch_data_reduction_is_detected():
     # The detector is not vacuous: without deferral the 'data' reductions move in.
     case = compile_case("v5e-8", "data+fsdp", "explicit", defer=False)

@@ -64,6 +64,7 @@ def test_explicit_step_needs_no_more_memory_than_the_floor(both):
     [
         ({"ici_data_parallelism": "4", "ici_fsdp_parallelism": "2"}, "ici_fsdp_parallelism=2"),
         ({"shard_optimizer_over_data": "true"}, "shard_optimizer_over_data"),
+        ({"mtp_num_layers": "1"}, "mtp_num_layers=0"),
     ],
 )
 def test_floor_refuses_layouts_beyond_data_parallelism(overrides, named):

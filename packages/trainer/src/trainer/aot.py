@@ -168,7 +168,7 @@ def compile_for_topology(config: Config, hlo_path: str | None = None) -> AotResu
 def report_lines(result: AotResult) -> list[str]:
     """What `train compile_topology=...` prints."""
     import hlo_tools
-    from trainer import flops, report
+    from trainer import report
     from trainer import run as run_lib
 
     run, topo, mem = result.run, result.topology, result.memory
@@ -179,9 +179,7 @@ def report_lines(result: AotResult) -> list[str]:
         f"topology: {topo.name}{slices} ({topo.libtpu_name}, {devices} chips, "
         f"{topo.hbm_gib:g} GiB HBM each); compiled on this host, not run",
         report.mesh_line(dict(run.ctx.mesh.shape), config.shard_mode),
-        report.params_line(
-            flops.count_params(run.state["params"]), flops.active_matmul_params(config)
-        ),
+        report.params_line_of(config, run.state["params"]),
         report.batch_line(config, run.batch_size),
         *report.plan_lines(config, run.plan),
         "memory per device (compiled.memory_analysis()):",

@@ -123,6 +123,15 @@ class Config:
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     weight_dtype: Literal["float32", "bfloat16"] = "float32"
     remat_policy: Literal["none", "full", "minimal"] = "none"
+    # Multi-token prediction (DeepSeek-V3 section 2.2), under MaxText's keys
+    # (model/mtp.py): mtp_num_layers sequential depths after the main model, depth
+    # k predicting the token k+1 ahead through its own block and the shared
+    # embedding and output head; 0 = off. The loss adds mtp_loss_scaling_factor x
+    # the mean over depths of each depth's cross-entropy (V3: 0.3, later 0.1).
+    # mtp_eval_target_module=k > 0: evaluation reports depth k's top-1 acceptance.
+    mtp_num_layers: int = 0
+    mtp_loss_scaling_factor: float = 0.1
+    mtp_eval_target_module: int = 0
     scan_layers: bool = True
     # Parallelism: -1 fills the devices left over (ici_: within a slice; dcn_: across
     # slices, filling num_slices). num_slices=-1: detected (1 on one slice or CPU; set

@@ -9,6 +9,11 @@ host loop over eval batches runs only what the forward itself needs; the one
 reduction of the loss and token sums happens once per evaluation, in
 `finalize`, and the mean is taken once from the two totals.
 
+With `mtp_eval_target_module=k`, the forward also runs the MTP depths up to k
+and accumulates, per token, whether depth k's top-1 prediction is the token
+actually k+1 ahead (over the positions where depth k has a target): the
+acceptance rate a speculative decoder drafting with depth k would see.
+
 The train state is only read: the eval step takes the parameters and router
 biases without donating them (only its own accumulators are donated) and
 returns nothing of the state, so an evaluation changes no parameter and no
@@ -31,7 +36,8 @@ from trainer import data, input_pipeline, xla_options
 from trainer import model as model_lib
 from trainer.config import Config
 from trainer.eval_data import EvalSet
-from trainer.loss import token_cross_entropy
+from trainer.loss import token_cross_entropy, top1_hits
+from trainer.metrics import EVAL_MTP_ACCEPTANCE
 from trainer.sharding import ShardCtx
 
 
@@ -43,7 +49,7 @@ class Evaluator:
     ctx: ShardCtx
     eval_set: EvalSet
     step_fn: Any  # jitted (params, router, batch, acc) -> acc
-    finalize_fn: Any  # jitted acc -> (loss sum, token count), replicated
+    finalize_fn: Any  # jitted acc -> {accumulator: its sum}, replicated
     zeros_fn: Any  # jitted () -> acc
     compiled: Any = None
 
@@ -71,14 +77,20 @@ class Evaluator:
             acc = self.zeros_fn()
             for index in range(self.eval_set.steps):
                 acc = compiled(state["params"], state["router"], self.batch(index), acc)
-            loss_sum, tokens = jax.device_get(self.finalize_fn(acc))
-        loss = float(loss_sum) / max(float(tokens), 1.0)
-        return {
+            sums = jax.device_get(self.finalize_fn(acc))
+        tokens = float(sums["weight"])
+        loss = float(sums["loss"]) / max(tokens, 1.0)
+        result = {
             "eval_loss": loss,
             "eval_perplexity": math.exp(loss) if loss < 700 else math.inf,
             "eval_tokens": int(tokens),
-            "eval_time_s": time.perf_counter() - start,
         }
+        target = self.config.mtp_eval_target_module
+        if target:
+            share = float(sums["mtp_hits"]) / max(float(sums["mtp_weight"]), 1.0)
+            result[f"{EVAL_MTP_ACCEPTANCE}{target}"] = share
+        result["eval_time_s"] = time.perf_counter() - start
+        return result
 
     def describe(self) -> str:
         """The startup line: when, how much, from where."""
@@ -99,7 +111,9 @@ def make_evaluator(
         return None
     shape = (eval_set.batch_size, config.max_target_length)
     token_sharding = data.batch_shardings(ctx, *shape)["weights"]
-    acc_shardings = {"loss": token_sharding, "weight": token_sharding}
+    target = config.mtp_eval_target_module
+    keys = ("loss", "weight", "mtp_hits", "mtp_weight") if target else ("loss", "weight")
+    acc_shardings = {key: token_sharding for key in keys}
     # ZeRO-1 keeps the master parameters sharded over 'data': the forward runs on
     # them gathered to the layout the train step computes with (the parameters'
     # own logical shardings), as the train step gathers them before its loop.
@@ -111,18 +125,27 @@ def make_evaluator(
     def eval_step(params: dict, router: dict, batch: dict, acc: dict) -> dict:
         if compute is not None:
             params = accum.zero1_gather(params, compute, mode=ctx.mode)
-        logits, _ = model_lib.apply(
-            model, params, router, batch["inputs"], batch["positions"], batch["segments"]
-        )
+        new = {}
+        if target:
+            (logits, _), depths, _ = model_lib.apply_with_mtp(
+                model, params, router, batch, lambda lg, t, w: (top1_hits(lg, t), w), target
+            )
+            hits, mtp_weights = depths[target - 1]
+            new["mtp_hits"] = acc["mtp_hits"] + ctx.act(hits * mtp_weights, data.TOKENS)
+            new["mtp_weight"] = acc["mtp_weight"] + ctx.act(mtp_weights, data.TOKENS)
+        else:
+            logits, _ = model_lib.apply(
+                model, params, router, batch["inputs"], batch["positions"], batch["segments"]
+            )
         weights = batch["weights"].astype(jnp.float32)
         nll = token_cross_entropy(logits, batch["targets"]) * weights
         # Laid out like the tokens, so adding into the accumulators is elementwise.
         nll = ctx.act(nll, data.TOKENS)
-        return {"loss": acc["loss"] + nll, "weight": acc["weight"] + weights}
+        return {"loss": acc["loss"] + nll, "weight": acc["weight"] + weights, **new}
 
-    def finalize(acc: dict) -> tuple[jax.Array, jax.Array]:
-        # The evaluation's one reduction: two scalars, once per evaluation.
-        return jnp.sum(acc["loss"]), jnp.sum(acc["weight"])
+    def finalize(acc: dict) -> dict:
+        # The evaluation's one reduction: a scalar per accumulator, once per evaluation.
+        return {key: jnp.sum(value) for key, value in acc.items()}
 
     def zeros() -> dict:
         return {key: jnp.zeros(shape, jnp.float32) for key in acc_shardings}
@@ -131,15 +154,20 @@ def make_evaluator(
     # to the train state, which the next train step donates and must find intact.
     step_fn = jax.jit(eval_step, donate_argnums=(3,), out_shardings=acc_shardings)
     replicated = jax.sharding.NamedSharding(ctx.mesh, jax.sharding.PartitionSpec())
-    finalize_fn = jax.jit(finalize, out_shardings=(replicated, replicated))
+    finalize_fn = jax.jit(finalize, out_shardings={key: replicated for key in keys})
     zeros_fn = jax.jit(zeros, out_shardings=acc_shardings)
     return Evaluator(config, ctx, eval_set, step_fn, finalize_fn, zeros_fn)
 
 
 def eval_line(step: int, result: dict) -> str:
     """`eval  step N  loss X  perplexity Y  tokens T`, aligned with the step lines."""
+    acceptance = "".join(
+        f"  mtp depth {key[len(EVAL_MTP_ACCEPTANCE) :]} acceptance {value * 100:.1f}%"
+        for key, value in result.items()
+        if key.startswith(EVAL_MTP_ACCEPTANCE)
+    )
     return (
         f"eval  step {step:5d}  loss {result['eval_loss']:.4f}  "
-        f"perplexity {result['eval_perplexity']:.2f}  tokens {result['eval_tokens']:,}  "
-        f"{result['eval_time_s'] * 1000:.0f} ms"
+        f"perplexity {result['eval_perplexity']:.2f}  tokens {result['eval_tokens']:,}"
+        f"{acceptance}  {result['eval_time_s'] * 1000:.0f} ms"
     )

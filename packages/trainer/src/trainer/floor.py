@@ -42,6 +42,10 @@ def check_floor_layout(config: Config, mesh_sizes: dict[str, int]) -> None:
     if config.shard_optimizer_over_data:
         raise ValueError("the floor step keeps the optimizer replicated: set "
                          "shard_optimizer_over_data=false")  # fmt: skip
+    if config.mtp_num_layers:
+        # Its MTP loss weights need the whole batch's target counts (a collective
+        # before the per-device loop); the floor is the plain model's yardstick.
+        raise ValueError("the floor step has no multi-token prediction: set mtp_num_layers=0")
 
 
 def _sum_dtype(dtype):

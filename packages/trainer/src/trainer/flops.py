@@ -7,7 +7,9 @@ forward) over every weight a token touches: attention projections, the dense
 MLPs, the router, the shared experts, its top-k routed experts, the logits.
 The second is attention's score and value products at sequence length S,
 counted without a causal discount (the PaLM convention). Embedding lookups
-and norms are not matmuls and are left out.
+and norms are not matmuls and are left out. Multi-token prediction adds, per
+depth, its 2d -> d projection, one block, the shared output head again, and
+one more layer of attention products.
 """
 
 from __future__ import annotations
@@ -45,6 +47,12 @@ def _query_params(c: Config) -> int:
     return c.emb_dim * c.q_lora_rank + c.q_lora_rank * h * c.qk_head_dim
 
 
+def mtp_param_count(params) -> int:
+    """Elements of the MTP depths' own parameters (the shared embedding and head
+    are the main model's, counted there)."""
+    return count_params(params.get("mtp", {})) if isinstance(params, dict) else 0
+
+
 def _attention_params(c: Config) -> int:
     h = c.base_num_query_heads
     return (
@@ -64,12 +72,16 @@ def active_matmul_params(c: Config) -> int:
     )
     layers = c.base_num_decoder_layers * _attention_params(c)
     layers += c.first_num_dense_layers * dense_ffn + c.num_moe_layers * moe_ffn
-    return layers + d * c.vocab_size
+    # Each MTP depth: eh_proj, a block like the later layers, the shared head.
+    mtp_block = _attention_params(c) + (moe_ffn if c.num_moe_layers else dense_ffn)
+    mtp = c.mtp_num_layers * (2 * d * d + mtp_block + d * c.vocab_size)
+    return layers + d * c.vocab_size + mtp
 
 
 def training_flops_per_token(c: Config) -> float:
     """The formula in the module docstring."""
-    attention = c.base_num_decoder_layers * c.max_target_length * c.base_num_query_heads
+    layers = c.base_num_decoder_layers + c.mtp_num_layers
+    attention = layers * c.max_target_length * c.base_num_query_heads
     attention *= c.qk_head_dim + c.v_head_dim
     return 6.0 * active_matmul_params(c) + 6.0 * attention
 

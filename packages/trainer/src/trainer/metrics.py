@@ -4,6 +4,7 @@ Record keys (`record(step_metrics)`):
 
     step
     learning/loss, learning/ce_loss, learning/balance_loss, learning/grad_norm, learning/lr
+    learning/mtp_loss_K              (MTP on) depth K's cross-entropy, K = 1..mtp_num_layers
     perf/step_time_s, perf/tokens_per_s, perf/tokens, perf/mfu (null when the peak is unknown)
     moe/tokens_per_expert            [MoE layer][expert] tokens routed this step
     moe/load_imbalance_per_layer     [MoE layer] max / mean expert load
@@ -12,6 +13,7 @@ Record keys (`record(step_metrics)`):
 and after each evaluation (`write_eval`) a record of its own for the same step:
 
     step, eval_loss, eval_perplexity, eval_tokens, eval_time_s
+    (+ eval_mtp_acceptance_K with mtp_eval_target_module=K: depth K's top-1 acceptance)
 
 Only process 0 writes. A run that starts at step N (a resumed run) keeps the
 records of steps 1..N already in the file and drops later ones, so a restart
@@ -46,6 +48,17 @@ RENAMES = {
 }
 
 
+# run.train's per-depth MTP metric names start with this; records get learning/ in front.
+MTP_LOSS = "mtp_loss_"
+EVAL_MTP_ACCEPTANCE = "eval_mtp_acceptance_"
+
+
+def mtp_losses(metrics: dict) -> list[tuple[int, float]]:
+    """(depth, loss) of the MTP metrics in `metrics` (run.train's), by depth."""
+    found = [(int(k[len(MTP_LOSS) :]), v) for k, v in metrics.items() if k.startswith(MTP_LOSS)]
+    return sorted(found)
+
+
 def load_imbalance(tokens_per_expert_LxE: Any) -> list[float]:
     """max / mean expert load per MoE layer (1.0 when every expert gets the same)."""
     loads = np.asarray(tokens_per_expert_LxE, dtype=np.float64)
@@ -61,6 +74,8 @@ def record(metrics: dict) -> dict:
     for key, value in metrics.items():
         if key in RENAMES:
             out[RENAMES[key]] = value
+        elif key.startswith(MTP_LOSS):
+            out[f"learning/{key}"] = value
         elif key == "tokens_per_expert":
             per_layer = load_imbalance(value)
             out["moe/tokens_per_expert"] = np.asarray(value).tolist()
@@ -150,7 +165,8 @@ class MetricsWriter:
 
     def write_eval(self, step: int, result: dict) -> dict:
         """Write one complete evaluation (`Evaluator.evaluate`'s result) at `step`."""
-        return self._emit({"step": int(step), **{k: result[k] for k in EVAL_KEYS}})
+        keys = [*EVAL_KEYS, *(k for k in result if k.startswith(EVAL_MTP_ACCEPTANCE))]
+        return self._emit({"step": int(step), **{k: result[k] for k in keys}})
 
     def _emit(self, rec: dict) -> dict:
         if self._jsonl:

@@ -3,7 +3,8 @@
 Each FILE is a metrics.jsonl written by `train` (or a run directory holding
 one); every run is one line on each chart, labelled by its run directory name
 (or `--labels`). Writes loss.png, throughput.png and, when any run has MoE
-layers, load_balance.png. A run with evaluations gets its eval loss on the loss
+layers, load_balance.png; when any run has multi-token prediction, mtp_loss.png
+(one line per run and depth). A run with evaluations gets its eval loss on the loss
 chart too, beside its training loss: same colour, dashed, a point per evaluation.
 """
 
@@ -26,7 +27,17 @@ CHARTS = {
         "max / mean",
         "moe/load_imbalance",
     ),
+    # A key ending in '*': one line per matching key (here, per MTP depth).
+    "mtp_loss.png": ("Multi-token prediction loss per depth", "loss", "learning/mtp_loss_*"),
 }
+
+
+def _series(records: list[dict], key: str, label: str) -> list[tuple[str, str]]:
+    """(record key, legend label) of the lines a chart key draws for one run."""
+    if not key.endswith("*"):
+        return [(key, label)]
+    found = sorted({k for r in records for k in r if k.startswith(key[:-1])})
+    return [(k, f"{label} depth {k[len(key) - 1 :]}") for k in found]
 
 
 def _label(path: str, taken: set[str]) -> str:
@@ -78,9 +89,11 @@ def plot(runs: list[tuple[str, list[dict]]], output_dir: str) -> list[str]:
     for filename, (title, ylabel, key) in CHARTS.items():
         fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
         drawn = 0
-        for label, records in runs:
-            points = _points(records, key)
-            if points:
+        for run_label, records in runs:
+            for series, label in _series(records, key, run_label):
+                points = _points(records, series)
+                if not points:
+                    continue
                 steps, values = zip(*points, strict=True)
                 line = ax.plot(
                     steps, values, marker="." if len(points) < 50 else None, label=label

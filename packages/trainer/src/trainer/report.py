@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import accum
 import hlo_tools
+from trainer import flops
 from trainer.config import Config
 
 MIB = 1024 * 1024
@@ -14,8 +15,26 @@ def mesh_line(sizes: dict[str, int], mode: str) -> str:
     return f"mesh: {used} ({mode})"
 
 
-def params_line(total: int, active: int) -> str:
-    return f"params: {total / 1e6:.3f}M total, {active / 1e6:.3f}M active per token (matmuls)"
+def params_line(total: int, active: int, mtp: int = 0, depths: int = 0) -> str:
+    """Parameter counts; with MTP on, its own share (in `total`) named separately."""
+    line = f"params: {total / 1e6:.3f}M total, {active / 1e6:.3f}M active per token (matmuls)"
+    if depths:
+        line += (
+            f"; multi-token prediction: {mtp / 1e6:.3f}M in {depths} "
+            f"depth{'s' if depths > 1 else ''} ({mtp / max(total, 1) * 100:.2f}% of total; "
+            "embedding and head shared)"
+        )
+    return line
+
+
+def params_line_of(config: Config, params) -> str:
+    """`params_line` for a run's parameters (arrays or ShapeDtypeStructs)."""
+    return params_line(
+        flops.count_params(params),
+        flops.active_matmul_params(config),
+        flops.mtp_param_count(params),
+        config.mtp_num_layers,
+    )
 
 
 def batch_line(config: Config, global_batch: int) -> str:

@@ -28,6 +28,7 @@ from trainer import (
     slices,
     xla_options,
 )
+from trainer import metrics as metrics_lib
 from trainer import model as model_lib
 from trainer.config import Config
 from trainer.optimizer import make_optimizer
@@ -296,8 +297,13 @@ def train(
 
 def step_line(step: int, m: dict) -> str:
     mfu = f"  mfu {m['mfu'] * 100:5.1f}%" if "mfu" in m else ""
+    # With MTP on: the main cross-entropy, then each depth's (the loss adds them, scaled).
+    depths = metrics_lib.mtp_losses(m)
+    mtp = ""
+    if depths:
+        mtp = f"  ce {m['ce_loss']:.4f}  mtp " + " ".join(f"{loss:.4f}" for _, loss in depths)
     return (
-        f"step {step:5d}  loss {m['loss']:.4f}  grad_norm {m['grad_norm']:.3f}  "
+        f"step {step:5d}  loss {m['loss']:.4f}{mtp}  grad_norm {m['grad_norm']:.3f}  "
         f"lr {m['learning_rate']:.2e}  {m['tokens_per_s']:,.0f} tokens/s  "
         f"{m['step_time_s'] * 1000:.0f} ms{mfu}"
     )
@@ -307,10 +313,9 @@ def startup_lines(run: Run) -> list[str]:
     """Mesh, parameter counts and the compiled step's collective summary."""
     config = run.config
     sizes = dict(run.ctx.mesh.shape)
-    total = flops.count_params(run.state["params"])
     lines = [
         report.mesh_line(sizes, config.shard_mode),
-        report.params_line(total, flops.active_matmul_params(config)),
+        report.params_line_of(config, run.state["params"]),
         report.batch_line(config, run.batch_size),
     ]
     lines += report.plan_lines(config, run.plan)

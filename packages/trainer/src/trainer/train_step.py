@@ -14,7 +14,8 @@ import accum
 import moe_kernels
 from trainer import model as model_lib
 from trainer.config import Config
-from trainer.loss import cross_entropy_sum
+from trainer.loss import cross_entropy_sum, token_cross_entropy, weighted_sums
+from trainer.model import mtp as mtp_lib
 from trainer.optimizer import learning_rate_schedule
 from trainer.sharding import ShardCtx
 
@@ -27,23 +28,53 @@ class StepFns:
     step: Callable[[dict, dict], tuple[dict, dict]]
 
 
-def make_loss_fn(config: Config, model: model_lib.ModelDef, router: dict) -> Callable:
-    """`loss_fn(params, microbatch) -> (loss_sum, aux)` in accum's contract."""
+def make_loss_fn(
+    config: Config, model: model_lib.ModelDef, router: dict, mtp_scale_D: jax.Array | None = None
+) -> Callable:
+    """`loss_fn(params, microbatch) -> (loss_sum, aux)` in accum's contract.
+
+    With MTP on, `mtp_scale_D` (`mtp_loss_scales` of the whole step's batch) turns
+    each depth's cross-entropy sum into its share of the loss sum.
+    """
+    if config.mtp_num_layers and mtp_scale_D is None:
+        raise ValueError("mtp_num_layers > 0 needs mtp_scale_D (train_step.mtp_loss_scales)")
 
     def loss_fn(params, mb):
-        logits, stats = model_lib.apply(
-            model, params, router, mb["inputs"], mb["positions"], mb["segments"]
-        )
         # Without the aux loss, the loss and token count only need their totals
         # once per step: kept unreduced (explicit mode) they cost no collective
         # per microbatch. The aux loss scales by the microbatch's global token
-        # count, so with it on that count is reduced here.
-        aux_loss = bool(config.load_balance_loss_weight and stats)
+        # count, so with it on that count is reduced here. (Whether the model
+        # has MoE layers is static: the config says.)
+        aux_loss = bool(config.load_balance_loss_weight and config.num_moe_layers)
+
+        keep = not aux_loss
+        mtp_stats: dict = {}
+        if config.mtp_num_layers:
+            (logits, stats), depths, mtp_stats = model_lib.apply_with_mtp(
+                model, params, router, mb, lambda lg, t, w: (token_cross_entropy(lg, t), w)
+            )
+        else:
+            logits, stats = model_lib.apply(
+                model, params, router, mb["inputs"], mb["positions"], mb["segments"]
+            )
         ce_sum, weight = cross_entropy_sum(
-            logits, mb["targets"], mb["weights"], keep_unreduced=not aux_loss
+            logits, mb["targets"], mb["weights"], keep_unreduced=keep
         )
         aux = {"weight": weight, "ce_sum": ce_sum}
         loss_sum = ce_sum
+        if config.mtp_num_layers:
+            # Per depth (lists of scalars: accum sums and reduces each leaf once).
+            sums = [weighted_sums(nll, w, keep_unreduced=keep) for nll, w in depths]
+            aux["mtp_ce_sum"] = [s for s, _ in sums]
+            aux["mtp_weight"] = [w for _, w in sums]
+            for k, (nll_BxS, w_BxS) in enumerate(depths):
+                # The scale goes on the per-token weights: an unreduced sum times a
+                # replicated scalar would not type-check.
+                scaled, _ = weighted_sums(nll_BxS, w_BxS * mtp_scale_D[k], keep_unreduced=keep)
+                loss_sum = loss_sum + scaled
+        if mtp_stats:
+            # The MTP blocks' MoE token counts, (depths, shards, E): their router biases.
+            aux["mtp_tokens_per_expert_by_shard"] = mtp_stats["tokens_per_expert_by_shard"]
         if stats:
             # (MoE layers, E) token counts: summed over microbatches by accum.
             # Per token shard, (MoE layers, shards, E), still sharded like the
@@ -64,15 +95,38 @@ def make_loss_fn(config: Config, model: model_lib.ModelDef, router: dict) -> Cal
     return loss_fn
 
 
-def _update_router(config: Config, router: dict, tokens_per_expert_LxE) -> dict:
+def mtp_loss_scales(config: Config, batch: dict, ctx: ShardCtx) -> jax.Array:
+    """Per MTP depth, the factor that turns its cross-entropy sum into its share of
+    the loss sum: mtp_loss_scaling_factor / depths x W / W_k, with W the batch's
+    target weight and W_k depth k's. accum divides the loss sum by W, so the loss is
+    main + factor x mean over depths of (sum_k / W_k). Depends on the batch only
+    (no parameter): computed once per step, before the microbatch loop."""
+    total = jnp.sum(batch["weights"].astype(jnp.float32))
+    depth_totals = [
+        jnp.sum(mtp_lib.depth_targets(batch, k, ctx)[2])
+        for k in range(1, config.mtp_num_layers + 1)
+    ]
+    weights_D = jnp.stack(depth_totals)
+    per_depth = config.mtp_loss_scaling_factor / config.mtp_num_layers
+    # A depth with no target at all in the batch adds nothing (not 0/0).
+    return jnp.where(weights_D > 0, per_depth * total / jnp.maximum(weights_D, 1.0), 0.0)
+
+
+def _update_router(config: Config, router: dict, tokens_per_expert_LxE, mtp_tokens=None) -> dict:
     if not router or config.routed_bias_update_rate == 0:
         return router
     update = jax.vmap(
         lambda b, t: moe_kernels.update_routing_bias(b, t, rate=config.routed_bias_update_rate)
     )
-    ffn = router["moe_layers"]["ffn"]
-    new_bias = update(ffn["bias"], tokens_per_expert_LxE)
-    return {"moe_layers": {"ffn": {**ffn, "bias": new_bias}}}
+
+    def updated(group: dict, tokens) -> dict:
+        ffn = group["ffn"]
+        return {**group, "ffn": {**ffn, "bias": update(ffn["bias"], tokens)}}
+
+    new = {"moe_layers": updated(router["moe_layers"], tokens_per_expert_LxE)}
+    if "mtp" in router:
+        new["mtp"] = {"block": updated(router["mtp"]["block"], mtp_tokens)}
+    return new
 
 
 def make_step(
@@ -107,8 +161,9 @@ def make_step(
                 cast=model.param_cast_at_use,
                 mode=ctx.mode,
             )
+        mtp_scale_D = mtp_loss_scales(config, batch, ctx) if config.mtp_num_layers else None
         loss, aux, grads = accum.accumulate_gradients(
-            make_loss_fn(config, model, state["router"]),
+            make_loss_fn(config, model, state["router"], mtp_scale_D),
             params,
             batch,
             num_microbatches=config.gradient_accumulation_steps,
@@ -137,7 +192,13 @@ def apply_gradients(
     params, opt_state = accum.optimizer_update(tx, grads, state["opt_state"], state["params"])
     by_shard = aux.get("tokens_per_expert_by_shard")
     tokens = None if by_shard is None else jnp.sum(by_shard, axis=1)
-    router = state["router"] if tokens is None else _update_router(config, state["router"], tokens)
+    mtp_by_shard = aux.get("mtp_tokens_per_expert_by_shard")
+    mtp_tokens = None if mtp_by_shard is None else jnp.sum(mtp_by_shard, axis=1)
+    router = (
+        state["router"]
+        if tokens is None
+        else _update_router(config, state["router"], tokens, mtp_tokens)
+    )
     weight = jnp.maximum(aux["weight"], 1.0)
     metrics = {
         "loss": loss,
@@ -146,6 +207,10 @@ def apply_gradients(
         "learning_rate": learning_rate_schedule(config)(state["step"]),
         "tokens": aux["weight"],
     }
+    for k, (depth_sum, depth_weight) in enumerate(
+        zip(aux.get("mtp_ce_sum", ()), aux.get("mtp_weight", ()), strict=True), 1
+    ):
+        metrics[f"mtp_loss_{k}"] = depth_sum / jnp.maximum(depth_weight, 1.0)
     if tokens is not None:
         metrics["tokens_per_expert"] = tokens
         metrics["balance_loss"] = jnp.sum(aux["balance_loss_by_shard"]) / aux["balance_loss_terms"]

@@ -103,6 +103,27 @@ def _check_model(config: Config) -> None:
     check_architecture(config)
     if config.num_moe_layers:
         _check_routing(config)
+    _check_mtp(config)
+
+
+def _check_mtp(config: Config) -> None:
+    depth, length = config.mtp_num_layers, config.max_target_length
+    _require(depth >= 0, f"mtp_num_layers={depth} must be >= 0 (0 = no multi-token prediction)")
+    # Depth k predicts the token k+1 ahead: position i needs i + k < length.
+    _require(
+        depth < length,
+        f"mtp_num_layers={depth} leaves no target token at max_target_length={length} "
+        f"(depth k predicts k+1 tokens ahead); use at most {length - 1}",
+    )
+    _require(
+        config.mtp_loss_scaling_factor >= 0,
+        f"mtp_loss_scaling_factor={config.mtp_loss_scaling_factor} must be >= 0",
+    )
+    target = config.mtp_eval_target_module
+    _require(
+        0 <= target <= depth,
+        f"mtp_eval_target_module={target} must be between 0 (off) and mtp_num_layers={depth}",
+    )
 
 
 def check_architecture(config: Config) -> None:

@@ -18,7 +18,8 @@ from trainer.model.decoder import Decoder
 from trainer.model.params import cast_at_use_of, host_value, logical_axes_of
 from trainer.sharding import ShardCtx
 
-STACKS = ("dense_layers", "moe_layers")
+# Top-level parameter groups stacked on a leading 'layers' axis (the MTP depths too).
+STACKS = ("dense_layers", "moe_layers", "mtp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,9 +120,21 @@ def _fill(template: nnx.State, pure: dict) -> nnx.State:
     return state
 
 
-def apply(model: ModelDef, params: dict, router: dict, tokens_BxS, positions_BxS, segments_BxS):
-    """Run the decoder on plain-dict parameters: (logits_BxSxV f32, MoE stats)."""
-    module = nnx.merge(
+def _merge(model: ModelDef, params: dict, router: dict) -> Decoder:
+    return nnx.merge(
         model.graphdef, _fill(model.param_template, params), _fill(model.router_template, router)
     )
-    return module(tokens_BxS, positions_BxS, segments_BxS)
+
+
+def apply(model: ModelDef, params: dict, router: dict, tokens_BxS, positions_BxS, segments_BxS):
+    """Run the decoder on plain-dict parameters: (logits_BxSxV f32, MoE stats)."""
+    return _merge(model, params, router)(tokens_BxS, positions_BxS, segments_BxS)
+
+
+def apply_with_mtp(
+    model: ModelDef, params: dict, router: dict, batch: dict, consume, depths: int | None = None
+):
+    """`Decoder.with_mtp` on plain-dict parameters: ((logits, MoE stats), [consume(
+    logits, targets, weights) per MTP depth], MTP MoE stats). `batch` holds inputs,
+    targets, positions, segments and weights (a microbatch)."""
+    return _merge(model, params, router).with_mtp(batch, consume, depths)

@@ -14,6 +14,7 @@ from trainer.config import Config
 from trainer.model.attention import MLA
 from trainer.model.layers import BSE, MLP, RMSNorm
 from trainer.model.moe_block import moe_layer
+from trainer.model.mtp import MTPLayer, depth_targets
 from trainer.model.params import param
 from trainer.sharding import ShardCtx
 
@@ -62,13 +63,28 @@ class Block(nnx.Module):
 
 def _stack(config: Config, ctx: ShardCtx, moe: bool, count: int, rngs: nnx.Rngs):
     """`count` blocks with parameters stacked on a leading layer axis (for lax.scan)."""
+    return _stacked(lambda r: Block(config, ctx, moe, rngs=r), count, rngs)
+
+
+def _stacked(make, count: int, rngs: nnx.Rngs):
+    """`count` modules `make(rngs)` with parameters stacked on a leading layer axis."""
 
     @nnx.split_rngs(splits=count)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def create(rngs):
-        return Block(config, ctx, moe, rngs=rngs)
+        return make(rngs)
 
     return create(rngs)
+
+
+def _mtp_stack(config: Config, ctx: ShardCtx, rngs: nnx.Rngs):
+    """The MTP depths, stacked; each block dense or MoE as the main model's later layers."""
+    moe = config.num_moe_layers > 0
+    return _stacked(
+        lambda r: MTPLayer(config, ctx, Block(config, ctx, moe, rngs=r), rngs=r),
+        config.mtp_num_layers,
+        rngs,
+    )
 
 
 REMAT = {
@@ -76,6 +92,18 @@ REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+
+
+def _remat(body, config: Config):
+    """`body` under the configured rematerialization policy (as the layer scan runs it)."""
+    if REMAT[config.remat_policy] is None:
+        return body
+    return jax.checkpoint(body, policy=REMAT[config.remat_policy])
+
+
+def _layer_slice(state, i: int):
+    """Layer `i` of a stacked state (the leading axis dropped)."""
+    return jax.tree.map(lambda leaf: jax.lax.index_in_dim(leaf, i, keepdims=False), state)
 
 
 def _run_stack(stack: nnx.Module, x_BxSxD, positions_BxS, segments_BxS, config: Config):
@@ -89,8 +117,7 @@ def _run_stack(stack: nnx.Module, x_BxSxD, positions_BxS, segments_BxS, config: 
     def body(x, layer_state):
         return nnx.merge(graphdef, layer_state)(x, positions_BxS, segments_BxS)
 
-    if REMAT[config.remat_policy] is not None:
-        body = jax.checkpoint(body, policy=REMAT[config.remat_policy])
+    body = _remat(body, config)
     if config.scan_layers:
         # accum.scan_layers is lax.scan, except inside fused gradient accumulation:
         # there each layer's gradient is added into the accumulator in the backward scan.
@@ -98,10 +125,7 @@ def _run_stack(stack: nnx.Module, x_BxSxD, positions_BxS, segments_BxS, config: 
     count = jax.tree.leaves(state)[0].shape[0]
     per_layer = []
     for i in range(count):
-        x_BxSxD, stats = body(
-            x_BxSxD,
-            jax.tree.map(lambda leaf, i=i: jax.lax.index_in_dim(leaf, i, keepdims=False), state),
-        )
+        x_BxSxD, stats = body(x_BxSxD, _layer_slice(state, i))
         per_layer.append(stats)
     return x_BxSxD, jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
 
@@ -121,28 +145,69 @@ class Decoder(nnx.Module):
             self.moe_layers = _stack(config, ctx, True, config.num_moe_layers, rngs)
         self.final_norm = RMSNorm(d, config.normalization_layer_epsilon, rngs=rngs)
         self.logits_DxV = param(rngs, (d, config.vocab_size), NAMES.logits_kernel)
+        if config.mtp_num_layers:
+            self.mtp = _mtp_stack(config, ctx, rngs)
         self.config, self.ctx = config, ctx
 
     def __call__(self, tokens_BxS, positions_BxS, segments_BxS):
         """Returns (logits_BxSxV in f32, MoE stats stacked over MoE layers)."""
-        c, ctx = self.config, self.ctx
-        dt = jnp.dtype(c.dtype)
+        hidden_BxSxD, stats = self.hidden(tokens_BxS, positions_BxS, segments_BxS)
+        return self.head(self.final_norm(hidden_BxSxD)), stats
+
+    def embed(self, tokens_BxS):
+        """Embedding rows of the token ids, in the compute dtype, laid out like the residual."""
+        ctx = self.ctx
         # Rows are picked by token id, so the vocab dim is gathered whole and the
         # embed dim laid out like the activations; `ctx.param` carries the reduced
         # tag onto that rebuilt spec so the table's gradient stays unreduced.
         table_VxD = ctx.param(self.embedding_VxD[...], NAMES.embedding_lookup)
-        x_BxSxD = pt.embed_lookup(table_VxD, tokens_BxS, ctx.spec(NAMES.residual)).astype(dt)
-        x_BxSxD = ctx.act(x_BxSxD, NAMES.residual)
+        x_BxSxD = pt.embed_lookup(table_VxD, tokens_BxS, ctx.spec(NAMES.residual))
+        return ctx.act(x_BxSxD.astype(jnp.dtype(self.config.dtype)), NAMES.residual)
+
+    def hidden(self, tokens_BxS, positions_BxS, segments_BxS):
+        """(the last layer's output before the final norm, MoE stats)."""
+        c = self.config
+        x_BxSxD = self.embed(tokens_BxS)
         stats = {}
         if c.first_num_dense_layers:
             x_BxSxD, _ = _run_stack(self.dense_layers, x_BxSxD, positions_BxS, segments_BxS, c)
         if c.num_moe_layers:
             x_BxSxD, stats = _run_stack(self.moe_layers, x_BxSxD, positions_BxS, segments_BxS, c)
-        x_BxSxD = self.final_norm(x_BxSxD)
+        return x_BxSxD, stats
+
+    def head(self, x_BxSxD):
+        """The output head on normed states: logits_BxSxV in f32."""
+        ctx, dt = self.ctx, jnp.dtype(self.config.dtype)
         logits = ctx.einsum(
             "bsd,dv->bsv",
             x_BxSxD,
             ctx.weight(self.logits_DxV[...].astype(dt), NAMES.logits_kernel),
             out=NAMES.logits,
         )
-        return logits.astype(jnp.float32), stats
+        return logits.astype(jnp.float32)
+
+    def with_mtp(self, batch: dict, consume, depths: int | None = None):
+        """The main logits and MoE stats, then each MTP depth's `consume(logits,
+        targets, weights)` (model/mtp.py): ((logits, stats), [per depth], MTP MoE
+        stats stacked over depth). `depths`: run only the first ones (evaluation)."""
+        c = self.config
+        hidden_BxSxD, stats = self.hidden(batch["inputs"], batch["positions"], batch["segments"])
+        logits = self.head(self.final_norm(hidden_BxSxD))
+        graphdef, state = nnx.split(self.mtp)
+
+        def depth(h_BxSxD, e_BxSxD, layer_state):
+            layer = nnx.merge(graphdef, layer_state)
+            h_BxSxD, depth_stats = layer(h_BxSxD, e_BxSxD, batch["positions"], batch["segments"])
+            return h_BxSxD, layer.head_norm(h_BxSxD), depth_stats
+
+        depth = _remat(depth, c)
+        results, depth_stats = [], []
+        for k in range(1, (depths or c.mtp_num_layers) + 1):
+            inputs_BxS, targets_BxS, weights_BxS = depth_targets(batch, k, self.ctx)
+            hidden_BxSxD, normed_BxSxD, s = depth(
+                hidden_BxSxD, self.embed(inputs_BxS), _layer_slice(state, k - 1)
+            )
+            results.append(consume(self.head(normed_BxSxD), targets_BxS, weights_BxS))
+            depth_stats.append(s)
+        mtp_stats = jax.tree.map(lambda *xs: jnp.stack(xs), *depth_stats) if depth_stats else {}
+        return (logits, stats), results, mtp_stats
