@@ -185,6 +185,8 @@ def test_presets_with_maxtext_names_have_maxtexts_shapes():
     assert tiny.v_head_dim == 128
     test = make_config({"model_name": "deepseek3-test"})
     assert (test.base_emb_dim, test.base_num_decoder_layers, test.num_experts) == (7168, 1, 256)
+    # MaxText's default remat policy (base.yml), which its deepseek3 presets run with.
+    assert tiny.remat_policy == test.remat_policy == "full"
     # The small CPU presets are tagtrain's own, under names MaxText does not use.
     assert make_config({}).model_name == "tagtrain-tiny"
 

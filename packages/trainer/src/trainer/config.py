@@ -276,6 +276,13 @@ class Config:
     # AOT (aot.py): compile the step for a TPU topology on this host, do not train.
     compile_topology: str = ""
     compile_topology_num_slices: int = 1
+    # The platform to run on, under MaxText's key: "" = JAX's default (an accelerator
+    # where there is one), cpu (the CPU backend with --num_cpu_devices virtual
+    # devices, even beside an accelerator), tpu, gpu (gpu_multiprocess: the same).
+    hardware: Literal["", "cpu", "tpu", "gpu", "gpu_multiprocess"] = ""
+    # Never join a process group (MaxText's key): one process even on a detected
+    # cluster or with JAX_COORDINATOR_ADDRESS set (distributed.py).
+    skip_jax_distributed_system: bool = False
 
     @property
     def emb_dim(self) -> int:
@@ -317,9 +324,11 @@ class Config:
 
 
 # MaxText's DeepSeek-V3 test shapes, under MaxText's names (configs/models/*.yml), so a
-# command copied from MaxText trains the shape it names. MaxText leaves routing groups
-# off (-1) for both: one group here is the same routing.
-_MAXTEXT_DEEPSEEK3_ROUTING = dict(
+# command copied from MaxText trains the shape it names, with V3's YaRN as there. MaxText leaves routing groups
+# off (-1) for both: one group here is the same routing. remat_policy is MaxText's
+# default (base.yml: full), which these presets run with there.
+_MAXTEXT_DEEPSEEK3 = dict(
+    remat_policy="full",
     vocab_size=129_280,
     num_experts_per_tok=8,
     shared_experts=1,
@@ -394,7 +403,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
     # MaxText's deepseek3-tiny: 61 layers (3 dense) of emb 64, 16 experts top-8.
     "deepseek3-tiny": dict(
-        _MAXTEXT_DEEPSEEK3_ROUTING,
+        _MAXTEXT_DEEPSEEK3,
+        **_DEEPSEEK_YARN,
         base_emb_dim=64,
         base_num_decoder_layers=61,
         first_num_dense_layers=3,
@@ -407,7 +417,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
     # MaxText's deepseek3-test: one MoE layer of the full DeepSeek-V3 width.
     "deepseek3-test": dict(
-        _MAXTEXT_DEEPSEEK3_ROUTING,
+        _MAXTEXT_DEEPSEEK3,
+        **_DEEPSEEK_YARN,
         base_emb_dim=7168,
         base_num_decoder_layers=1,
         first_num_dense_layers=0,
@@ -481,6 +492,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         remat_policy="full",
     ),
 }
+# MaxText's name for DeepSeek-V2-Lite (configs/models/deepseek2-16b.yml), so its commands run.
+PRESETS["deepseek2-16b"] = PRESETS["deepseek2-lite"]
 
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 

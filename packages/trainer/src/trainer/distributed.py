@@ -55,13 +55,24 @@ def resolve(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
     process_id: int | None = None,
+    skip: bool = False,
 ) -> Launch:
-    """Where the process group comes from; ValueError naming the flag when incomplete."""
+    """Where the process group comes from; ValueError naming the flag when incomplete.
+
+    `skip` (skip_jax_distributed_system): one process, whatever the environment says.
+    """
     given = {
         "--coordinator_address": coordinator_address,
         "--num_processes": num_processes,
         "--process_id": process_id,
     }
+    if skip:
+        named = [k for k, v in given.items() if v is not None]
+        if named:
+            raise ValueError(
+                f"skip_jax_distributed_system=true contradicts {', '.join(named)}: drop one"
+            )
+        return Launch(None, None, None, "single")
     if any(v is not None for v in given.values()):
         missing = [k for k, v in given.items() if v is None]
         if missing:

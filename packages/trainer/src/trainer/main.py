@@ -36,13 +36,19 @@ flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
 flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.")
 
 
-def _configure_jax() -> None:
-    # Must happen before the first backend use. It shapes only the CPU backend, so
-    # on a machine with accelerators it is harmless.
+# hardware= (MaxText's values) -> JAX's platform name.
+PLATFORMS = {"cpu": "cpu", "tpu": "tpu", "gpu": "cuda", "gpu_multiprocess": "cuda"}
+
+
+def _configure_jax(hardware: str) -> None:
+    # Must happen before the first backend use. jax_num_cpu_devices shapes only the
+    # CPU backend, so on a machine with accelerators it is harmless.
     import logging
 
     import jax
 
+    if hardware:
+        jax.config.update("jax_platforms", PLATFORMS[hardware])
     jax.config.update("jax_num_cpu_devices", FLAGS.num_cpu_devices)
     # JAX logs at INFO each accelerator backend it probes and does not find ("Unable
     # to initialize backend 'tpu'"), and absl shows INFO: on a CPU host that is noise
@@ -51,11 +57,14 @@ def _configure_jax() -> None:
 
 
 def _checked_config(argv: list[str]):
-    """The config and the launch, every check that needs no backend done; a bad
-    key, value, flag or output directory raises ConfigError."""
-    from trainer.config import ConfigError, make_config, parse_overrides
+    """The config, the launch and the startup notes on MaxText-only arguments, every
+    check that needs no backend done; a bad key, value, flag or output directory
+    raises ConfigError."""
+    from trainer.config import ConfigError, make_config
+    from trainer.maxtext_compat import read_command_line
 
-    config = make_config(parse_overrides(argv[1:]))
+    overrides, notes = read_command_line(argv[1:])
+    config = make_config(overrides)
     if FLAGS.dump_hlo and not os.access(os.path.dirname(os.path.abspath(FLAGS.dump_hlo)), os.W_OK):
         raise ConfigError(f"--dump_hlo directory of {FLAGS.dump_hlo!r} is not writable")
     from trainer import aot, checkpoint, distributed, profiling
@@ -71,13 +80,16 @@ def _checked_config(argv: list[str]):
         if config.compile_topology:
             aot.resolve(config)
         launch = distributed.resolve(
-            FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id
+            FLAGS.coordinator_address,
+            FLAGS.num_processes,
+            FLAGS.process_id,
+            skip=config.skip_jax_distributed_system,
         )
     except ConfigError:
         raise
     except ValueError as error:  # these checks report bad values as plain ValueErrors
         raise ConfigError(str(error)) from error
-    return config, launch
+    return config, launch, notes
 
 
 def main(argv: list[str]) -> int:
@@ -87,12 +99,14 @@ def main(argv: list[str]) -> int:
     # compile's own) ends here, with exit status 2. Modules are imported as late
     # as before: a bad key is reported before jax and the model code load.
     try:
-        config, launch = _checked_config(argv)
+        config, launch, notes = _checked_config(argv)
+        for note in notes:
+            print(f"note: {note}", flush=True)
         from trainer import aot, checkpoint, distributed, profiling
 
         if config.compile_topology:
             return aot.main(config, FLAGS.dump_hlo)
-        _configure_jax()
+        _configure_jax(config.hardware)
         distributed.initialize(launch)
         from trainer import run as run_lib
 
