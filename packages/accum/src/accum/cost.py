@@ -10,8 +10,9 @@ reduces one local array over a set of axes:
 
 - `PER_MICROBATCH`: the leaf's local gradient, in the compute dtype (autodiff
   reduces it in the backward pass), GA times per step;
-- `SCATTER`: the leaf's local gradient, in the accumulator dtype, reduce-scattered
-  over the in-slice axes, GA times per step;
+- `SCATTER`: the leaf's local gradient, in the compute dtype (the scatter runs on
+  the backward pass's cotangent), reduce-scattered over the in-slice axes, GA
+  times per step;
 - `PER_STEP`: the accumulator (the leaf's layout, or the scattered one under
   hierarchical), in the accumulator dtype, once after the loop;
 - `PER_USE` (FSDP's own reduce-scatters, the expert kernel's sums) and `BY_XLA`
@@ -62,6 +63,7 @@ class Cost:
     bytes_in_loop: dict[str, int]  # batch axis -> reduced operand bytes inside the loop
     bytes_outside: dict[str, int]  # ... after the loop
     link_seconds: dict[str, float]  # ICI / DCN -> wire time of the reductions
+    link_bytes: dict[str, float]  # ICI / DCN -> bytes each chip puts on that link (rings)
     hidden_seconds: float  # the part compute hides (see the README's time model)
     exposed_seconds: float
     compute_seconds: float
@@ -99,7 +101,7 @@ def leaf_events(
     if per_mb:
         events.append(Event(per_mb, param_elements * compute_bytes, num_microbatches, False, True))
     if leaf.scatter:
-        nbytes = param_elements * accum_bytes
+        nbytes = param_elements * compute_bytes
         events.append(Event(leaf.scatter, nbytes, num_microbatches, True, True))
     if leaf.per_step:
         acc_elements = local_elements(shape, leaf.accumulator_spec, mesh_shape)
@@ -218,6 +220,10 @@ def predict(
         bytes_in_loop=inside,
         bytes_outside=outside,
         link_seconds=links,
+        link_bytes={
+            ICI: links[ICI] * hardware.ici_bytes_per_s,
+            DCN: links[DCN] * hardware.dcn_bytes_per_s,
+        },
         hidden_seconds=hidden,
         exposed_seconds=exposed,
         compute_seconds=compute,

@@ -146,16 +146,34 @@ def compile_for_topology(config: Config, hlo_path: str | None = None) -> AotResu
     """Build the abstract state on the topology's devices, lower, compile, write HLO."""
     import jax
 
+    from trainer import reduction_choice, xla_options
     from trainer import run as run_lib
-    from trainer import xla_options
 
     topo = resolve(config)
     slices = config.compile_topology_num_slices
-    run = run_lib.abstract_setup(config, devices_for(topo, slices))
-    with jax.set_mesh(run.ctx.mesh):
-        lowered = run.step_fn.lower(run.state, run_lib.abstract_batch(run))
-        # The mesh holds the topology's devices, so this is the TPU option set.
-        compiled = lowered.compile(compiler_options=xla_options.for_mesh(config, run.ctx.mesh))
+    devices = devices_for(topo, slices)
+    run = run_lib.abstract_setup(config, devices)
+    hbm = int(topo.hbm_gib * GIB)
+    while True:
+        try:
+            with jax.set_mesh(run.ctx.mesh):
+                lowered = run.step_fn.lower(run.state, run_lib.abstract_batch(run))
+                # The mesh holds the topology's devices, so this is the TPU option set.
+                compiled = lowered.compile(
+                    compiler_options=xla_options.for_mesh(run.config, run.ctx.mesh)
+                )
+            total = memory_of(compiled)["total"]
+            misfit = f"compiled {total / GIB:.2f} GiB > {topo.hbm_gib:g} GiB HBM"
+            if run.reduction_choice is None or total <= hbm:
+                break
+        except jax.errors.JaxRuntimeError as error:
+            if run.reduction_choice is None or "RESOURCE_EXHAUSTED" not in str(error):
+                raise
+            misfit = "XLA: " + str(error).strip().splitlines()[0][:120]
+        # gradient_reduction_policy=auto: the next policy in the predicted order.
+        choice = reduction_choice.next_choice(run.reduction_choice, misfit)
+        run = run_lib.abstract_setup(reduction_choice.with_policy(config, choice.policy), devices)
+        run.reduction_choice = choice
     run.compiled = compiled
     suffix = f"x{slices}" if slices > 1 else ""
     hlo_path = hlo_path or os.path.join(config.run_dir, f"aot_{topo.name}{suffix}.hlo")
@@ -168,7 +186,7 @@ def compile_for_topology(config: Config, hlo_path: str | None = None) -> AotResu
 def report_lines(result: AotResult) -> list[str]:
     """What `train compile_topology=...` prints."""
     import hlo_tools
-    from trainer import flops, report
+    from trainer import flops, reduction_choice, report
     from trainer import run as run_lib
 
     run, topo, mem = result.run, result.topology, result.memory
@@ -183,6 +201,7 @@ def report_lines(result: AotResult) -> list[str]:
             flops.count_params(run.state["params"]), flops.active_matmul_params(config)
         ),
         report.batch_line(config, run.batch_size),
+        *(reduction_choice.startup_lines(run.reduction_choice) if run.reduction_choice else []),
         *report.plan_lines(config, run.plan),
         "memory per device (compiled.memory_analysis()):",
     ]
