@@ -143,11 +143,20 @@ def choose(config: Config, ctx: Any, params: Any, devices: list) -> Choice:
     hw, note = hardware_for(config, devices)
     candidates = plans(config, ctx, params)
     costs = predict_all(config, candidates, params, hw)
-    order = rank(costs, any(p.slice_axes for p in candidates.values()))
+    order = auto_order(costs, candidates, config.gradient_accumulation_steps)
     if config.gradient_accumulation_steps == 1:
-        order = ("deferred", *(p for p in order if p != "deferred"))
         note += "; one microbatch: deferred (nothing to accumulate, whatever the figures)"
     return Choice(order, costs, hw, note)
+
+
+def auto_order(
+    costs: dict[str, cost_lib.Cost], candidates: dict[str, accum.ReductionPlan], ga: int
+) -> tuple[str, ...]:
+    """`rank`, with deferred first when one microbatch leaves nothing to accumulate."""
+    order = rank(costs, any(p.slice_axes for p in candidates.values()))
+    if ga == 1:
+        order = ("deferred", *(p for p in order if p != "deferred"))
+    return order
 
 
 def resolve(config: Config, ctx: Any, params: Any, devices: list) -> tuple[Config, Choice | None]:
@@ -210,6 +219,6 @@ def startup_lines(choice: Choice) -> list[str]:
     head = f"gradient_reduction_policy=auto -> {choice.policy} ({choice.note})"
     lines = [head, *(f"  skipped {s}" for s in choice.skipped)]
     if choice.costs:
-        lines.append("  predicted per device per step (accum.cost; packages/accum/README.md):")
+        lines.append("  predicted per device per step (accum.cost; docs/cost_model.md):")
         lines += table_lines(choice)
     return lines
