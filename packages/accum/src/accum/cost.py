@@ -136,16 +136,26 @@ def plan_events(
     return events
 
 
-def bytes_per_axis(events: Iterable[Event], batch_axes: Iterable[str]) -> tuple[dict, dict]:
+def bytes_per_axis(
+    events: Iterable[Event],
+    batch_axes: Iterable[str],
+    mesh_shape: Mapping[str, int] | None = None,
+    slice_axes: Iterable[str] = (),
+) -> tuple[dict, dict]:
     """({axis: operand bytes per step inside the loop}, {... after it}).
 
     An event over several axes counts toward each (as a collective whose replica
-    groups span them all does in hlo_tools)."""
+    groups span them all does in hlo_tools). A cross-slice axis of an event that also
+    spans in-slice axes counts the in-slice shard (operand / their size): XLA reduces
+    across slices after reduce-scattering inside the slice, so that is what crosses."""
+    sliced = set(slice_axes)
     inside = {a: 0 for a in batch_axes}
     outside = dict(inside)
     for e in events:
+        g = math.prod(mesh_shape[a] for a in e.axes if a not in sliced) if sliced else 1
         for a in e.axes:
-            (inside if e.in_loop else outside)[a] += e.nbytes * e.times
+            nbytes = e.nbytes // g if a in sliced else e.nbytes
+            (inside if e.in_loop else outside)[a] += nbytes * e.times
     return inside, outside
 
 
@@ -194,7 +204,7 @@ def predict(
         compute_dtype=compute_dtype,
         accum_dtype=accum_dtype,
     )
-    inside, outside = bytes_per_axis(events, plan.batch_axes)
+    inside, outside = bytes_per_axis(events, plan.batch_axes, sizes, plan.slice_axes)
     links = {ICI: 0.0, DCN: 0.0}
     loop = {ICI: 0.0, DCN: 0.0}
     for e in events:

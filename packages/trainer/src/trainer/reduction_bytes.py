@@ -70,7 +70,8 @@ def predicted(run: Any) -> tuple[dict[str, int], dict[str, int]]:
         compute_dtype=run.config.dtype,
         accum_dtype=run.config.accum_dtype,
     )
-    return cost.bytes_per_axis(events, run.plan.batch_axes)
+    plan = run.plan
+    return cost.bytes_per_axis(events, plan.batch_axes, dict(plan.mesh_shape), plan.slice_axes)
 
 
 def exact_axes(run: Any) -> tuple[str, ...]:
