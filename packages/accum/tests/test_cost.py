@@ -55,8 +55,9 @@ def test_bytes_per_axis_per_policy():
     # Once per step, f32: w over every batch axis, fsdp_w over the non-fsdp ones
     # (FSDP reduces its own axis per use: not counted); the 8-element bias left out.
     assert deferred.bytes_in_loop == {"dcn_data": 0, "data": 0, "fsdp": 0}
+    # Across slices, the in-slice shard of each (XLA reduce-scatters in the slice first).
     assert deferred.bytes_outside == {
-        "dcn_data": 4 * (W + FSDP_W),
+        "dcn_data": 4 * (W // 4 + FSDP_W // 2),
         "data": 4 * (W + FSDP_W),
         "fsdp": 4 * W,
     }
