@@ -4,7 +4,7 @@ deepseek3-671b and deepseek3-small on v5p and v6e slices, 1 to 64 slices joined 
 DCN (dcn_data = slices), GA 1 to 32: predicted step time per policy, the share of
 it spent waiting on DCN, the accumulator per device, and where hierarchical beats
 deferred (a smaller accumulator) and per_microbatch (less DCN traffic). Every
-figure is a prediction of the cost model (packages/accum/README.md, "Cost model")
+figure is a prediction of the cost model (docs/cost_model.md)
 on an abstract mesh: nothing on this page is compiled or run. The byte predictions
 are checked against compiles elsewhere (test_aot_matrix.py, test_aot.py).
 
@@ -132,7 +132,7 @@ def page(rows: list[dict]) -> list[str]:
         "Reduction policy study: predicted step time per policy, 1 to 64 slices (no compiles)",
         COMMAND,
         [
-            "every figure here is predicted by accum.cost (packages/accum/README.md, 'Cost "
+            "every figure here is predicted by accum.cost (docs/cost_model.md, 'Time "
             "model') on an abstract mesh: nothing on this page was compiled or run",
             "layouts per slice: deepseek3-671b: expert=64 x fsdp (v5p-1024: 512 chips; "
             "v6e-256), bf16 weights, capacity 1.25; deepseek3-small: data=8 with ZeRO-1 "

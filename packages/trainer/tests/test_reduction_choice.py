@@ -94,3 +94,57 @@ def test_planner_prints_the_table_and_refuses_bad_input(capsys):
     assert "plan-reduction needs compile_topology=" in capsys.readouterr().err
     assert plan_reduction.main([*args, "reduction_hardware=v4"]) == 2
     assert "'v4' lacks ici_bytes_per_s" in capsys.readouterr().err
+
+
+class _Run:
+    def __init__(self, policy, choice):
+        self.policy, self.reduction_choice = policy, choice
+
+
+def test_compile_first_fitting_skips_what_does_not_fit_and_names_it():
+    gib = reduction_choice.GIB
+    sizes = {
+        "deferred": 20 * gib,
+        "hierarchical": "RESOURCE_EXHAUSTED: out of HBM",
+        "per_microbatch": 9 * gib,
+    }
+
+    def compile_run(run):
+        if isinstance(sizes[run.policy], str):
+            raise RuntimeError(sizes[run.policy])
+        return sizes[run.policy]
+
+    choice = reduction_choice.Choice(("deferred", "hierarchical", "per_microbatch"), {}, None, "")
+    run, compiled = reduction_choice.compile_first_fitting(
+        _Run("deferred", choice), compile_run, lambda p: _Run(p, None), 16 * gib, lambda c: c
+    )
+    assert run.policy == "per_microbatch" and compiled == 9 * gib
+    assert run.reduction_choice.skipped == (
+        "deferred: compiled 20.00 GiB > 16 GiB HBM",
+        "hierarchical: XLA: RESOURCE_EXHAUSTED: out of HBM",
+    )
+    assert (
+        "skipped deferred: compiled 20.00 GiB"
+        in reduction_choice.startup_lines(run.reduction_choice)[1]
+    )
+    # An explicit policy compiles once, whatever its size; another error is not a misfit.
+    run, compiled = reduction_choice.compile_first_fitting(
+        _Run("deferred", None), compile_run, None, 16 * gib, lambda c: c
+    )
+    assert compiled == 20 * gib
+    with pytest.raises(RuntimeError, match="boom"):
+        reduction_choice.compile_first_fitting(
+            _Run("deferred", choice),
+            lambda r: (_ for _ in ()).throw(RuntimeError("boom")),
+            None,
+            0,
+            int,
+        )
+    with pytest.raises(ConfigError, match="found no policy that fits in HBM"):
+        reduction_choice.compile_first_fitting(
+            _Run("deferred", choice),
+            lambda r: 99 * gib,
+            lambda p: _Run(p, None),
+            16 * gib,
+            lambda c: c,
+        )

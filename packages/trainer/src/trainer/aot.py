@@ -153,27 +153,20 @@ def compile_for_topology(config: Config, hlo_path: str | None = None) -> AotResu
     slices = config.compile_topology_num_slices
     devices = devices_for(topo, slices)
     run = run_lib.abstract_setup(config, devices)
-    hbm = int(topo.hbm_gib * GIB)
-    while True:
-        try:
-            with jax.set_mesh(run.ctx.mesh):
-                lowered = run.step_fn.lower(run.state, run_lib.abstract_batch(run))
-                # The mesh holds the topology's devices, so this is the TPU option set.
-                compiled = lowered.compile(
-                    compiler_options=xla_options.for_mesh(run.config, run.ctx.mesh)
-                )
-            total = memory_of(compiled)["total"]
-            misfit = f"compiled {total / GIB:.2f} GiB > {topo.hbm_gib:g} GiB HBM"
-            if run.reduction_choice is None or total <= hbm:
-                break
-        except jax.errors.JaxRuntimeError as error:
-            if run.reduction_choice is None or "RESOURCE_EXHAUSTED" not in str(error):
-                raise
-            misfit = "XLA: " + str(error).strip().splitlines()[0][:120]
-        # gradient_reduction_policy=auto: the next policy in the predicted order.
-        choice = reduction_choice.next_choice(run.reduction_choice, misfit)
-        run = run_lib.abstract_setup(reduction_choice.with_policy(config, choice.policy), devices)
-        run.reduction_choice = choice
+
+    def compile_run(run):
+        with jax.set_mesh(run.ctx.mesh):
+            lowered = run.step_fn.lower(run.state, run_lib.abstract_batch(run))
+            # The mesh holds the topology's devices, so this is the TPU option set.
+            return lowered.compile(compiler_options=xla_options.for_mesh(run.config, run.ctx.mesh))
+
+    def rebuild(policy):
+        return run_lib.abstract_setup(reduction_choice.with_policy(config, policy), devices)
+
+    # gradient_reduction_policy=auto: a step over HBM gives way to the next policy.
+    run, compiled = reduction_choice.compile_first_fitting(
+        run, compile_run, rebuild, int(topo.hbm_gib * GIB), lambda c: memory_of(c)["total"]
+    )
     run.compiled = compiled
     suffix = f"x{slices}" if slices > 1 else ""
     hlo_path = hlo_path or os.path.join(config.run_dir, f"aot_{topo.name}{suffix}.hlo")

@@ -17,6 +17,7 @@ slices per_microbatch is ranked after hierarchical whatever the figures say
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import accum
@@ -189,6 +190,35 @@ def next_choice(choice: Choice, reason: str) -> Choice:
             "(ici_fsdp_parallelism, shard_optimizer_over_data=true), or use a bigger chip"
         )
     return dataclasses.replace(choice, order=choice.order[1:], skipped=skipped)
+
+
+def compile_first_fitting(
+    run: Any,
+    compile_run: Callable[[Any], Any],
+    rebuild: Callable[[str], Any],
+    hbm_bytes: int,
+    memory_total: Callable[[Any], int],
+) -> tuple[Any, Any]:
+    """(run, compiled) of the first policy in `run.reduction_choice`'s order whose
+    compiled step fits in `hbm_bytes` (XLA refusing with RESOURCE_EXHAUSTED counts as
+    not fitting); each skipped policy is named in the choice's `skipped` lines. An
+    explicit policy (no choice) is compiled once, as before. `rebuild(policy)` builds
+    the run for the next policy; ConfigError (next_choice) when none fits."""
+    while True:
+        try:
+            compiled = compile_run(run)
+        except Exception as error:  # only an out-of-memory refusal moves auto on
+            if run.reduction_choice is None or "RESOURCE_EXHAUSTED" not in str(error):
+                raise
+            misfit = "XLA: " + str(error).strip().splitlines()[0][:120]
+        else:
+            total = memory_total(compiled)
+            if run.reduction_choice is None or total <= hbm_bytes:
+                return run, compiled
+            misfit = f"compiled {total / GIB:.2f} GiB > {hbm_bytes / GIB:g} GiB HBM"
+        choice = next_choice(run.reduction_choice, misfit)
+        run = rebuild(choice.policy)
+        run.reduction_choice = choice
 
 
 def table_lines(choice: Choice, chosen: str | None = None) -> list[str]:
