@@ -26,37 +26,22 @@ GAS = (1, 2, 4, 8, 16, 32)
 # One slice's layout per (model, chip): 671b as test_aot.py's v5p-1024 compile (experts
 # over 64-way expert parallelism, the rest FSDP, bf16 weights); deepseek3-small as
 # aot_slices.md's recipe (data=8, ZeRO-1), on an 8-chip slice.
+LAYOUT_671B = dict(
+    model_name="deepseek3-671b",
+    ici_data_parallelism="1",
+    ici_expert_parallelism="64",
+    ici_fsdp_parallelism="-1",
+    capacity_factor="1.25",
+    weight_dtype="bfloat16",
+)
+LAYOUT_SMALL = dict(
+    model_name="deepseek3-small", ici_data_parallelism="8", shard_optimizer_over_data="true"
+)
 CASES = {
-    ("deepseek3-671b", "v5p"): dict(
-        model_name="deepseek3-671b",
-        compile_topology="v5p-1024",
-        ici_data_parallelism="1",
-        ici_expert_parallelism="64",
-        ici_fsdp_parallelism="-1",
-        capacity_factor="1.25",
-        weight_dtype="bfloat16",
-    ),
-    ("deepseek3-671b", "v6e"): dict(
-        model_name="deepseek3-671b",
-        compile_topology="v6e-256",
-        ici_data_parallelism="1",
-        ici_expert_parallelism="64",
-        ici_fsdp_parallelism="-1",
-        capacity_factor="1.25",
-        weight_dtype="bfloat16",
-    ),
-    ("deepseek3-small", "v5p"): dict(
-        model_name="deepseek3-small",
-        compile_topology="v5p-16",
-        ici_data_parallelism="8",
-        shard_optimizer_over_data="true",
-    ),
-    ("deepseek3-small", "v6e"): dict(
-        model_name="deepseek3-small",
-        compile_topology="v6e-8",
-        ici_data_parallelism="8",
-        shard_optimizer_over_data="true",
-    ),
+    ("deepseek3-671b", "v5p"): {**LAYOUT_671B, "compile_topology": "v5p-1024"},
+    ("deepseek3-671b", "v6e"): {**LAYOUT_671B, "compile_topology": "v6e-256"},
+    ("deepseek3-small", "v5p"): {**LAYOUT_SMALL, "compile_topology": "v5p-16"},
+    ("deepseek3-small", "v6e"): {**LAYOUT_SMALL, "compile_topology": "v6e-8"},
 }
 COMMON = {"per_device_batch_size": "1", "remat_policy": "full"}
 

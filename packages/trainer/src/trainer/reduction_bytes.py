@@ -75,9 +75,20 @@ def predicted(run: Any) -> tuple[dict[str, int], dict[str, int]]:
 
 
 def exact_axes(run: Any) -> tuple[str, ...]:
-    """Batch axes whose in-loop bytes the prediction covers: those no leaf reduces
-    per use (FSDP's reduce-scatters of gathered weights are not the plan's to place)."""
+    """Batch axes whose in-loop bytes the prediction covers: those that shard only the
+    batch dimension (a sequence axis also carries attention's activation reductions,
+    which no collective record tells from a gradient's) and that no leaf reduces per
+    use (FSDP's reduce-scatters of gathered weights are not the plan's to place)."""
     import accum
+    import pspec_tags as pt
 
+    batch_only = set(
+        pt.mesh_axes_used(pt.logical_to_spec(("activation_batch",), run.ctx.rules, run.ctx.mesh))
+    )
+    sequence = set(
+        pt.mesh_axes_used(
+            pt.logical_to_spec((None, "activation_length"), run.ctx.rules, run.ctx.mesh)
+        )
+    )
     per_use = set(run.plan.axes(accum.PER_USE))
-    return tuple(a for a in run.plan.batch_axes if a not in per_use)
+    return tuple(a for a in run.plan.batch_axes if a in batch_only and a not in sequence | per_use)
