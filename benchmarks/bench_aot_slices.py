@@ -93,6 +93,13 @@ def compile_variant(name: str, variant: dict, reuse: bool) -> dict:
         "params": sum(x.size for x in jax.tree.leaves(result.run.state["params"])),
         "data": dict(result.run.ctx.mesh.shape)["data"],
     }
+    if result.run.config.shard_mode == "explicit" and result.num_slices > 1:
+        from trainer import reduction_bytes
+
+        # accum.cost's cross-slice gradient bytes (docs/cost_model.md), to set beside
+        # hlo_tools' count of the megascale reductions.
+        pred_in, pred_out = reduction_bytes.predicted(result.run)
+        meta["predicted_cross_slice"] = [pred_in["dcn_data"], pred_out["dcn_data"]]
     with open(meta_path, "w") as f:
         json.dump(meta, f)
     return meta
@@ -125,6 +132,22 @@ def measure(name: str, variant: dict, reuse: bool) -> dict:
         "cross_slice_grad_bytes": sum(c.bytes * (c.multiplier or 1) for c in across),
         "grad_shard_bytes": shard_bytes,
         "exact": split["exact"],
+        **_predicted_columns(meta, module),
+    }
+
+
+def _predicted_columns(meta: dict, module) -> dict:
+    """Predicted vs counted cross-slice gradient operand bytes (in loop, after)."""
+    if "predicted_cross_slice" not in meta:
+        return {}
+    from trainer import reduction_bytes
+
+    counted = reduction_bytes.counted_cross_slice(module)
+    return {
+        "predicted_cross_slice_in_loop": meta["predicted_cross_slice"][0],
+        "predicted_cross_slice_outside": meta["predicted_cross_slice"][1],
+        "counted_cross_slice_in_loop": counted[0],
+        "counted_cross_slice_outside": counted[1],
     }
 
 
@@ -184,6 +207,26 @@ def main() -> int:
         ],
         table_rows,
         align="lrrrrrrr",
+    )
+    lines += [
+        "",
+        "Cross-slice gradient operand bytes per step, accum.cost's prediction vs hlo_tools' count "
+        "(docs/cost_model.md, 'Which bytes are exact'):",
+        "",
+    ]
+    lines += bl.table(
+        ["schedule", "predicted in loop", "counted in loop", "predicted after", "counted after"],
+        [
+            [
+                r["variant"],
+                f"{r['predicted_cross_slice_in_loop']:,}",
+                f"{r['counted_cross_slice_in_loop']:,}",
+                f"{r['predicted_cross_slice_outside']:,}",
+                f"{r['counted_cross_slice_outside']:,}",
+            ]
+            for r in rows
+            if "predicted_cross_slice_in_loop" in r
+        ],
     )
     lines += [
         "",

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import hlo_tools
-from trainer import aot
+from trainer import aot, reduction_bytes
 from trainer.config import make_config
 
 pytestmark = pytest.mark.aot
@@ -304,6 +304,15 @@ def test_two_v5e8_slices_hierarchical(tmp_path):
     assert max(c.multiplier for c in in_loop) > 4
     lines = aot.report_lines(result)
     assert any("cross-slice" in line and "(0 B in loops)" in line for line in lines)
+    # accum.cost's cross-slice prediction: nothing in the loop, and after it the
+    # scattered accumulators' bytes, which the megascale transfers carry padded to
+    # whole (8, 128) f32 tiles: less than one tile (4 KiB) more per transferred array.
+    pred_in, pred_out = reduction_bytes.predicted(result.run)
+    cross_in, cross_out = reduction_bytes.counted_cross_slice(module)
+    assert cross_in == pred_in["dcn_data"] == 0
+    arrays = [a for c in across if c.kind in hlo_tools.REDUCTION_KINDS for a in c.arrays]
+    floats = [a for a in arrays if a.elements > 8 and a.dtype.startswith(("f", "bf"))]
+    assert 0 <= cross_out - pred_out["dcn_data"] < 4096 * len(floats), (cross_out, pred_out)
 
 
 @pytest.mark.parametrize(

@@ -75,6 +75,11 @@ def test_prints_mesh_params_and_collective_verdict(output):
     assert re.search(r"params: [\d.]+M total, [\d.]+M active per token", stdout)
     assert "gradient reduction: deferred to once per step over ('data',)" in stdout
     assert "OK: every gradient reduced once per step" in stdout
+    # gradient_reduction_policy=auto (the default) says what it chose and assumed.
+    assert (
+        "gradient_reduction_policy=auto -> deferred (no hardware table entry for 'cpu': "
+        "assumed v5e's figures" in stdout
+    )
 
 
 def test_one_line_per_step_with_finite_loss(output):

@@ -146,16 +146,27 @@ def compile_for_topology(config: Config, hlo_path: str | None = None) -> AotResu
     """Build the abstract state on the topology's devices, lower, compile, write HLO."""
     import jax
 
+    from trainer import reduction_choice, xla_options
     from trainer import run as run_lib
-    from trainer import xla_options
 
     topo = resolve(config)
     slices = config.compile_topology_num_slices
-    run = run_lib.abstract_setup(config, devices_for(topo, slices))
-    with jax.set_mesh(run.ctx.mesh):
-        lowered = run.step_fn.lower(run.state, run_lib.abstract_batch(run))
-        # The mesh holds the topology's devices, so this is the TPU option set.
-        compiled = lowered.compile(compiler_options=xla_options.for_mesh(config, run.ctx.mesh))
+    devices = devices_for(topo, slices)
+    run = run_lib.abstract_setup(config, devices)
+
+    def compile_run(run):
+        with jax.set_mesh(run.ctx.mesh):
+            lowered = run.step_fn.lower(run.state, run_lib.abstract_batch(run))
+            # The mesh holds the topology's devices, so this is the TPU option set.
+            return lowered.compile(compiler_options=xla_options.for_mesh(run.config, run.ctx.mesh))
+
+    def rebuild(policy):
+        return run_lib.abstract_setup(reduction_choice.with_policy(config, policy), devices)
+
+    # gradient_reduction_policy=auto: a step over HBM gives way to the next policy.
+    run, compiled = reduction_choice.compile_first_fitting(
+        run, compile_run, rebuild, int(topo.hbm_gib * GIB), lambda c: memory_of(c)["total"]
+    )
     run.compiled = compiled
     suffix = f"x{slices}" if slices > 1 else ""
     hlo_path = hlo_path or os.path.join(config.run_dir, f"aot_{topo.name}{suffix}.hlo")
@@ -168,7 +179,7 @@ def compile_for_topology(config: Config, hlo_path: str | None = None) -> AotResu
 def report_lines(result: AotResult) -> list[str]:
     """What `train compile_topology=...` prints."""
     import hlo_tools
-    from trainer import report
+    from trainer import reduction_choice, report
     from trainer import run as run_lib
 
     run, topo, mem = result.run, result.topology, result.memory
@@ -181,6 +192,7 @@ def report_lines(result: AotResult) -> list[str]:
         report.mesh_line(dict(run.ctx.mesh.shape), config.shard_mode),
         report.params_line_of(config, run.state["params"]),
         report.batch_line(config, run.batch_size),
+        *(reduction_choice.startup_lines(run.reduction_choice) if run.reduction_choice else []),
         *report.plan_lines(config, run.plan),
         "memory per device (compiled.memory_analysis()):",
     ]

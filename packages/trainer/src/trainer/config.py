@@ -166,9 +166,16 @@ class Config:
     # When each gradient is reduced (accum.plan): deferred (once per step over every
     # batch axis), per_microbatch, or hierarchical (cross-slice axes once per step,
     # in-slice ones reduce-scattered per microbatch into sharded accumulators).
-    # Empty: from defer_gradient_reduction (true = deferred, false = per_microbatch).
-    gradient_reduction_policy: Literal["", "deferred", "per_microbatch", "hierarchical"] = ""
+    # auto (the default): the policy accum.cost predicts fastest that fits in HBM
+    # (trainer/reduction_choice.py). An explicit defer_gradient_reduction (true =
+    # deferred, false = per_microbatch) still names its policy.
+    gradient_reduction_policy: Literal["", "auto", "deferred", "per_microbatch", "hierarchical"] = (
+        ""
+    )
     defer_gradient_reduction: bool = True
+    # The chip whose figures (accum.hardware) auto's cost model uses: v4, v5e, v5p,
+    # v6e, h100, h200. Empty: compile_topology's chip, else the devices' kind.
+    reduction_hardware: str = ""
     # The gradient accumulator's dtype (the scan carry summing microbatches):
     # bfloat16 halves its memory; sums then differ from float32's by bf16 rounding.
     accum_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -579,9 +586,16 @@ def make_config(overrides: dict[str, Any] | None = None) -> Config:
         values.update(trainer_keys_of_directory(str(overrides["hf_model_path"]), text))
     values.update(overrides)
     config = Config(**{key: _parse_value(key, raw) for key, raw in values.items()})
-    if "defer_gradient_reduction" in overrides and config.gradient_reduction_policy:
-        alias = "deferred" if config.defer_gradient_reduction else "per_microbatch"
-        if alias != config.gradient_reduction_policy:
+    alias = "deferred" if config.defer_gradient_reduction else "per_microbatch"
+    if not config.gradient_reduction_policy:
+        explicit = "defer_gradient_reduction" in overrides
+        config = dataclasses.replace(
+            config, gradient_reduction_policy=alias if explicit else "auto"
+        )
+    elif "defer_gradient_reduction" in overrides:
+        # auto with defer_gradient_reduction=true: a config's own fields passed back in.
+        auto_ok = config.gradient_reduction_policy == "auto" and config.defer_gradient_reduction
+        if alias != config.gradient_reduction_policy and not auto_ok:
             raise ConfigError(
                 f"defer_gradient_reduction={str(config.defer_gradient_reduction).lower()} "
                 f"(an alias of gradient_reduction_policy={alias}) contradicts "

@@ -79,6 +79,10 @@ def _checked_config(argv: list[str]):
         profiling.check(config)
         if config.compile_topology:
             aot.resolve(config)
+        if config.reduction_policy == "auto":
+            from trainer import reduction_choice
+
+            reduction_choice.hardware_for(config, [])  # ConfigError: unknown or incomplete chip
         launch = distributed.resolve(
             FLAGS.coordinator_address,
             FLAGS.num_processes,

@@ -24,6 +24,7 @@ from trainer import (
     flops,
     initial_weights,
     input_pipeline,
+    reduction_choice,
     report,
     slices,
     xla_options,
@@ -57,6 +58,7 @@ class Run:
     stop_reason: str = ""  # set when a signal stopped the loop early
     evaluator: evaluate.Evaluator | None = None  # eval_interval > 0
     evals: list = dataclasses.field(default_factory=list)  # (step, eval result) per evaluation
+    reduction_choice: Any = None  # reduction_choice.Choice under gradient_reduction_policy=auto
 
     @property
     def deferral_axes(self) -> tuple[str, ...]:
@@ -168,6 +170,9 @@ def _build(
         params, router = weights.load(config, ctx, model)
     else:
         params, router = model_lib.init(config, ctx, model)
+    choice = None
+    if config.reduction_policy == "auto":
+        config, choice = reduction_choice.resolve(config, ctx, params, devices)
     plan = reduction_plan(config, ctx, params)
     tx = make_optimizer(config)
     params, opt_shardings, zero1 = _optimizer_layout(config, mesh, tx, params)
@@ -183,7 +188,9 @@ def _build(
     else:
         step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
     state = {"params": params, "opt_state": opt_state, "router": router, "step": step}
-    return Run(config, ctx, model, state, jit_step(fns.step, state), batch, plan)
+    run = Run(config, ctx, model, state, jit_step(fns.step, state), batch, plan)
+    run.reduction_choice = choice
+    return run
 
 
 def abstract_batch(run: Run) -> dict:
@@ -318,6 +325,8 @@ def startup_lines(run: Run) -> list[str]:
         report.params_line_of(config, run.state["params"]),
         report.batch_line(config, run.batch_size),
     ]
+    if run.reduction_choice:
+        lines += reduction_choice.startup_lines(run.reduction_choice)
     lines += report.plan_lines(config, run.plan)
     lines += data_lines(run)
     return lines + report.collective_summary(run.compiled.as_text(), config, *summary_axes(run))

@@ -1,0 +1,243 @@
+"""What a reduction plan costs: gradient bytes per mesh axis, link time, memory, step time.
+
+Pure Python over a `ReductionPlan` and the parameters' shapes (no compile). The
+formulas and their assumptions are in packages/accum/README.md ("Cost model");
+which byte figure equals what hlo_tools counts on the compiled program, exactly,
+is stated there too.
+
+Per leaf, the plan says when each batch axis is reduced. Each such *event*
+reduces one local array over a set of axes:
+
+- `PER_MICROBATCH`: the leaf's local gradient, in the compute dtype (autodiff
+  reduces it in the backward pass), GA times per step;
+- `SCATTER`: the leaf's local gradient, in the compute dtype (the scatter runs on
+  the backward pass's cotangent), reduce-scattered over the in-slice axes, GA
+  times per step;
+- `PER_STEP`: the accumulator (the leaf's layout, or the scattered one under
+  hierarchical), in the accumulator dtype, once after the loop;
+- `PER_USE` (FSDP's own reduce-scatters, the expert kernel's sums) and `BY_XLA`
+  (auto mode) are the same under every policy, or not ours to place: not counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from accum.hardware import Hardware
+from accum.plan import (
+    PER_MICROBATCH,
+    LeafPlan,
+    ReductionPlan,
+    _is_leaf_plan,
+)
+from pspec_tags import mesh_axes_used
+
+# Arrays of at most this many local elements (scalars, tiny biases) are left out on
+# both sides: hlo_tools' gradient filter drops them, as it drops the loss sums.
+MIN_ELEMENTS = 9
+ICI, DCN = "ICI", "DCN"
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One reduction of one leaf: `times` per step, over `axes`, of `nbytes` local bytes."""
+
+    axes: tuple[str, ...]
+    nbytes: int
+    times: int
+    scatter: bool  # a reduce-scatter (half a ring all-reduce's wire bytes)
+    in_loop: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """One policy's predicted figures, per device per optimizer step."""
+
+    policy: str
+    bytes_in_loop: dict[str, int]  # batch axis -> reduced operand bytes inside the loop
+    bytes_outside: dict[str, int]  # ... after the loop
+    link_seconds: dict[str, float]  # ICI / DCN -> wire time of the reductions
+    link_bytes: dict[str, float]  # ICI / DCN -> bytes each chip puts on that link (rings)
+    hidden_seconds: float  # the part compute hides (see the README's time model)
+    exposed_seconds: float
+    compute_seconds: float
+    step_seconds: float
+    dcn_exposed_seconds: float
+    accumulator_bytes: int
+
+    @property
+    def dcn_share(self) -> float:
+        """The share of the predicted step spent waiting on DCN."""
+        return self.dcn_exposed_seconds / self.step_seconds if self.step_seconds else 0.0
+
+
+def local_elements(shape: tuple[int, ...], spec: Any, mesh_shape: Mapping[str, int]) -> int:
+    """Elements of one device's shard of an array of `shape` laid out on `spec`."""
+    split = math.prod(mesh_shape[a] for a in mesh_axes_used(spec))
+    return math.prod(shape) // split
+
+
+def leaf_events(
+    leaf: LeafPlan,
+    shape: tuple[int, ...],
+    mesh_shape: Mapping[str, int],
+    *,
+    num_microbatches: int,
+    compute_bytes: int,
+    accum_bytes: int,
+) -> list[Event]:
+    """The reductions the plan places for one leaf (module docstring)."""
+    param_elements = local_elements(shape, leaf.param_spec, mesh_shape)
+    events = []
+    if param_elements < MIN_ELEMENTS:
+        return events
+    per_mb = leaf.axes(PER_MICROBATCH)
+    if per_mb:
+        events.append(Event(per_mb, param_elements * compute_bytes, num_microbatches, False, True))
+    if leaf.scatter:
+        nbytes = param_elements * compute_bytes
+        events.append(Event(leaf.scatter, nbytes, num_microbatches, True, True))
+    if leaf.per_step:
+        acc_elements = local_elements(shape, leaf.accumulator_spec, mesh_shape)
+        events.append(Event(leaf.per_step, acc_elements * accum_bytes, 1, False, False))
+    return events
+
+
+def plan_events(
+    plan: ReductionPlan,
+    params: Any,
+    *,
+    num_microbatches: int,
+    compute_dtype: Any,
+    accum_dtype: Any,
+) -> list[Event]:
+    """Every reduction event of the step (`params`: arrays or ShapeDtypeStructs)."""
+    sizes = dict(plan.mesh_shape)
+    compute_bytes = np.dtype(compute_dtype).itemsize
+    accum_bytes = np.dtype(accum_dtype).itemsize
+    leaves = jax.tree.leaves(plan.leaves, is_leaf=_is_leaf_plan)
+    shapes = [tuple(x.shape) for x in jax.tree.leaves(params)]
+    events = []
+    for leaf, shape in zip(leaves, shapes, strict=True):
+        events += leaf_events(
+            leaf,
+            shape,
+            sizes,
+            num_microbatches=num_microbatches,
+            compute_bytes=compute_bytes,
+            accum_bytes=accum_bytes,
+        )
+    return events
+
+
+def bytes_per_axis(
+    events: Iterable[Event],
+    batch_axes: Iterable[str],
+    mesh_shape: Mapping[str, int] | None = None,
+    slice_axes: Iterable[str] = (),
+) -> tuple[dict, dict]:
+    """({axis: operand bytes per step inside the loop}, {... after it}).
+
+    An event over several axes counts toward each (as a collective whose replica
+    groups span them all does in hlo_tools). A cross-slice axis of an event that also
+    spans in-slice axes counts the in-slice shard (operand / their size): XLA reduces
+    across slices after reduce-scattering inside the slice, so that is what crosses."""
+    sliced = set(slice_axes)
+    inside = {a: 0 for a in batch_axes}
+    outside = dict(inside)
+    for e in events:
+        g = math.prod(mesh_shape[a] for a in e.axes if a not in sliced) if sliced else 1
+        for a in e.axes:
+            nbytes = e.nbytes // g if a in sliced else e.nbytes
+            (inside if e.in_loop else outside)[a] += nbytes * e.times
+    return inside, outside
+
+
+def wire_seconds(
+    event: Event, mesh_shape: Mapping[str, int], slice_axes: Iterable[str], hw: Hardware
+) -> dict[str, float]:
+    """Seconds per execution of `event` on each link (ring collectives).
+
+    In-slice axes: a ring all-reduce puts 2(g-1)/g of the operand on each chip's
+    ICI, a reduce-scatter (g-1)/g. Cross-slice axes run on the in-slice shard
+    (XLA reduce-scatters inside the slice, all-reduces across, gathers back):
+    2(s-1)/s of operand/g on each chip's DCN."""
+    sliced = set(slice_axes)
+    g = math.prod(mesh_shape[a] for a in event.axes if a not in sliced)
+    s = math.prod(mesh_shape[a] for a in event.axes if a in sliced)
+    ring = (1 if event.scatter else 2) * (g - 1) / g
+    out = {ICI: ring * event.nbytes / hw.ici_bytes_per_s, DCN: 0.0}
+    if s > 1:
+        out[DCN] = 2 * (s - 1) / s * (event.nbytes / g) / hw.dcn_bytes_per_s
+    return out
+
+
+def predict(
+    plan: ReductionPlan,
+    params: Any,
+    *,
+    num_microbatches: int,
+    hardware: Hardware,
+    step_flops_per_chip: float,
+    compute_dtype: Any = "bfloat16",
+    accum_dtype: Any = "float32",
+    overlapped_after_loop: bool = False,
+) -> Cost:
+    """The plan's predicted cost (formulas: packages/accum/README.md, "Cost model").
+
+    `step_flops_per_chip`: the optimizer step's training FLOPs on one chip
+    (trainer.flops); `overlapped_after_loop`: the after-loop reductions run inside
+    the last microbatch's backward pass (the trainer's ring_reduce_scatter), so
+    they hide under it up to its length.
+    """
+    sizes = dict(plan.mesh_shape)
+    events = plan_events(
+        plan,
+        params,
+        num_microbatches=num_microbatches,
+        compute_dtype=compute_dtype,
+        accum_dtype=accum_dtype,
+    )
+    inside, outside = bytes_per_axis(events, plan.batch_axes, sizes, plan.slice_axes)
+    links = {ICI: 0.0, DCN: 0.0}
+    loop = {ICI: 0.0, DCN: 0.0}
+    for e in events:
+        for link, seconds in wire_seconds(e, sizes, plan.slice_axes, hardware).items():
+            links[link] += seconds * e.times
+            if e.in_loop:
+                loop[link] += seconds * e.times
+    after = {link: links[link] - loop[link] for link in links}
+    compute = step_flops_per_chip / hardware.peak_flops
+    last_backward = compute * 2 / 3 / num_microbatches
+    after_total = after[ICI] + after[DCN]
+    hidden = min(after_total, last_backward) if overlapped_after_loop else 0.0
+    exposed = loop[ICI] + loop[DCN] + after_total - hidden
+    dcn_after = after[DCN] * (1 - hidden / after_total) if after_total else 0.0
+    accumulator = 0
+    if num_microbatches > 1:
+        item = np.dtype(accum_dtype).itemsize
+        leaves = jax.tree.leaves(plan.leaves, is_leaf=_is_leaf_plan)
+        for leaf, x in zip(leaves, jax.tree.leaves(params), strict=True):
+            accumulator += local_elements(tuple(x.shape), leaf.accumulator_spec, sizes) * item
+    return Cost(
+        policy=plan.policy,
+        bytes_in_loop=inside,
+        bytes_outside=outside,
+        link_seconds=links,
+        link_bytes={
+            ICI: links[ICI] * hardware.ici_bytes_per_s,
+            DCN: links[DCN] * hardware.dcn_bytes_per_s,
+        },
+        hidden_seconds=hidden,
+        exposed_seconds=exposed,
+        compute_seconds=compute,
+        step_seconds=compute + exposed,
+        dcn_exposed_seconds=loop[DCN] + dcn_after,
+        accumulator_bytes=accumulator,
+    )

@@ -1,0 +1,121 @@
+"""accum.cost over hand-sized plans: bytes per axis per event kind, the time model's
+formulas, accumulator memory, and the hardware table's refusals. Nothing compiles
+(the byte predictions are checked against compiled programs in the trainer's aot
+tier: test_aot_matrix.py, test_aot.py)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import accum
+from accum import cost
+from accum.hardware import HARDWARE, HardwareError, hardware
+
+SIZES = {"dcn_data": 2, "data": 2, "fsdp": 2}
+GA = 4
+
+
+def _params():
+    """A replicated weight (64 x 32), one FSDP-sharded (64 x 32 over fsdp), a bias of 8
+    elements (at the MIN_ELEMENTS cut: left out) on 2 x (data=2, fsdp=2) devices."""
+    mesh = jax.make_mesh(tuple(SIZES.values()), tuple(SIZES))
+
+    def leaf(shape, spec):
+        return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
+
+    return {
+        "w": leaf((64, 32), P()),
+        "fsdp_w": leaf((64, 32), P("fsdp", None)),
+        "bias": leaf((8,), P()),
+    }
+
+
+def _predict(policy, hw=None, **kwargs):
+    params = _params()
+    plan = accum.make_plan(
+        params,
+        batch_axes=tuple(SIZES),
+        mesh_shape=SIZES,
+        policy=policy,
+        slice_axes=("dcn_data",),
+    )
+    args = dict(num_microbatches=GA, hardware=hw or hardware("v5p"), step_flops_per_chip=1e12)
+    return cost.predict(plan, params, **{**args, **kwargs})
+
+
+W, FSDP_W = 64 * 32, 64 * 32 // 2  # local elements
+
+
+def test_bytes_per_axis_per_policy():
+    deferred = _predict("deferred")
+    # Once per step, f32: w over every batch axis, fsdp_w over the non-fsdp ones
+    # (FSDP reduces its own axis per use: not counted); the 8-element bias left out.
+    assert deferred.bytes_in_loop == {"dcn_data": 0, "data": 0, "fsdp": 0}
+    # Across slices, the in-slice shard of each (XLA reduce-scatters in the slice first).
+    assert deferred.bytes_outside == {
+        "dcn_data": 4 * (W // 4 + FSDP_W // 2),
+        "data": 4 * (W + FSDP_W),
+        "fsdp": 4 * W,
+    }
+    per_mb = _predict("per_microbatch")
+    # Per microbatch, bf16 (autodiff reduces the compute-dtype cotangent), GA times.
+    assert per_mb.bytes_in_loop == {a: GA * n // 2 for a, n in deferred.bytes_outside.items()}
+    assert per_mb.bytes_outside == {"dcn_data": 0, "data": 0, "fsdp": 0}
+    hier = _predict("hierarchical")
+    # In-slice axes scattered per microbatch (bf16); across slices once per step, f32,
+    # the accumulator scattered over data and fsdp (w) or data (fsdp_w, already on fsdp).
+    assert hier.bytes_in_loop == {
+        "dcn_data": 0,
+        "data": GA * 2 * (W + FSDP_W),
+        "fsdp": GA * 2 * W,
+    }
+    assert hier.bytes_outside == {"dcn_data": 4 * (W // 4 + FSDP_W // 2), "data": 0, "fsdp": 0}
+    # The bias: data takes its one free dimension, fsdp finds none left.
+    assert hier.accumulator_bytes == 4 * (W // 4 + FSDP_W // 2 + 8 // 2)
+    assert deferred.accumulator_bytes == per_mb.accumulator_bytes == 4 * (W + FSDP_W + 8)
+
+
+def test_time_model_formulas():
+    hw = hardware("v5p")
+    c = _predict("deferred", hw)
+    # One after-loop all-reduce per leaf: w over (data, fsdp) in the slice (g=4),
+    # fsdp_w over data (g=2); across the 2 slices each on its in-slice shard.
+    ici = 2 * 3 / 4 * 4 * W / hw.ici_bytes_per_s + 2 * 1 / 2 * 4 * FSDP_W / hw.ici_bytes_per_s
+    dcn = (2 * 1 / 2 * 4 * W / 4 + 2 * 1 / 2 * 4 * FSDP_W / 2) / hw.dcn_bytes_per_s
+    assert c.link_seconds["ICI"] == pytest.approx(ici)
+    assert c.link_seconds["DCN"] == pytest.approx(dcn)
+    assert c.compute_seconds == pytest.approx(1e12 / hw.peak_flops)
+    assert c.exposed_seconds == pytest.approx(ici + dcn) and c.hidden_seconds == 0
+    assert c.step_seconds == pytest.approx(c.compute_seconds + ici + dcn)
+    assert c.dcn_share == pytest.approx(dcn / c.step_seconds)
+    # Overlapped after the loop: hidden up to the last microbatch's backward (2/3 of
+    # its compute), here all of it.
+    hidden = _predict("deferred", hw, overlapped_after_loop=True)
+    assert hidden.hidden_seconds == pytest.approx(ici + dcn)
+    assert hidden.step_seconds == pytest.approx(c.compute_seconds)
+
+
+def test_across_slices_per_microbatch_costs_more_dcn_than_hierarchical():
+    for chip in ("v5e", "v5p", "v6e"):
+        per_mb, hier = (
+            _predict("per_microbatch", hardware(chip)),
+            _predict("hierarchical", hardware(chip)),
+        )
+        assert per_mb.link_seconds["DCN"] > hier.link_seconds["DCN"]
+        assert per_mb.step_seconds > hier.step_seconds
+
+
+def test_hardware_table_refuses_unknown_and_incomplete_entries():
+    assert hardware("v5p-16") is HARDWARE["v5p"]
+    with pytest.raises(HardwareError, match=r"no hardware table entry for 'tpu7'; known: v4, v5e"):
+        hardware("tpu7")
+    # v4: no public page gives its per-chip ICI and DCN bandwidth.
+    with pytest.raises(HardwareError, match=r"'v4' lacks ici_bytes_per_s, dcn_bytes_per_s"):
+        hardware("v4")
+    partial = {"x": dataclasses.replace(HARDWARE["v5e"], name="x", peak_flops=None)}
+    with pytest.raises(HardwareError, match=r"'x' lacks peak_flops .*HARDWARE\['x'\]"):
+        hardware("x", partial)

@@ -1,0 +1,254 @@
+"""`gradient_reduction_policy=auto`: the policy the cost model (accum.cost) predicts fastest.
+
+Every policy that applies to the mesh gets a plan and a predicted cost; they are
+ranked by predicted step time (ties: the smaller accumulator). The first in that
+order is built and compiled; where the chip's HBM is known (a compile_topology,
+or a device that reports its memory limit) and the compiled step does not fit,
+the next one is tried and the skipped one named (`fits_or_next`). The startup
+lines show the table with the chosen row marked.
+
+Fixed rules, before the model: shard_mode=auto places reductions by XLA (the
+policy is moot: deferred, as before); one microbatch has nothing to accumulate
+(deferred: the plans differ only in where the one reduction runs); on several
+slices per_microbatch is ranked after hierarchical whatever the figures say
+(it moves every microbatch's gradient over DCN).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import accum
+from accum import cost as cost_lib
+from accum.hardware import HARDWARE, Hardware, HardwareError, hardware
+from trainer import flops
+from trainer.config import Config, ConfigError
+
+GIB = 1024**3
+# Device kinds (jax `device_kind` prefixes) -> hardware table entries.
+DEVICE_KINDS = {
+    "TPU v5 lite": "v5e",
+    "TPU v5e": "v5e",
+    "TPU v5p": "v5p",
+    "TPU v5": "v5p",
+    "TPU v6": "v6e",
+    "TPU v4": "v4",
+    "NVIDIA H100": "h100",
+    "NVIDIA H200": "h200",
+}
+# Where no table entry describes the devices (CPU): the ranking then rests on the
+# bytes per link, scaled by these figures. Said in the startup line.
+ASSUMED = "v5e"
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What auto decided: the policies in the order to try, their predictions, and why."""
+
+    order: tuple[str, ...]
+    costs: dict[str, cost_lib.Cost]
+    hardware: Hardware | None
+    note: str  # what was assumed or why the model was not consulted
+    skipped: tuple[str, ...] = ()  # (policy: reason) lines, filled by fits_or_next
+
+    @property
+    def policy(self) -> str:
+        return self.order[0]
+
+
+def hardware_for(config: Config, devices: list) -> tuple[Hardware, str]:
+    """The table entry for this run and a note on where it came from.
+
+    `reduction_hardware` wins, then the compile_topology's chip, then the
+    devices' kind; CPU (no entry) assumes ASSUMED's figures. ConfigError, naming
+    what to change, for an unknown or incomplete entry."""
+    if config.reduction_hardware:
+        name, source = config.reduction_hardware, f"reduction_hardware={config.reduction_hardware}"
+    elif config.compile_topology:
+        name, source = config.compile_topology, f"compile_topology={config.compile_topology}"
+    else:
+        kind = getattr(devices[0], "device_kind", "") if devices else ""
+        name = next((v for k, v in DEVICE_KINDS.items() if kind.startswith(k)), None)
+        if name is None:
+            return HARDWARE[ASSUMED], (
+                f"no hardware table entry for {kind or 'these devices'!r}: assumed {ASSUMED}'s "
+                "figures; set reduction_hardware= to model another chip"
+            )
+        source = f"devices: {kind}"
+    try:
+        entry = hardware(name)
+        return entry, f"{entry.name} figures, from {source}"
+    except HardwareError as error:
+        raise ConfigError(
+            f"gradient_reduction_policy=auto: {error}; or set gradient_reduction_policy="
+            "deferred|per_microbatch|hierarchical, or reduction_hardware= another chip"
+        ) from error
+
+
+def step_flops_per_chip(config: Config) -> float:
+    """Training FLOPs of one optimizer step on one chip (trainer.flops' formula)."""
+    tokens = config.per_device_batch_size * config.max_target_length
+    return flops.training_flops_per_token(config) * tokens * config.gradient_accumulation_steps
+
+
+def plans(config: Config, ctx: Any, params: Any) -> dict[str, accum.ReductionPlan]:
+    """A plan per policy that applies to this mesh (hierarchical needs a cross-slice axis)."""
+    from trainer.sharding import reduction_plan
+
+    out = {}
+    for policy in accum.POLICIES:
+        try:
+            out[policy] = reduction_plan(
+                dataclasses.replace(config, gradient_reduction_policy=policy), ctx, params
+            )
+        except accum.PlanError:
+            continue
+    return out
+
+
+def predict_all(
+    config: Config, candidates: dict[str, accum.ReductionPlan], params: Any, hw: Hardware
+) -> dict[str, cost_lib.Cost]:
+    """accum.cost.predict for each candidate plan."""
+    return {
+        policy: cost_lib.predict(
+            plan,
+            params,
+            num_microbatches=config.gradient_accumulation_steps,
+            hardware=hw,
+            step_flops_per_chip=step_flops_per_chip(config),
+            compute_dtype=config.dtype,
+            accum_dtype=config.accum_dtype,
+            overlapped_after_loop=config.ring_reduce_scatter,
+        )
+        for policy, plan in candidates.items()
+    }
+
+
+def rank(costs: dict[str, cost_lib.Cost], across_slices: bool) -> tuple[str, ...]:
+    """Policies by predicted step time, then accumulator memory; per_microbatch after
+    hierarchical when the mesh spans slices."""
+    order = sorted(costs, key=lambda p: (costs[p].step_seconds, costs[p].accumulator_bytes))
+    if across_slices and "hierarchical" in order and "per_microbatch" in order:
+        order.remove("per_microbatch")
+        order.insert(order.index("hierarchical") + 1, "per_microbatch")
+    return tuple(order)
+
+
+def choose(config: Config, ctx: Any, params: Any, devices: list) -> Choice:
+    """The auto decision for `params` (compute layout) on `ctx`'s mesh."""
+    if config.shard_mode != "explicit":
+        return Choice(("deferred",), {}, None, "shard_mode=auto: XLA places every reduction")
+    hw, note = hardware_for(config, devices)
+    candidates = plans(config, ctx, params)
+    costs = predict_all(config, candidates, params, hw)
+    order = auto_order(costs, candidates, config.gradient_accumulation_steps)
+    if config.gradient_accumulation_steps == 1:
+        note += "; one microbatch: deferred (nothing to accumulate, whatever the figures)"
+    return Choice(order, costs, hw, note)
+
+
+def auto_order(
+    costs: dict[str, cost_lib.Cost], candidates: dict[str, accum.ReductionPlan], ga: int
+) -> tuple[str, ...]:
+    """`rank`, with deferred first when one microbatch leaves nothing to accumulate."""
+    order = rank(costs, any(p.slice_axes for p in candidates.values()))
+    if ga == 1:
+        order = ("deferred", *(p for p in order if p != "deferred"))
+    return order
+
+
+def resolve(config: Config, ctx: Any, params: Any, devices: list) -> tuple[Config, Choice | None]:
+    """(config with a concrete gradient_reduction_policy, the Choice or None when explicit)."""
+    if config.reduction_policy != "auto":
+        return config, None
+    choice = choose(config, ctx, params, devices)
+    return with_policy(config, choice.policy), choice
+
+
+def with_policy(config: Config, policy: str) -> Config:
+    """`config` with gradient_reduction_policy=`policy` (its alias kept consistent)."""
+    return dataclasses.replace(
+        config,
+        gradient_reduction_policy=policy,
+        defer_gradient_reduction=policy != "per_microbatch",
+    )
+
+
+def next_choice(choice: Choice, reason: str) -> Choice:
+    """`choice` without its first policy, which `reason` says does not fit.
+
+    ConfigError naming what to change when nothing is left."""
+    skipped = (*choice.skipped, f"{choice.policy}: {reason}")
+    if len(choice.order) == 1:
+        raise ConfigError(
+            "gradient_reduction_policy=auto found no policy that fits in HBM ("
+            + "; ".join(skipped)
+            + "): lower per_device_batch_size or gradient_accumulation_steps, shard more "
+            "(ici_fsdp_parallelism, shard_optimizer_over_data=true), or use a bigger chip"
+        )
+    return dataclasses.replace(choice, order=choice.order[1:], skipped=skipped)
+
+
+def compile_first_fitting(
+    run: Any,
+    compile_run: Callable[[Any], Any],
+    rebuild: Callable[[str], Any],
+    hbm_bytes: int,
+    memory_total: Callable[[Any], int],
+) -> tuple[Any, Any]:
+    """(run, compiled) of the first policy in `run.reduction_choice`'s order whose
+    compiled step fits in `hbm_bytes` (XLA refusing with RESOURCE_EXHAUSTED counts as
+    not fitting); each skipped policy is named in the choice's `skipped` lines. An
+    explicit policy (no choice) is compiled once, as before. `rebuild(policy)` builds
+    the run for the next policy; ConfigError (next_choice) when none fits."""
+    while True:
+        try:
+            compiled = compile_run(run)
+        except Exception as error:  # only an out-of-memory refusal moves auto on
+            if run.reduction_choice is None or "RESOURCE_EXHAUSTED" not in str(error):
+                raise
+            misfit = "XLA: " + str(error).strip().splitlines()[0][:120]
+        else:
+            total = memory_total(compiled)
+            if run.reduction_choice is None or total <= hbm_bytes:
+                return run, compiled
+            misfit = f"compiled {total / GIB:.2f} GiB > {hbm_bytes / GIB:g} GiB HBM"
+        choice = next_choice(run.reduction_choice, misfit)
+        run = rebuild(choice.policy)
+        run.reduction_choice = choice
+
+
+def table_lines(choice: Choice, chosen: str | None = None) -> list[str]:
+    """Policies x (wire bytes per chip on each link, exposed communication,
+    accumulator, step time, DCN share of the step)."""
+    chosen = chosen or choice.policy
+    header = (
+        f"  {'policy':15s} {'ICI MiB/step':>12s} {'DCN MiB/step':>12s} {'exposed ms':>10s} "
+        f"{'accum GiB':>9s} {'step ms':>8s} {'DCN share':>9s}"
+    )
+    lines = [header]
+    for policy in (*choice.order, *[s.split(":")[0] for s in choice.skipped]):
+        c = choice.costs.get(policy)
+        if c is None:
+            continue
+        ici, dcn = c.link_bytes[cost_lib.ICI], c.link_bytes[cost_lib.DCN]
+        mark = "  <- chosen" if policy == chosen else ""
+        lines.append(
+            f"  {policy:15s} {ici / 2**20:12.2f} {dcn / 2**20:12.2f} "
+            f"{c.exposed_seconds * 1e3:10.2f} {c.accumulator_bytes / GIB:9.3f} "
+            f"{c.step_seconds * 1e3:8.2f} {c.dcn_share * 100:8.1f}%{mark}"
+        )
+    return lines
+
+
+def startup_lines(choice: Choice) -> list[str]:
+    """What the trainer prints about the auto choice."""
+    head = f"gradient_reduction_policy=auto -> {choice.policy} ({choice.note})"
+    lines = [head, *(f"  skipped {s}" for s in choice.skipped)]
+    if choice.costs:
+        lines.append("  predicted per device per step (accum.cost; docs/cost_model.md):")
+        lines += table_lines(choice)
+    return lines
