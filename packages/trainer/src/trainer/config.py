@@ -331,9 +331,9 @@ class Config:
 
 
 # MaxText's DeepSeek-V3 test shapes, under MaxText's names (configs/models/*.yml), so a
-# command copied from MaxText trains the shape it names, with V3's YaRN as there. MaxText leaves routing groups
-# off (-1) for both: one group here is the same routing. remat_policy is MaxText's
-# default (base.yml: full), which these presets run with there.
+# command copied from MaxText trains the shape it names, with V3's YaRN as there.
+# MaxText leaves routing groups off (-1) for both: one group here is the same routing.
+# remat_policy is MaxText's default (base.yml: full), which these presets run with there.
 _MAXTEXT_DEEPSEEK3 = dict(
     remat_policy="full",
     vocab_size=129_280,
