@@ -146,22 +146,27 @@ def compile_for_topology(config: Config, hlo_path: str | None = None) -> AotResu
     """Build the abstract state on the topology's devices, lower, compile, write HLO."""
     import jax
 
+    import accum
     from trainer import run as run_lib
     from trainer import xla_options
 
     topo = resolve(config)
     slices = config.compile_topology_num_slices
     run = run_lib.abstract_setup(config, devices_for(topo, slices))
-    with jax.set_mesh(run.ctx.mesh):
+    with jax.set_mesh(run.ctx.mesh), accum.verdict.recording() as record:
         lowered = run.step_fn.lower(run.state, run_lib.abstract_batch(run))
+    with jax.set_mesh(run.ctx.mesh):
         # The mesh holds the topology's devices, so this is the TPU option set.
         compiled = lowered.compile(compiler_options=xla_options.for_mesh(config, run.ctx.mesh))
     run.compiled = compiled
     suffix = f"x{slices}" if slices > 1 else ""
     hlo_path = hlo_path or os.path.join(config.run_dir, f"aot_{topo.name}{suffix}.hlo")
     os.makedirs(os.path.dirname(os.path.abspath(hlo_path)), exist_ok=True)
+    text = compiled.as_text()
     with open(hlo_path, "w") as f:
-        f.write(compiled.as_text())
+        f.write(text)
+    # After writing the HLO, so a TagLostError's program can be inspected.
+    accum.check_compiled(text, "raise", record)
     return AotResult(topo, slices, run, compiled, hlo_path, memory_of(compiled))
 
 
