@@ -166,7 +166,8 @@ def accumulate_gradients(
     trainer does) to get `TagLostError` exactly then (`on_tag_lost="warn"`
     warns, `"ignore"` skips the checks). Traced inside your own `jax.jit`, only
     the trace-time analysis runs: it warns where it suspects a drop, never raises.
-    `defer_reduction=False` keeps parameters untagged so every microbatch reduces its own gradients (for comparison).
+    `defer_reduction=False` keeps parameters untagged so every microbatch
+    reduces its own gradients (for comparison).
     `per_parameter_axes=True` defers, for each parameter, every batch axis
     that does not shard it: right when the only parameters sharded over a
     batch axis are consumed inside `shard_map` kernels (experts over
