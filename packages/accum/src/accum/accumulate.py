@@ -13,6 +13,7 @@ from accum.gating import plan_for_values, resolve_mode
 from accum.guard import find_dropped_tags, report_dropped_tags
 from accum.microbatch import split_microbatches
 from accum.plan import ReductionPlan
+from accum.seed import value_and_grad as seeded_value_and_grad
 from accum.tags import (
     reduce_to,
     reduce_unreduced,
@@ -68,7 +69,7 @@ def microbatch_grads(
     args = (microbatch,) if rng is None else (microbatch, rng)
     guard_forward(loss_fn, params, args, plan, on_tag_lost)
     axes = plan.tagged_axes
-    (loss_sum, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, *args)
+    (loss_sum, aux), grads = seeded_value_and_grad(loss_fn)(params, *args)
     if "weight" not in aux:
         raise KeyError("loss_fn's aux must hold 'weight' (the number of counted targets)")
     if axes and on_tag_lost != "ignore":

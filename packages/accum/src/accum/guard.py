@@ -34,10 +34,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from accum.seed import cotangent_like
 from accum.verdict import active_record
 from pspec_tags import (
     entry_axes,
@@ -45,8 +44,6 @@ from pspec_tags import (
     partitions,
     reduced_axes,
     unreduced_axes,
-    with_reduced,
-    with_unreduced,
 )
 
 # Primitives that change only a value's layout: passing a reduced value through
@@ -448,26 +445,6 @@ def _loss_sum(out: Any) -> jax.Array:
     return out[0] if isinstance(out, tuple | list) else out
 
 
-def _cotangent(seed: jax.Array, primal: jax.Array) -> jax.Array:
-    """`seed` broadcast to the cotangent type of `primal`.
-
-    Cotangents swap the tags: an unreduced loss (`pspec_tags.unreduced_sum`)
-    takes a reduced cotangent and vice versa; partitions are kept.
-    """
-    seed = seed.astype(primal.dtype)
-    sharding = jax.typeof(primal).sharding
-    if not isinstance(sharding, NamedSharding):
-        return jnp.broadcast_to(seed, primal.shape)
-    spec = sharding.spec
-    target = with_reduced(P(*partitions(spec)), unreduced_axes(spec))
-    target = with_unreduced(target, reduced_axes(spec))
-    # TAG: the seed must have the swapped tags, else the traced backward pass
-    # (what the guard inspects) reduces where the real one does not.
-    return lax.broadcast_in_dim(
-        seed, primal.shape, (), out_sharding=NamedSharding(sharding.mesh, target)
-    )
-
-
 def _vjp_jaxpr(loss_fn: Callable, params: Any, args: tuple) -> Any:
     """The jaxpr of one microbatch's forward and backward pass.
 
@@ -479,7 +456,7 @@ def _vjp_jaxpr(loss_fn: Callable, params: Any, args: tuple) -> Any:
 
     def grads_of(params, args, seed):
         out, vjp = jax.vjp(lambda p: _loss_sum(loss_fn(p, *args)), params)
-        (grads,) = vjp(_cotangent(seed, out))
+        (grads,) = vjp(cotangent_like(seed, out))
         return grads
 
     return jax.make_jaxpr(grads_of)(params, args, jax.ShapeDtypeStruct((), jnp.float32))
