@@ -2,8 +2,9 @@
 sigmoid or gelu: accumulated gradients equal the full-batch ones.
 
 In plain JAX, `jax.grad` of such a loss comes out multiplied by the data axis
-size (the seed's 1.0 is merged with the derivative's 1.0; accum.seed); accum
-seeds the backward pass behind an optimization barrier.
+size (the compiled step all-reduces the seed's bare 1.0; accum.seed); accum
+differentiates an untagged copy of the loss. The squared loss is the case a
+seed behind an optimization barrier did not fix.
 """
 
 from __future__ import annotations
@@ -40,8 +41,14 @@ def setup():
     return mesh, w, batch
 
 
+def _square(y):
+    return y * y
+
+
 @pytest.mark.parametrize(
-    "activation", [jnp.tanh, jax.nn.sigmoid, jax.nn.gelu], ids=["tanh", "sigmoid", "gelu"]
+    "activation",
+    [jnp.tanh, jax.nn.sigmoid, jax.nn.gelu, _square],
+    ids=["tanh", "sigmoid", "gelu", "square"],
 )
 @pytest.mark.parametrize("fused", [False, True])
 def test_reduced_loss_next_to_tanh_gives_full_batch_gradients(setup, activation, fused):

@@ -1,16 +1,21 @@
-"""Differentiating a loss with a seed the compiler cannot merge with another 1.0.
+"""Differentiating a reduced-typed loss: through an untagged copy of it.
 
-`jax.grad` seeds the backward pass with the constant 1.0, resharded onto the
-loss's cotangent type. A loss that depends on a `reduced`-tagged parameter
-outside any batch-sharded value (an L2 penalty `0.5 * sum(v * v)`) is itself
-typed reduced, so its seed is `reshard(1.0, P(unreduced=...))`: one device
-holds the 1.0, the others 0. Where the program also holds
-`reshard(1.0, P())` (explicit mode's derivative of tanh, sigmoid and gelu,
-`1 - y**2`), the compiler merges the two identical constants and the
-unreduced one is then read as 1.0 on every device: every gradient comes out
-multiplied by the axis size (8x on 8 devices; plain JAX 0.10.2 and 0.12, see
-the accum README's known issues). An optimization barrier makes the seed a
-value no constant can be merged with; it costs one scalar.
+A loss that depends on a `reduced`-tagged parameter outside any batch-sharded
+value (an L2 penalty `0.5 * sum(v * v)`) is itself typed reduced, so
+`jax.grad` seeds its backward pass with `reshard(1.0, P(unreduced=...))`: a
+replicated constant turned into per-device partial sums, which must be 1.0 on
+one device and 0 on the others. In some programs the compiled step instead
+all-reduces the bare constant (8.0 on 8 devices) and every gradient comes out
+multiplied by the axis size: `jax.grad` with tanh, sigmoid or gelu anywhere in
+the model (their derivative holds another `reshard(1.0, P())`), and a seed put
+behind an optimization barrier with a squared loss. Plain JAX 0.10.2; the accum
+README's known issues has the reproduction.
+
+Resharding the loss onto its untagged spec before differentiating avoids it:
+the backward pass starts from a plain replicated 1.0, and the transpose of
+that reshard makes the cotangent unreduced (tests/test_reduced_loss_seed.py and
+the generated corpus check the gradients). The loss value handed back is the
+original one, with its own type.
 """
 
 from __future__ import annotations
@@ -46,10 +51,22 @@ def cotangent_like(seed: jax.Array, primal: jax.Array) -> jax.Array:
     )
 
 
+def untagged(loss: jax.Array) -> jax.Array:
+    """`loss` resharded onto its partitions without a `reduced` tag; unchanged
+    when it has none (an unreduced loss keeps its tag: it is reduced once per
+    step, after the loop)."""
+    sharding = jax.typeof(loss).sharding
+    if not isinstance(sharding, NamedSharding) or not reduced_axes(sharding.spec):
+        return loss
+    spec = with_unreduced(P(*partitions(sharding.spec)), unreduced_axes(sharding.spec))
+    # TAG: differentiate an untagged loss: its seed is a replicated 1.0 (module docstring).
+    return jax.reshard(loss, NamedSharding(sharding.mesh, spec))
+
+
 def value_and_grad(fun: Callable, argnums: int | tuple[int, ...] = 0) -> Callable:
-    """`jax.value_and_grad(fun, argnums, has_aux=True)` seeded with a 1.0 behind an
-    optimization barrier (see the module docstring): the same values, also
-    for a reduced-typed loss in a program holding another 1.0.
+    """`jax.value_and_grad(fun, argnums, has_aux=True)`, differentiating the
+    loss through `untagged` (see the module docstring): the same values, also
+    for a reduced-typed loss. The loss handed back is `fun`'s own.
 
     Example:
 
@@ -59,19 +76,14 @@ def value_and_grad(fun: Callable, argnums: int | tuple[int, ...] = 0) -> Callabl
     (5.0, [2.0, 4.0])
     """
 
+    def differentiated(*args: Any) -> Any:
+        loss, aux = fun(*args)
+        return untagged(loss), (loss, aux)
+
     def wrapped(*args: Any) -> Any:
-        nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-        primals = [args[i] for i in nums]
-
-        def of_primals(*diff):
-            full = list(args)
-            for i, value in zip(nums, diff, strict=True):
-                full[i] = value
-            return fun(*full)
-
-        loss, vjp, aux = jax.vjp(of_primals, *primals, has_aux=True)
-        seed = lax.optimization_barrier(jnp.ones((), loss.dtype))
-        grads = vjp(cotangent_like(seed, loss))
-        return (loss, aux), grads[0] if isinstance(argnums, int) else grads
+        (_, (loss, aux)), grads = jax.value_and_grad(differentiated, argnums=argnums, has_aux=True)(
+            *args
+        )
+        return (loss, aux), grads
 
     return wrapped
