@@ -84,3 +84,9 @@ HELPERS = _load("helpers")
 def close():
     """assert_trees_close(actual, expected, rtol=1e-5, atol=0.0)."""
     return HELPERS.assert_trees_close
+
+
+@pytest.fixture(scope="session")
+def generator():
+    """tests/guard_generator.py: seeded random models and the HLO oracle."""
+    return _load("guard_generator")
