@@ -41,6 +41,8 @@ RTOL = 1e-4
 def _generator():
     spec = importlib.util.spec_from_file_location("guard_generator", GENERATOR)
     module = importlib.util.module_from_spec(spec)
+    # Registered first: dataclasses resolve string annotations through sys.modules.
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
