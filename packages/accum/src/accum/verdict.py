@@ -191,8 +191,9 @@ def in_loop_reductions(text: str) -> list[Finding]:
     ...  accum.in_loop_reductions(text)]
     [('all-reduce', ('data',), 2)]
     """
+    if LOOP_SCOPE not in text and ADD_SCOPE not in text:
+        return []  # nothing marked: no deferred axis to watch
     module = hlo_tools.parse(text)
-    frames = StackFrames(text)
     found = []
     for c in hlo_tools.collectives(module):
         if c.kind not in hlo_tools.REDUCTION_KINDS or not c.cross_replica:
@@ -205,15 +206,20 @@ def in_loop_reductions(text: str) -> list[Finding]:
         where, axes, mesh_shape = mark
         spanned = tuple(a for a in axes if hlo_tools.spans_mesh_axis(c, mesh_shape, a))
         if spanned:
-            instr = _instruction(module, c)
-            stack = tuple(frames.of(instr)) if instr is not None else ()
-            found.append(Finding(c, spanned, where, stack))
-    return found
+            found.append(Finding(c, spanned, where, ()))
+    if not found:
+        return found
+    # Source lines only for what is reported: the tables are a pass over the text.
+    frames = StackFrames(text)
+    return [
+        dataclasses.replace(f, frames=tuple(frames.of(_instruction(module, f.collective))))
+        for f in found
+    ]
 
 
 def _instruction(module: Any, c: hlo_tools.Collective) -> Any:
-    comp = module.computations.get(c.computation)
-    return next((i for i in comp.instructions if i.name == c.name), None) if comp else None
+    comp = module.computations[c.computation]
+    return next(i for i in comp.instructions if i.name == c.name)
 
 
 # ---------------------------------------------------------------- the message
