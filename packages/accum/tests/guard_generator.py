@@ -442,11 +442,13 @@ def _compiled_verdict(fn: Callable, *args) -> tuple[object, bool, str]:
 
 
 def _trace_time_warns(fn: Callable, *args) -> bool:
+    """Whether tracing `fn` in a plain jax.jit warns. A new function each time:
+    jax.jit would reuse the trace compile_checked made of `fn` and warn nothing."""
     import warnings
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        (fn if hasattr(fn, "trace") else jax.jit(fn)).trace(*args)
+        jax.jit(lambda *a: fn(*a)).trace(*args)
     return any("trace-time analysis" in str(w.message) for w in caught)
 
 
@@ -482,7 +484,12 @@ def _run_add(model, params, batch, sizes, trace_time) -> Outcome:
         acc = compiled(acc, params, jax.tree.map(lambda x, i=i: x[i], microbatches))
     _, _, grads = jax.jit(accum.finish)(acc)
     reference = jax.jit(model.reference)(params, batch)
-    warned = _trace_time_warns(add, acc, model.loss_fn, params, first) if trace_time else False
+    if trace_time:
+        warned = _trace_time_warns(
+            lambda a, p, m: accum.add(a, model.loss_fn, p, m), acc, params, first
+        )
+    else:
+        warned = False
     oracle = oracle_reduces(compiled.as_text(), sizes, model.watched, whole_program=True)
     return Outcome(verdict, oracle, warned, _max_rel_error(grads, reference), message)
 
