@@ -1,4 +1,9 @@
-"""Trace-time guard: does the backward pass reduce a deferred axis inside the loop?
+"""Trace-time analysis: might the backward pass reduce a deferred axis inside the loop?
+
+The verdict is the compiled program's (accum.verdict, `compile_checked`); this
+analysis approximates it before anything compiles, so it only warns (inside a
+user's own jit) or names the parameters in the compiled verdict's message. On
+generated models it is wrong both ways (benchmarks/results/guard_corpus.md).
 
 Checking the gradients' types is not enough. Autodiff types a reduced
 parameter's cotangent as unreduced no matter what the model does with it: if
