@@ -1,6 +1,7 @@
 """Fixtures for the accum tests: the toy model on each mesh, compiled once per session."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import jax
@@ -14,6 +15,8 @@ def _load(name):
     # Tests run with --import-mode=importlib, so sibling modules are loaded by path.
     spec = importlib.util.spec_from_file_location(f"accum_tests_{name}", HERE / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    # Registered first: dataclasses resolve string annotations through sys.modules.
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
@@ -84,3 +87,9 @@ HELPERS = _load("helpers")
 def close():
     """assert_trees_close(actual, expected, rtol=1e-5, atol=0.0)."""
     return HELPERS.assert_trees_close
+
+
+@pytest.fixture(scope="session")
+def generator():
+    """tests/guard_generator.py: seeded random models and the HLO oracle."""
+    return _load("guard_generator")

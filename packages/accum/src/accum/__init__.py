@@ -19,7 +19,7 @@ a batch sharded over 'data'; `tests/test_doctests.py` runs them all.
 ...         return jax.tree.map(lambda g: -0.5 * g, grads), state
 """
 
-from accum.accumulate import ON_TAG_LOST, accumulate_gradients
+from accum.accumulate import accumulate_gradients
 from accum.dispatch import Accumulator, add, finish, start
 from accum.fused import scan_layers
 from accum.gating import (
@@ -47,6 +47,7 @@ from accum.plan import (
 )
 from accum.step import apply_updates, optimizer_update, train_step
 from accum.tags import tag_reduced, unreduced_zeros
+from accum.verdict import ON_TAG_LOST, check_compiled, compile_checked, in_loop_reductions
 from accum.zero1 import (
     check_zero1_compatible,
     zero1_gather,
@@ -73,11 +74,14 @@ __all__ = [
     "add",
     "apply_updates",
     "batch_axes_of",
+    "check_compiled",
     "check_zero1_compatible",
+    "compile_checked",
     "data_is_only_batch_axis",
     "deferred_axes",
     "find_dropped_tags",
     "finish",
+    "in_loop_reductions",
     "make_plan",
     "optimizer_update",
     "param_mesh_axes",

@@ -13,6 +13,7 @@ from accum.gating import plan_for_values, resolve_mode
 from accum.guard import find_dropped_tags, report_dropped_tags
 from accum.microbatch import split_microbatches
 from accum.plan import ReductionPlan
+from accum.seed import value_and_grad as seeded_value_and_grad
 from accum.tags import (
     reduce_to,
     reduce_unreduced,
@@ -21,14 +22,9 @@ from accum.tags import (
     tag_reduced,
     unreduced_zeros,
 )
-from pspec_tags import check_unreduced
-
-ON_TAG_LOST = ("raise", "warn", "ignore")
-
-
-def _check_option(on_tag_lost: str) -> None:
-    if on_tag_lost not in ON_TAG_LOST:
-        raise ValueError(f"on_tag_lost={on_tag_lost!r} is not one of {ON_TAG_LOST}")
+from accum.verdict import LOOP_SCOPE, marked, record_params
+from accum.verdict import check_option as _check_option
+from pspec_tags import find_untagged
 
 
 def _default_plan(
@@ -65,18 +61,19 @@ def microbatch_grads(
 ) -> tuple[jax.Array, dict, Any]:
     """(loss_sum, aux, grads) of one microbatch; `params` already tagged by `plan`.
 
-    The gradients come out unreduced over each leaf's `tagged` axes. Both guards
-    run here, at trace time: the forward jaxpr is searched for a dropped tag, and
-    the gradients' types are checked with `check_unreduced`.
+    The gradients come out unreduced over each leaf's `tagged` axes. Both
+    trace-time analyses run here: the backward jaxpr is searched for a reduction
+    of a deferred axis, and the gradients' types are checked (`find_untagged`).
+    They explain; the verdict is the compiled program's (`accum.verdict`).
     """
     args = (microbatch,) if rng is None else (microbatch, rng)
     guard_forward(loss_fn, params, args, plan, on_tag_lost)
     axes = plan.tagged_axes
-    (loss_sum, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, *args)
+    (loss_sum, aux), grads = seeded_value_and_grad(loss_fn)(params, *args)
     if "weight" not in aux:
         raise KeyError("loss_fn's aux must hold 'weight' (the number of counted targets)")
     if axes and on_tag_lost != "ignore":
-        check_grads_unreduced(grads, plan, warn_only=on_tag_lost == "warn")
+        report_dropped_tags(untyped_grads(grads, plan), axes, on_tag_lost)
     return loss_sum, aux, grads
 
 
@@ -90,11 +87,12 @@ def guard_forward(
         report_dropped_tags(find_dropped_tags(loss_fn, params, *args, axes=axes), axes, on_tag_lost)
 
 
-def check_grads_unreduced(grads: Any, plan: ReductionPlan, warn_only: bool) -> None:
-    """`check_unreduced` per group of parameters sharing the same tagged axes:
-    each gradient must be unreduced over its leaf's `tagged` axes."""
+def untyped_grads(grads: Any, plan: ReductionPlan) -> dict[str, list[str]]:
+    """{key path: [why]} for each gradient not typed unreduced over its leaf's
+    `tagged` axes (`find_untagged`, per group of parameters sharing them)."""
     expected = plan.map(lambda leaf: leaf.tagged)
     is_axes = lambda x: isinstance(x, tuple)  # noqa: E731 - a leaf test for the tree above
+    found: dict[str, list[str]] = {}
     for group in {a for a in jax.tree.leaves(expected, is_leaf=is_axes) if a}:
         # Leaves of other groups become None, which tree flattening skips.
         subset = jax.tree.map(
@@ -103,7 +101,9 @@ def check_grads_unreduced(grads: Any, plan: ReductionPlan, warn_only: bool) -> N
             expected,
             is_leaf=lambda x: x is None,
         )
-        check_unreduced(subset, group, warn_only=warn_only)
+        for path in find_untagged(subset, group):
+            found[path] = [f"its gradient is not typed unreduced over {group}"]
+    return found
 
 
 def add_grads(acc: Any, grads: Any) -> Any:
@@ -161,10 +161,14 @@ def accumulate_gradients(
     `gating.deferred_axes`; default batch axes: those sharding `batch`), the
     scan carry holds `unreduced` partial sums, and one reshard after the loop
     reduces them onto `grad_shardings` (default: the parameters' own
-    partitions; pass the optimizer's shardings for ZeRO-1). A tag dropped inside
-    `loss_fn` raises `TagLostError` at trace time (`on_tag_lost="warn"` warns,
-    `"ignore"` skips the guards). `defer_reduction=False` keeps parameters
-    untagged so every microbatch reduces its own gradients (for comparison).
+    partitions; pass the optimizer's shardings for ZeRO-1). Whether a tag
+    dropped inside `loss_fn` moved a reduction back into the loop is a fact of
+    the compiled program: compile the step with `accum.compile_checked` (the
+    trainer does) to get `TagLostError` exactly then (`on_tag_lost="warn"`
+    warns, `"ignore"` skips the checks). Traced inside your own `jax.jit`, only
+    the trace-time analysis runs: it warns where it suspects a drop, never raises.
+    `defer_reduction=False` keeps parameters untagged so every microbatch
+    reduces its own gradients (for comparison).
     `per_parameter_axes=True` defers, for each parameter, every batch axis
     that does not shard it: right when the only parameters sharded over a
     batch axis are consumed inside `shard_map` kernels (experts over
@@ -254,7 +258,12 @@ def accumulate_gradients(
     looped = num_microbatches - 1 if overlap else num_microbatches
     if overlap:
         xs = jax.tree.map(lambda x: x[:looped], xs)
-    acc, (loss_sums, auxes) = jax.lax.scan(body, acc0, xs)
+    record_params(compute_params)
+    # The mark the compiled verdict (accum.verdict) looks for: a reduction over
+    # these axes inside this loop's `while` runs once per microbatch.
+    watched = plan.strict_axes if mode == "explicit" else ()
+    with marked(LOOP_SCOPE, watched, dict(plan.mesh_shape)):
+        acc, (loss_sums, auxes) = jax.lax.scan(body, acc0, xs)
     # Per-microbatch losses/aux are stacked by the scan and summed here: scalars.
     loss_sum = jnp.sum(loss_sums, axis=0)
     aux = jax.tree.map(lambda a: jnp.sum(a, axis=0), auxes)

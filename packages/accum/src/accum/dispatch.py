@@ -29,6 +29,7 @@ from accum.accumulate import (
 from accum.fused_accumulate import fused_microbatch
 from accum.plan import ReductionPlan
 from accum.tags import reduce_to, scatter_into, tag_reduced, unreduced_zeros, zeros_of_type
+from accum.verdict import ADD_SCOPE, marked, record_params
 
 
 @jax.tree_util.register_dataclass
@@ -122,7 +123,8 @@ def add(
     """`acc` plus one microbatch's loss, aux and (unreduced) gradients.
 
     With `rng`, the microbatch gets `fold_in(rng, acc.count)`, as the scan path
-    does. The same trace-time guards as `accumulate_gradients` run here.
+    does. Compile it with `accum.compile_checked` for the exact verdict: any
+    reduction over a deferred axis in the compiled `add` raises `TagLostError`.
     `fused=True`: stacked parameters run through `accum.scan_layers` get each
     layer's gradient added into `acc` inside the backward scan (donate `acc`
     so the update is in place); a per-microbatch plan reducing some batch
@@ -138,9 +140,20 @@ def add(
     (1, 8.0)
     """
     _check_option(on_tag_lost)
+    plan = acc.plan
+    # Each call is one microbatch: any reduction over these axes in it is one
+    # per microbatch (the mark accum.verdict looks for).
+    watched = plan.strict_axes if plan.mode == "explicit" else ()
+    with marked(ADD_SCOPE, watched, dict(plan.mesh_shape)):
+        return _add(acc, loss_fn, params, microbatch, rng, on_tag_lost, fused)
+
+
+def _add(acc, loss_fn, params, microbatch, rng, on_tag_lost, fused) -> Accumulator:
+    """`add`'s body, inside its mark."""
     mb_rng = None if rng is None else jax.random.fold_in(rng, acc.count)
     # Free cast; parameters that stay replicated between calls are not moved.
     compute_params = tag_reduced(params, acc.plan)
+    record_params(compute_params)
     if fused and acc.plan.fused_applies:
         args = (microbatch,) if mb_rng is None else (microbatch, mb_rng)
         guard_forward(loss_fn, compute_params, args, acc.plan, on_tag_lost)

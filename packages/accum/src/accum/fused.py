@@ -39,6 +39,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from accum.ring import ring_dim, ring_reduce_scatter, ring_size
+from accum.seed import value_and_grad as seeded_value_and_grad
 from pspec_tags import (
     check_unreduced,
     partitions,
@@ -667,8 +668,8 @@ def fused_value_and_grad(
         with sinks_active(by_id):
             return loss_fn(jax.tree.unflatten(treedef, probed), *args)
 
-    (loss_sum, aux), (grad_leaves, sink_cts) = jax.value_and_grad(
-        loss_with_sinks, argnums=(0, 1), has_aux=True
+    (loss_sum, aux), (grad_leaves, sink_cts) = seeded_value_and_grad(
+        loss_with_sinks, argnums=(0, 1)
     )(param_leaves, sinks)
     for e, s in zip(entry_leaves, sinks, strict=True):
         if e is not None:

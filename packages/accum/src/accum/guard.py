@@ -1,4 +1,9 @@
-"""Trace-time guard: does the backward pass reduce a deferred axis inside the loop?
+"""Trace-time analysis: might the backward pass reduce a deferred axis inside the loop?
+
+The verdict is the compiled program's (accum.verdict, `compile_checked`); this
+analysis approximates it before anything compiles, so it only warns (inside a
+user's own jit) or names the parameters in the compiled verdict's message. On
+generated models it is wrong both ways (benchmarks/results/guard_corpus.md).
 
 Checking the gradients' types is not enough. Autodiff types a reduced
 parameter's cotangent as unreduced no matter what the model does with it: if
@@ -34,19 +39,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from accum.seed import cotangent_like
+from accum.verdict import active_record
 from pspec_tags import (
-    TagLostError,
     entry_axes,
     mesh_axes_used,
     partitions,
     reduced_axes,
     unreduced_axes,
-    with_reduced,
-    with_unreduced,
 )
 
 # Primitives that change only a value's layout: passing a reduced value through
@@ -208,6 +210,18 @@ def _where(eqn: Any, depth: int = 2) -> str:
     return ", called from ".join(user[:depth]) or "?"
 
 
+def user_lines(eqn: Any, depth: int = 2) -> tuple[tuple[str, int], ...]:
+    """(file basename, line) of the innermost `depth` frames outside jax, jaxlib
+    and accum: the key the compiled verdict matches an HLO instruction's stack by."""
+    frames = getattr(getattr(getattr(eqn, "source_info", None), "traceback", None), "frames", None)
+    user = [
+        (os.path.basename(frame.file_name), frame.line_num)
+        for frame in frames or ()
+        if not os.path.abspath(frame.file_name).startswith(_SKIP_DIRS)
+    ]
+    return tuple(user[:depth])
+
+
 # ---------------------------------------------------------------- nested jaxprs
 
 
@@ -319,8 +333,11 @@ class _Walker:
     deferred-axis reduction this value has passed through).
     """
 
-    def __init__(self, axes: frozenset[str]):
+    def __init__(self, axes: frozenset[str], trace_lines: bool = False):
         self.axes = axes
+        # Label each backward value with the source lines it passed through, so
+        # the compiled verdict can name the gradients an HLO instruction feeds.
+        self.trace_lines = trace_lines
         self.sites: dict[int, _Site] = {}  # id(eqn) -> site, stable across loop re-walks
         self.drops: dict[str, list[str]] = {}  # param path -> forward drops
 
@@ -343,6 +360,8 @@ class _Walker:
             site = self._reduction(eqn, cotangent_in)
             if site is not None:
                 union = union | {site}
+            if self.trace_lines:
+                union = union | {("line", user_lines(eqn), eqn.primitive.name)}
         return [union] * len(eqn.outvars)
 
     def _without_resummed(self, eqn: Any, cotangent_in: list[Any], labels: frozenset) -> frozenset:
@@ -431,26 +450,6 @@ def _loss_sum(out: Any) -> jax.Array:
     return out[0] if isinstance(out, tuple | list) else out
 
 
-def _cotangent(seed: jax.Array, primal: jax.Array) -> jax.Array:
-    """`seed` broadcast to the cotangent type of `primal`.
-
-    Cotangents swap the tags: an unreduced loss (`pspec_tags.unreduced_sum`)
-    takes a reduced cotangent and vice versa; partitions are kept.
-    """
-    seed = seed.astype(primal.dtype)
-    sharding = jax.typeof(primal).sharding
-    if not isinstance(sharding, NamedSharding):
-        return jnp.broadcast_to(seed, primal.shape)
-    spec = sharding.spec
-    target = with_reduced(P(*partitions(spec)), unreduced_axes(spec))
-    target = with_unreduced(target, reduced_axes(spec))
-    # TAG: the seed must have the swapped tags, else the traced backward pass
-    # (what the guard inspects) reduces where the real one does not.
-    return lax.broadcast_in_dim(
-        seed, primal.shape, (), out_sharding=NamedSharding(sharding.mesh, target)
-    )
-
-
 def _vjp_jaxpr(loss_fn: Callable, params: Any, args: tuple) -> Any:
     """The jaxpr of one microbatch's forward and backward pass.
 
@@ -462,7 +461,7 @@ def _vjp_jaxpr(loss_fn: Callable, params: Any, args: tuple) -> Any:
 
     def grads_of(params, args, seed):
         out, vjp = jax.vjp(lambda p: _loss_sum(loss_fn(p, *args)), params)
-        (grads,) = vjp(_cotangent(seed, out))
+        (grads,) = vjp(cotangent_like(seed, out))
         return grads
 
     return jax.make_jaxpr(grads_of)(params, args, jax.ShapeDtypeStruct((), jnp.float32))
@@ -510,8 +509,17 @@ def find_dropped_tags(
     n_args = len(jaxpr.invars) - len(paths) - 1
     labels = [frozenset({_param(p)}) for p in paths]
     labels += [frozenset()] * n_args + [frozenset({_COTANGENT})]
-    walker = _Walker(frozenset(axes))
+    record = active_record()
+    walker = _Walker(frozenset(axes), trace_lines=record is not None)
     grad_labels = walker.walk(jaxpr, labels)
+    if record is not None:
+        # Which source lines each gradient flows through, and the forward tag
+        # drops: they name the parameters in the compiled verdict's message.
+        for path, out in zip(paths, grad_labels, strict=False):
+            lines = {lab[1:] for lab in out if isinstance(lab, tuple) and lab[0] == "line"}
+            record.lines.setdefault(path, set()).update(lines)
+        for path, drops in walker.drops.items():
+            record.dropped.setdefault(path, []).extend(drops)
     found: dict[str, list[str]] = {}
     for path, var, out in zip(paths, jaxpr.invars, grad_labels, strict=False):
         # Only the axes this parameter defers (its own reduced tag): a parameter
@@ -526,23 +534,25 @@ def find_dropped_tags(
 def report_dropped_tags(
     found: dict[str, list[str]], axes: tuple[str, ...], on_tag_lost: str
 ) -> None:
-    """Raise `TagLostError` (or warn, with on_tag_lost="warn") naming each parameter in `found`."""
+    """Hand the trace-time analysis's suspects on: to the enclosing
+    `accum.compile_checked` (whose compiled verdict decides and names them),
+    else a `RuntimeWarning` (never an error: the analysis approximates what XLA
+    will do, and only the compiled program knows) unless on_tag_lost="ignore"."""
     if not found:
         return
+    record = active_record()
+    if record is not None:
+        for name, sites in found.items():
+            record.suspects.setdefault(name, []).extend(sites)
+        return
+    if on_tag_lost == "ignore":
+        return
     lines = [
-        f"{len(found)} parameter(s) have their gradient reduced over {tuple(sorted(axes))} "
-        "inside loss_fn's backward pass: the all-reduce would run once per microbatch "
-        "(and per layer) instead of once per step:"
+        f"{len(found)} parameter(s) may have their gradient reduced over {tuple(sorted(axes))} "
+        "inside loss_fn's backward pass (once per microbatch instead of once per step), "
+        "by the trace-time analysis, which can be wrong both ways; compile the step with "
+        "accum.compile_checked for the exact verdict from the compiled program:"
     ]
     for name, sites in sorted(found.items()):
         lines.extend(f"  {name}: {site}" for site in sites)
-    lines.append(
-        "Keep each parameter's reduced tag up to its use: reshard onto "
-        "carry_reduced_axes(spec, param) instead of a spec rebuilt from logical rules; use "
-        "broadcast_param for elementwise use, and shard_map in_specs that carry the tag."
-    )
-    message = "\n".join(lines)
-    if on_tag_lost == "warn":
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
-        return
-    raise TagLostError(message)
+    warnings.warn("\n".join(lines), RuntimeWarning, stacklevel=3)

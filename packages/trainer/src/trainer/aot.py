@@ -146,6 +146,7 @@ def compile_for_topology(config: Config, hlo_path: str | None = None) -> AotResu
     """Build the abstract state on the topology's devices, lower, compile, write HLO."""
     import jax
 
+    import accum
     from trainer import reduction_choice, xla_options
     from trainer import run as run_lib
 
@@ -153,12 +154,18 @@ def compile_for_topology(config: Config, hlo_path: str | None = None) -> AotResu
     slices = config.compile_topology_num_slices
     devices = devices_for(topo, slices)
     run = run_lib.abstract_setup(config, devices)
+    records = {}  # id(compiled) -> the trace-time record of its lowering
 
     def compile_run(run):
-        with jax.set_mesh(run.ctx.mesh):
+        # The record names the parameters in a TagLostError's message.
+        with jax.set_mesh(run.ctx.mesh), accum.verdict.recording() as record:
             lowered = run.step_fn.lower(run.state, run_lib.abstract_batch(run))
+        with jax.set_mesh(run.ctx.mesh):
             # The mesh holds the topology's devices, so this is the TPU option set.
-            return lowered.compile(compiler_options=xla_options.for_mesh(run.config, run.ctx.mesh))
+            options = xla_options.for_mesh(run.config, run.ctx.mesh)
+            compiled = lowered.compile(compiler_options=options)
+        records[id(compiled)] = record
+        return compiled
 
     def rebuild(policy):
         return run_lib.abstract_setup(reduction_choice.with_policy(config, policy), devices)
@@ -167,12 +174,16 @@ def compile_for_topology(config: Config, hlo_path: str | None = None) -> AotResu
     run, compiled = reduction_choice.compile_first_fitting(
         run, compile_run, rebuild, int(topo.hbm_gib * GIB), lambda c: memory_of(c)["total"]
     )
+    record = records[id(compiled)]
     run.compiled = compiled
     suffix = f"x{slices}" if slices > 1 else ""
     hlo_path = hlo_path or os.path.join(config.run_dir, f"aot_{topo.name}{suffix}.hlo")
     os.makedirs(os.path.dirname(os.path.abspath(hlo_path)), exist_ok=True)
+    text = compiled.as_text()
     with open(hlo_path, "w") as f:
-        f.write(compiled.as_text())
+        f.write(text)
+    # After writing the HLO, so a TagLostError's program can be inspected.
+    accum.check_compiled(text, "raise", record)
     return AotResult(topo, slices, run, compiled, hlo_path, memory_of(compiled))
 
 

@@ -208,11 +208,15 @@ def batch_for(run: Run, step: int) -> dict:
 
 
 def compile_step(run: Run) -> Any:
-    """Lower and compile the step once (the same executable the loop runs)."""
+    """Lower and compile the step once (the same executable the loop runs), and
+    raise TagLostError if the compiled step reduces a deferred axis inside the
+    microbatch loop (accum.compile_checked: the verdict is the executable's)."""
     with jax.set_mesh(run.ctx.mesh):
-        lowered = run.step_fn.lower(run.state, batch_for(run, 0))
-        run.compiled = lowered.compile(
-            compiler_options=xla_options.for_mesh(run.config, run.ctx.mesh)
+        run.compiled = accum.compile_checked(
+            run.step_fn,
+            run.state,
+            batch_for(run, 0),
+            compiler_options=xla_options.for_mesh(run.config, run.ctx.mesh),
         )
     if run.evaluator:
         run.evaluator.compile(run.state)

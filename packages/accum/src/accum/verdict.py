@@ -1,0 +1,398 @@
+"""The exact verdict: does the compiled step reduce a deferred axis inside the loop?
+
+Whether a gradient reduction runs once per microbatch is a fact of the compiled
+program (after SPMD partitioning and XLA's optimizations), not of the jaxpr.
+accum marks the places where a reduction over a deferred axis would be a loss:
+
+- the microbatch loop of `accumulate_gradients`, with a JAX name scope on its
+  `lax.scan` (the scope lands in the `while` instruction's `op_name`);
+- the body of `accum.add` (each call *is* one microbatch: the host loop).
+
+The scope names the axes every gradient defers (the plan's strict axes) and the
+mesh's axis sizes, so the compiled text alone says what to look for:
+`accum_microbatch_loop[data|data=8,tensor=1]`. `in_loop_reductions` reads the
+compiled HLO (hlo_tools: call graph, while loops, trip counts, replica groups
+as mesh axes) for an all-reduce or reduce-scatter (async forms included) of more
+than `MAX_ELEMENTS` elements in one array, spanning one of those axes, under such
+a mark. `check_compiled` raises `TagLostError` (or warns) naming the HLO
+instruction, the source line XLA kept for it, the bytes per step and the
+parameters whose gradient it carries; `compile_checked` compiles a user's step
+and hands back the executable it checked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import threading
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+
+import hlo_tools
+from hlo_tools.frames import Frame, StackFrames
+from pspec_tags import TagLostError
+
+ON_TAG_LOST = ("raise", "warn", "ignore")
+LOOP_SCOPE = "accum_microbatch_loop"
+ADD_SCOPE = "accum_add"
+# A loss, a token count or a handful of aux metrics may be summed per microbatch;
+# a gradient is larger. Judged per array: XLA's combiner may merge many scalars.
+MAX_ELEMENTS = 8
+_MARK = re.compile(rf"({LOOP_SCOPE}|{ADD_SCOPE})\[([^|\]]*)\|([^\]]*)\]")
+
+# Frames in these directories are library plumbing, not the user's line.
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+    for m in (jax, hlo_tools)
+    if getattr(m, "__file__", None)
+) + (os.path.dirname(os.path.abspath(__file__)) + os.sep, f"{os.sep}site-packages{os.sep}")
+
+
+def check_option(on_tag_lost: str) -> None:
+    """Reject an `on_tag_lost` that is not raise / warn / ignore, naming it."""
+    if on_tag_lost not in ON_TAG_LOST:
+        raise ValueError(f"on_tag_lost={on_tag_lost!r} is not one of {ON_TAG_LOST}")
+
+
+def scope_name(kind: str, axes: tuple[str, ...], mesh_shape: Mapping[str, int]) -> str:
+    """The name scope marking a region where reducing `axes` is a loss, e.g.
+    `accum_microbatch_loop[data|data=8,tensor=1]`."""
+    sizes = ",".join(f"{a}={n}" for a, n in mesh_shape.items())
+    return f"{kind}[{','.join(axes)}|{sizes}]"
+
+
+def marked(kind: str, axes: tuple[str, ...], mesh_shape: Mapping[str, int]) -> Any:
+    """A name scope for `kind` over `axes`; a no-op when there are no axes to watch."""
+    if not axes:
+        return contextlib.nullcontext()
+    return jax.named_scope(scope_name(kind, axes, mesh_shape))
+
+
+def _mark_of(op_name: str, kind: str) -> tuple[tuple[str, ...], dict[str, int]] | None:
+    """(watched axes, mesh shape) of the innermost `kind` mark in an op_name."""
+    found = [m for m in _MARK.finditer(op_name) if m.group(1) == kind]
+    if not found:
+        return None
+    m = found[-1]
+    axes = tuple(a for a in m.group(2).split(",") if a)
+    sizes = dict(item.split("=") for item in m.group(3).split(",") if item)
+    return axes, {a: int(n) for a, n in sizes.items()}
+
+
+# ---------------------------------------------------------------- what the trace knew
+
+
+@dataclasses.dataclass
+class TraceRecord:
+    """What tracing one accumulation learned, for the error message: each
+    gradient's global and per-device shapes (a gradient resharded onto a
+    replicated spec is reduced whole), and the trace-time analysis's suspects."""
+
+    shapes: dict[str, set[tuple[int, ...]]] = dataclasses.field(default_factory=dict)
+    suspects: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    dropped: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # forward tag drops
+    # (source lines, primitive) of each backward equation a gradient flows through;
+    # source lines: (file basename, line) of the innermost user frames.
+    lines: dict[str, set[tuple]] = dataclasses.field(default_factory=dict)
+
+
+_RECORDING = threading.local()
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[TraceRecord]:
+    """Collect what accumulations traced inside this block learn; while it is
+    open the trace-time analysis reports to it instead of warning."""
+    record = TraceRecord()
+    previous = getattr(_RECORDING, "record", None)
+    _RECORDING.record = record
+    try:
+        yield record
+    finally:
+        _RECORDING.record = previous
+
+
+def active_record() -> TraceRecord | None:
+    """The record of the enclosing `recording()` block, None outside one."""
+    return getattr(_RECORDING, "record", None)
+
+
+def record_params(params: Any) -> None:
+    """Note each parameter's global and per-device gradient shapes (blame by shape)."""
+    record = active_record()
+    if record is None:
+        return
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        aval = jax.typeof(leaf)
+        sharding = getattr(aval, "sharding", None)
+        try:
+            local = tuple(sharding.shard_shape(aval.shape))
+        except (AttributeError, TypeError, ValueError):
+            local = tuple(aval.shape)
+        record.shapes[jax.tree_util.keystr(path)] = {local, tuple(aval.shape)}
+
+
+# ---------------------------------------------------------------- the compiled fact
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One reduction over deferred `axes` where it runs once per microbatch."""
+
+    collective: hlo_tools.Collective
+    axes: tuple[str, ...]
+    where: str  # "loop" (accumulate_gradients) or "add" (accum.add)
+    frames: tuple[Frame, ...]
+
+    @property
+    def bytes_per_step(self) -> int:
+        """Bytes it moves per step (per microbatch for `accum.add`)."""
+        return self.collective.bytes_per_step or self.collective.bytes
+
+
+def _largest_array(c: hlo_tools.Collective) -> int:
+    return max((a.elements for a in c.arrays), default=0)
+
+
+def _mark_for(c: hlo_tools.Collective) -> tuple[str, tuple, dict] | None:
+    """("loop"|"add", axes, mesh shape) when `c` runs under a mark, else None."""
+    for loop in reversed(c.loops):
+        mark = _mark_of(loop.op_name, LOOP_SCOPE)
+        if mark is not None:
+            return ("loop", *mark)
+    mark = _mark_of(c.op_name, ADD_SCOPE)
+    return None if mark is None else ("add", *mark)
+
+
+def in_loop_reductions(text: str) -> list[Finding]:
+    """Reductions over a watched axis inside a marked loop or `accum.add` body.
+
+    Each all-reduce / reduce-scatter (start forms included; TPU async fusions
+    counted once, by hlo_tools) with an array of more than `MAX_ELEMENTS`
+    elements, whose replica groups span a watched axis of its mark.
+
+    Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
+
+    >>> w2 = jax.device_put(jnp.ones((8, 2)), NamedSharding(mesh, P()))  # 16 elements
+    >>> def drops_tag(w, mb):  # resharding w onto P() drops its reduced tag
+    ...     return loss_fn(jax.reshard(w, P()), mb)
+    >>> def step(w, b):
+    ...     return accum.accumulate_gradients(
+    ...         drops_tag, w, b, num_microbatches=2, on_tag_lost="ignore"
+    ...     )
+    >>> with jax.set_mesh(mesh):
+    ...     text = jax.jit(step).lower(w2, batch).compile().as_text()
+    >>> [(f.collective.kind, f.axes, f.collective.multiplier) for f in
+    ...  accum.in_loop_reductions(text)]
+    [('all-reduce', ('data',), 2)]
+    """
+    if LOOP_SCOPE not in text and ADD_SCOPE not in text:
+        return []  # nothing marked: no deferred axis to watch
+    module = hlo_tools.parse(text)
+    found = []
+    for c in hlo_tools.collectives(module):
+        if c.kind not in hlo_tools.REDUCTION_KINDS or not c.cross_replica:
+            continue
+        if _largest_array(c) <= MAX_ELEMENTS:
+            continue
+        mark = _mark_for(c)
+        if mark is None:
+            continue
+        where, axes, mesh_shape = mark
+        spanned = tuple(a for a in axes if hlo_tools.spans_mesh_axis(c, mesh_shape, a))
+        if spanned:
+            found.append(Finding(c, spanned, where, ()))
+    if not found:
+        return found
+    # Source lines only for what is reported: the tables are a pass over the text.
+    frames = StackFrames(text)
+    return [
+        dataclasses.replace(f, frames=tuple(frames.of(_instruction(module, f.collective))))
+        for f in found
+    ]
+
+
+def _instruction(module: Any, c: hlo_tools.Collective) -> Any:
+    comp = module.computations[c.computation]
+    return next(i for i in comp.instructions if i.name == c.name)
+
+
+# ---------------------------------------------------------------- the message
+
+
+def user_frames(frames: tuple[Frame, ...], depth: int = 2) -> str:
+    """The innermost `depth` frames outside jax, hlo_tools, accum and installed
+    packages, joined; the innermost frame when all are library frames; '?' for none."""
+    user = [f for f in frames if not os.path.abspath(f.file).startswith(_LIBRARY_DIRS)]
+    chosen = user[:depth] or list(frames[:1])
+    return ", called from ".join(map(str, chosen)) or "?"
+
+
+def _blame(finding: Finding, record: TraceRecord | None) -> str:
+    """The parameters whose gradient the collective carries.
+
+    Candidates are the parameters whose per-device or global gradient (or one
+    layer of it) has the shape of one of the collective's arrays, in any
+    dimension order (XLA may keep a transposed layout). Among them, in order:
+    the trace-time analysis's suspects; those whose gradient flows through a
+    backward equation of the instruction's primitive and source lines (the
+    trace-time walk labels each backward value with them); those whose tag a
+    forward layout op dropped; else all.
+    """
+    if record is None:
+        return "(no trace record: compile with accum.compile_checked to name it)"
+    c = finding.collective
+    dims = {tuple(sorted(a.dims)) for a in c.arrays if a.elements > MAX_ELEMENTS}
+    by_shape = sorted(
+        p for p, shapes in record.shapes.items() if any(_slice_shapes(s) & dims for s in shapes)
+    )
+    key, prims = _user_key(finding.frames), _primitives(c.op_name)
+
+    def flows_through(path: str) -> bool:
+        return any(
+            lines and key[: len(lines)] == lines and prim in prims
+            for lines, prim in record.lines.get(path, ())
+        )
+
+    for why, names in (
+        ("trace-time analysis", [p for p in by_shape if p in record.suspects]),
+        ("its gradient flows through that operation", [p for p in by_shape if flows_through(p)]),
+        ("its reduced tag was dropped", [p for p in by_shape if p in record.dropped]),
+        ("by shape", by_shape),
+    ):
+        if names:
+            return f"{', '.join(map(_display, names))} ({why})"
+    return "no parameter of this shape (a value computed from the parameters)"
+
+
+def _primitives(op_name: str) -> set[str]:
+    """The JAX primitives an op_name ends in; XLA joins merged ops' names with ':'."""
+    return {part.rsplit("/", 1)[-1].strip("()") for part in op_name.split(":")}
+
+
+def _user_key(frames: tuple[Frame, ...], depth: int = 2) -> tuple[tuple[str, int], ...]:
+    """(file basename, line) of the innermost `depth` user frames (guard.user_lines' key)."""
+    user = [f for f in frames if not os.path.abspath(f.file).startswith(_LIBRARY_DIRS)]
+    return tuple((os.path.basename(f.file), f.line) for f in user[:depth])
+
+
+def _slice_shapes(shape: tuple[int, ...]) -> set[tuple[int, ...]]:
+    """The shape and those of its trailing slices (one layer of a stacked
+    parameter, reduced inside the layer scan), each with its dims sorted."""
+    return {tuple(sorted(shape[i:])) for i in range(len(shape))}
+
+
+def _display(path: str) -> str:
+    """A key path as printed; the root (a bare array of parameters) as 'params'."""
+    return path or "params"
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def message(findings: list[Finding], record: TraceRecord | None) -> str:
+    """The TagLostError text: each reduction, what it carries, where it came from."""
+    total = sum(f.bytes_per_step for f in findings)
+    axes = sorted({a for f in findings for a in f.axes})
+    lines = [
+        f"the compiled step reduces deferred axis/axes {axes} once per microbatch: "
+        f"{len(findings)} reduction(s), {_size(total)} per step that deferral should "
+        "have moved after the loop:"
+    ]
+    for f in findings:
+        c = f.collective
+        per = "per step" if f.where == "loop" else "per accum.add call"
+        times = "?" if c.multiplier is None else c.multiplier
+        lines += [
+            f"  {c.kind} {c.type_str} over {list(f.axes)} x{times} = "
+            f"{_size(f.bytes_per_step)} {per}  (HLO %{c.name} in %{c.computation})",
+            f"    gradient of: {_blame(f, record)}",
+            f"    source: {user_frames(f.frames)}",
+            f"    op_name: {c.op_name or '<none>'}",
+        ]
+    lines.append(
+        "Keep each parameter's reduced tag up to its use: reshard onto "
+        "carry_reduced_axes(spec, param) instead of a spec rebuilt from logical rules; use "
+        "broadcast_param for elementwise use, and shard_map in_specs that carry the tag."
+    )
+    return "\n".join(lines)
+
+
+def check_compiled(text: str, on_tag_lost: str = "raise", record: TraceRecord | None = None):
+    """Raise `TagLostError` (warn: `RuntimeWarning`; ignore: nothing) when the
+    compiled HLO `text` reduces a deferred axis inside accum's microbatch loop or
+    an `accum.add` body. Returns the findings.
+
+    Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
+
+    >>> w2 = jax.device_put(jnp.ones((8, 2)), NamedSharding(mesh, P()))
+    >>> def drops_tag(w, mb):
+    ...     return loss_fn(jax.reshard(w, P()), mb)
+    >>> def step(w, b):
+    ...     return accum.accumulate_gradients(
+    ...         drops_tag, w, b, num_microbatches=2, on_tag_lost="ignore"
+    ...     )
+    >>> with jax.set_mesh(mesh):
+    ...     text = jax.jit(step).lower(w2, batch).compile().as_text()
+    >>> accum.check_compiled(text)
+    Traceback (most recent call last):
+    ...
+    pspec_tags.guards.TagLostError: the compiled step reduces deferred axis/axes ['data'] ...
+    """
+    check_option(on_tag_lost)
+    if on_tag_lost == "ignore":
+        return []
+    findings = in_loop_reductions(text)
+    if findings:
+        text = message(findings, record)
+        if on_tag_lost == "warn":
+            warnings.warn(text, RuntimeWarning, stacklevel=3)
+        else:
+            raise TagLostError(text)
+    return findings
+
+
+def compile_checked(
+    fn: Any,
+    *args: Any,
+    on_tag_lost: str = "raise",
+    compiler_options: dict | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Compile `fn(*args, **kwargs)` and check it: the executable, checked.
+
+    `fn` is a `jax.jit`-ed function (or a plain one, jitted here) whose body
+    calls `accumulate_gradients` (train_step, zero1_step...) or `accum.add`.
+    Lowers and compiles once, then raises `TagLostError` if and only if the
+    compiled program runs a reduction over a deferred axis inside the
+    microbatch loop (`check_compiled`). Call the returned executable: it is the
+    program that was checked (no second compile), with the dynamic arguments
+    only (static ones are compiled in). The trace-time analysis runs
+    during lowering only to name the parameters in the message.
+
+    Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
+
+    >>> def step(w, b):
+    ...     return accum.accumulate_gradients(loss_fn, w, b, num_microbatches=2)
+    >>> with jax.set_mesh(mesh):
+    ...     compiled = accum.compile_checked(step, w, batch)
+    ...     loss, aux, grads = compiled(w, batch)
+    >>> float(loss)
+    8.0
+    """
+    check_option(on_tag_lost)
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+    with recording() as record:
+        lowered = jitted.lower(*args, **kwargs)
+    compiled = lowered.compile(compiler_options=compiler_options)
+    check_compiled(compiled.as_text(), on_tag_lost, record)
+    return compiled
