@@ -17,6 +17,17 @@ class ApiDocs:
     README's name list ("All functions and names (`__all__`): ...") is `__all__`."""
 
     @staticmethod
+    def package_globs(package) -> dict:
+        """The names the package docstring's example defines (its setup), for the
+        examples of the package's modules to start from."""
+        name = package.__name__
+        test = doctest.DocTestParser().get_doctest(package.__doc__, {}, name, None, 0)
+        runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+        runner.run(test, clear_globs=False)
+        assert runner.failures == 0, f"{name}'s package docstring example fails"
+        return test.globs
+
+    @staticmethod
     def run_examples(module, extraglobs=None) -> None:
         result = doctest.testmod(module, extraglobs=extraglobs, optionflags=doctest.ELLIPSIS)
         assert result.attempted > 0, f"{module.__name__} has no docstring example"

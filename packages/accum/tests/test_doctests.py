@@ -3,7 +3,6 @@ root conftest sets up, from the setup in the package docstring), and the package
 README's name list is `accum.__all__`: the examples and the list cannot drift from
 the code."""
 
-import doctest
 import pathlib
 
 import pytest
@@ -15,22 +14,13 @@ MODULES = (accumulate, dispatch, gating, guard, microbatch, plan, step, tags, ze
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
-def _setup_globs() -> dict:
-    """The names the package docstring's example defines (mesh, w, batch, ...)."""
-    test = doctest.DocTestParser().get_doctest(accum.__doc__, {}, "accum", None, 0)
-    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-    runner.run(test, clear_globs=False)
-    assert runner.failures == 0
-    return test.globs
-
-
-def test_package_docstring_setup_runs():
-    assert {"mesh", "w", "batch", "loss_fn", "SGD"} <= set(_setup_globs())
+def test_package_docstring_setup_runs(api_docs):
+    assert {"mesh", "w", "batch", "loss_fn", "SGD"} <= set(api_docs.package_globs(accum))
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
 def test_docstring_examples_run(module, api_docs):
-    api_docs.run_examples(module, extraglobs=_setup_globs())
+    api_docs.run_examples(module, extraglobs=api_docs.package_globs(accum))
 
 
 def test_every_public_function_has_an_example(api_docs):

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import accum
 import hlo_tools as ht
-from accum.fused import OVERLAPPED_SCOPE
+from accum.overlapped import OVERLAPPED_SCOPE
 from pspec_tags import spec_of, unreduced_axes
 
 N = 4

@@ -12,27 +12,15 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from accum.fused import (
-    SinkLeaf,
-    fused_value_and_grad,
-    ring_key,
-    ring_place,
-    sink_type,
-    without_leading,
-)
-from accum.plan import LeafPlan, ReductionPlan
-from accum.tags import as_spec, place, scatter_leaf
-from pspec_tags import check_unreduced, partitions, spec_of, untagged
-
-
-def _leading_free(spec: P | None) -> bool:
-    parts = partitions(spec)
-    return not parts or parts[0] is None
+from accum.fused import SinkLeaf, fused_value_and_grad, sink_type
+from accum.layer_slices import leading_unsharded, without_leading
+from accum.overlapped import ring_key, ring_place
+from accum.plan import LeafPlan, ReductionPlan, is_floating
+from accum.tags import as_spec, is_target_leaf, place, scatter_leaf
+from pspec_tags import check_unreduced, spec_of, untagged
 
 
 def _final_spec(acc: jax.Array, target: Any) -> P | None:
@@ -78,14 +66,14 @@ def make_entries(
     target_leaves = [None] * len(param_leaves) if targets is None else targets
 
     def entry(leaf: LeafPlan, p, a, target):
-        if not jnp.issubdtype(p.dtype, jnp.inexact) or p.ndim == 0:
+        if not is_floating(p) or p.ndim == 0:
             return None
-        if not _leading_free(spec_of(p)) or not _leading_free(spec_of(a)):
+        if not leading_unsharded(spec_of(p)) or not leading_unsharded(spec_of(a)):
             return None
         final_stacked = None
         if targets is not None:
             final_stacked = _final_spec(a, target)
-            if final_stacked is not None and not _leading_free(final_stacked):
+            if final_stacked is not None and not leading_unsharded(final_stacked):
                 return None  # the layer axis is sharded: reduced after the pass
         final = None
         if targets is not None:
@@ -110,8 +98,11 @@ def target_leaves(targets: Any, params: Any) -> list:
     treedef = jax.tree.structure(params)
     if targets is None:
         return [None] * treedef.num_leaves
-    is_target = lambda t: t is None or isinstance(t, P | NamedSharding)  # noqa: E731
-    return jax.tree.leaves(targets, is_leaf=is_target) if not isinstance(targets, list) else targets
+    return (
+        jax.tree.leaves(targets, is_leaf=is_target_leaf)
+        if not isinstance(targets, list)
+        else targets
+    )
 
 
 def fused_microbatch(

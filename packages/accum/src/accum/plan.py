@@ -212,7 +212,9 @@ def _spec_and_shape(leaf: Any) -> tuple[P, tuple[int, ...]]:
     return untagged(spec if spec is not None else P()), tuple(getattr(leaf, "shape", ()))
 
 
-def _floating(leaf: Any) -> bool:
+def is_floating(leaf: Any) -> bool:
+    """Whether `leaf` (array, tracer, ShapeDtypeStruct) has an inexact dtype: a
+    gradient worth accumulating. Anything without a dtype is not floating."""
     dtype = getattr(leaf, "dtype", None)
     return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
 
@@ -280,7 +282,7 @@ def make_plan(
         spec, shape = spec_shape
         used = set(mesh_axes_used(spec))
         when = tuple((a, _when(a, used, policy, mode, sliced, gated)) for a in batch)
-        if not _floating(leaf):  # integer leaves get no gradient worth reducing
+        if not is_floating(leaf):  # integer leaves get no gradient worth reducing
             when = tuple((a, PER_MICROBATCH if w != BY_XLA else w) for a, w in when)
         leaf_plan = LeafPlan(when, spec, spec)
         scatter = leaf_plan.scatter

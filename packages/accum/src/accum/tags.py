@@ -14,7 +14,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from accum.plan import ReductionPlan, make_plan, mesh_shape_of
+from accum.plan import ReductionPlan, is_floating, make_plan, mesh_shape_of
 from pspec_tags import (
     entry_axes,
     entry_from_axes,
@@ -24,10 +24,6 @@ from pspec_tags import (
     untagged,
     with_reduced,
 )
-
-
-def _floating(x: Any) -> bool:
-    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
 def _named(value: Any, spec: P) -> NamedSharding:
@@ -64,7 +60,7 @@ def tag_reduced(params: Any, plan: Any) -> Any:
 
     def tag(leaf_plan, p):
         spec = spec_of(p)
-        if spec is None or not _floating(p) or not leaf_plan.tagged:
+        if spec is None or not is_floating(p) or not leaf_plan.tagged:
             return p
         # TAG: reduced over the tagged axes makes the cotangent unreduced there (the
         # deferral itself); with_reduced keeps partitions and existing tags.
@@ -91,7 +87,7 @@ def unreduced_zeros(params: Any, plan: Any, dtype: Any | None) -> Any:
     plan = as_plan(params, plan) if plan else None
 
     def zeros(leaf_plan, p):
-        dt = dtype if dtype is not None and _floating(p) else jnp.result_type(p)
+        dt = dtype if dtype is not None and is_floating(p) else jnp.result_type(p)
         if spec_of(p) is None or leaf_plan is None or not leaf_plan.tagged:
             return jnp.zeros_like(p, dtype=dt)
         # TAG: the accumulator's type comes from the plan (partitions, unreduced
@@ -254,7 +250,8 @@ def _reduce_scatter(
     return jax.shard_map(body, mesh=mesh, in_specs=own, out_specs=destination)(x)
 
 
-def _is_target_leaf(t: Any) -> bool:
+def is_target_leaf(t: Any) -> bool:
+    """Whether `t` is a leaf of a targets tree: None, a PartitionSpec or a NamedSharding."""
     return t is None or isinstance(t, P | NamedSharding)
 
 
@@ -266,7 +263,7 @@ def reduce_to(grads: Any, targets: Any, mode: str) -> Any:
     """
     if targets is None:
         return jax.tree.map(lambda g: place(g, None, mode), grads)
-    return jax.tree.map(lambda t, g: place(g, t, mode), targets, grads, is_leaf=_is_target_leaf)
+    return jax.tree.map(lambda t, g: place(g, t, mode), targets, grads, is_leaf=is_target_leaf)
 
 
 def place_tree(tree: Any, targets: Any, mode: str) -> Any:

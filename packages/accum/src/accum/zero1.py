@@ -19,7 +19,7 @@ from accum.accumulate import accumulate_gradients
 from accum.gating import resolve_mode
 from accum.shards import add_axis_to_free_dim
 from accum.step import optimizer_update
-from accum.tags import as_spec, place, place_tree
+from accum.tags import as_spec, is_target_leaf, place, place_tree
 from pspec_tags import spec_of, untagged
 
 
@@ -116,10 +116,6 @@ def zero1_state_shardings(opt_state: Any, params: Any, master_shardings: Any, me
     return jax.tree.map(one, opt_state, is_leaf=lambda n: jax.tree.structure(n) == target)
 
 
-def _is_target_leaf(t: Any) -> bool:
-    return t is None or isinstance(t, P | NamedSharding)
-
-
 def zero1_gather(
     master_params: Any,
     compute_shardings: Any,
@@ -160,7 +156,7 @@ def zero1_gather(
         # reduced over the batch axes, so the loop carries unreduced sums as usual.
         return place(q, target, mode)
 
-    return jax.tree.map(gather, compute_shardings, master_params, cast, is_leaf=_is_target_leaf)
+    return jax.tree.map(gather, compute_shardings, master_params, cast, is_leaf=is_target_leaf)
 
 
 def zero1_step(

@@ -1,6 +1,47 @@
 """hlo_tools: collective accounting for compiled XLA HLO text.
 
 Standard library only; the helpers taking a jitted function import JAX when called.
+
+The examples in the docstrings start from this setup: a step on 4 devices whose
+microbatch loop (4 iterations) all-reduces a 256-float gradient in every
+iteration, then once more after the loop; `tests/test_doctests.py` runs them all.
+
+>>> import hlo_tools as ht
+>>> HLO = '''
+... HloModule step, num_partitions=4
+...
+... %add (a: f32[], b: f32[]) -> f32[] {
+...   %a = f32[] parameter(0)
+...   %b = f32[] parameter(1)
+...   ROOT %s = f32[] add(%a, %b)
+... }
+...
+... %body (p: (s32[], f32[256])) -> (s32[], f32[256]) {
+...   %p = (s32[], f32[256]{0}) parameter(0)
+...   %i = s32[] get-tuple-element(%p), index=0
+...   %g = f32[256]{0} get-tuple-element(%p), index=1
+...   %r = f32[256]{0} all-reduce(%g), replica_groups={{0,1,2,3}}, to_apply=%add
+...   %one = s32[] constant(1)
+...   %n = s32[] add(%i, %one)
+...   ROOT %t = (s32[], f32[256]{0}) tuple(%n, %r)
+... }
+...
+... %cond (p: (s32[], f32[256])) -> pred[] {
+...   %p = (s32[], f32[256]{0}) parameter(0)
+...   %i = s32[] get-tuple-element(%p), index=0
+...   %lim = s32[] constant(4)
+...   ROOT %lt = pred[] compare(%i, %lim), direction=LT
+... }
+...
+... ENTRY %main (x: f32[256]) -> f32[256] {
+...   %x = f32[256]{0} parameter(0)
+...   %c0 = s32[] constant(0)
+...   %init = (s32[], f32[256]{0}) tuple(%c0, %x)
+...   %loop = (s32[], f32[256]{0}) while(%init), condition=%cond, body=%body
+...   %acc = f32[256]{0} get-tuple-element(%loop), index=1
+...   ROOT %out = f32[256]{0} all-reduce(%acc), replica_groups={{0,1,2,3}}, to_apply=%add
+... }
+... '''
 """
 
 from hlo_tools.assertions import (

@@ -67,7 +67,11 @@ def in_loop_reductions(module: HloModule | str, max_in_loop_elements: int = 8) -
     ``max_in_loop_elements`` elements: the per-microbatch (or per-layer) gradient
     reductions that deferred reduction should have removed. Small ones (a loss
     or a token count) are allowed, and so are `overlapped_reductions` (each
-    gradient's one reduction, issued layer by layer after the microbatch loop)."""
+    gradient's one reduction, issued layer by layer after the microbatch loop).
+
+    >>> [(c.name, c.loop_path) for c in ht.in_loop_reductions(HLO)]
+    [('r', '%loop(x4)')]
+    """
     return _split_in_loop(module, max_in_loop_elements)[1]
 
 
@@ -96,6 +100,11 @@ def assert_reduced_once_per_step(
     when no such reduction exists outside the loops (vacuity guard: a program
     with no gradient reduction at all proves nothing). Returns the reductions
     found outside the loops.
+
+    >>> ht.assert_reduced_once_per_step(HLO)
+    Traceback (most recent call last):
+    ...
+    AssertionError: 1 reduction(s) larger than 8 elements run inside a loop ...
     """
     module = parse(text) if isinstance(text, str) else text
     offenders = in_loop_reductions(module, max_in_loop_elements)

@@ -163,6 +163,10 @@ def collectives(module: HloModule | str) -> list[Collective]:
     branch of a conditional is counted (an upper bound; see ``conditional``).
     A TPU async collective fusion repeats its collective in each continuation
     and in its done; only the start's copy is counted.
+
+    >>> [(c.name, c.kind, c.bytes, c.group_size, c.in_loop, c.multiplier)
+    ...  for c in ht.collectives(HLO)]
+    [('r', 'all-reduce', 1024, 4, True, 4), ('out', 'all-reduce', 1024, 4, False, 1)]
     """
     module = _as_module(module)
     graph = module.call_graph

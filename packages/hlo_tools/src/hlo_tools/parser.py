@@ -39,6 +39,14 @@ def parse(text: str) -> HloModule:
     :class:`HloParseError` (with a line number) on anything malformed: unknown
     line shapes, unbalanced brackets, an unterminated computation, a missing
     ENTRY, or a reference to an undefined computation or operand.
+
+    >>> module = ht.parse(HLO)
+    >>> module.name, module.entry_name, sorted(module.computations)
+    ('step', 'main', ['add', 'body', 'cond', 'main'])
+    >>> ht.parse("ENTRY %main {")
+    Traceback (most recent call last):
+    ...
+    hlo_tools.errors.HloParseError: ...
     """
     if not isinstance(text, str):
         raise TypeError(f"parse() takes HLO text, got {type(text).__name__}")

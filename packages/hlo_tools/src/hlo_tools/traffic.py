@@ -23,6 +23,10 @@ def traffic(module: HloModule | str | Iterable[Collective]) -> dict:
     loops' trip counts. A collective under a loop of unknown trip count is
     counted once in ``bytes_per_step`` and in ``unknown_trip_count``, and
     ``exact`` turns False: the totals are then lower bounds.
+
+    >>> t = ht.traffic(HLO)
+    >>> t["in_loop"]["all-reduce"]["bytes_per_step"], t["bytes_per_step"], t["exact"]
+    (4096, 5120, True)
     """
     records = module if isinstance(module, list | tuple) else collectives(module)
     out: dict = {"in_loop": {}, "outside": {}, "bytes_per_step": 0, "exact": True}

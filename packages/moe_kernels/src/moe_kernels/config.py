@@ -71,6 +71,16 @@ class MoEConfig:
         all-to-all at ceil(T*Z/EP * capacity_factor) rows and drops what
         overflows. None, the earlier spelling of 0, is stored as 0.0.
     precision: matmul precision (`jax.lax.Precision` name or None).
+
+    Inconsistent values are refused when the config is built:
+
+    >>> from moe_kernels import MoEConfig
+    >>> MoEConfig(num_experts=4, num_experts_per_tok=2, n_groups=2, topk_groups=1).experts_per_group
+    2
+    >>> MoEConfig(num_experts=4, num_experts_per_tok=5)
+    Traceback (most recent call last):
+    ...
+    ValueError: num_experts_per_tok (top_k)=5 must be between 1 and num_experts=4
     """
 
     num_experts: int = 8

@@ -55,6 +55,29 @@ def route(
 
     Call it on unsharded or per-shard (shard_map) arrays, or under auto
     sharding; `sparse_moe`/`dense_moe` call it inside their shard_map.
+
+    >>> import jax, jax.numpy as jnp, numpy as np
+    >>> from moe_kernels import MoEConfig, route
+    >>> show = lambda a: print(np.array2string(np.asarray(a), precision=3))
+    >>> config = MoEConfig(num_experts=4, num_experts_per_tok=2)  # hashable: a static argument
+    >>> route_jit = jax.jit(route, static_argnames="config")
+    >>> logits_TxE = jnp.array([[2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 3.0, 1.0]])
+    >>> weights_TxZ, ids_TxZ, stats = route_jit(logits_TxE, config=config)
+    >>> ids_TxZ.tolist(), stats["tokens_per_expert"].tolist()
+    ([[0, 1], [2, 3]], [1, 1, 1, 1])
+    >>> show(weights_TxZ)  # sigmoid scores of the picks, renormalized
+    [[0.546 0.454]
+     [0.566 0.434]]
+
+    A bias steers the choice; the weights stay the unbiased scores':
+
+    >>> bias_E = jnp.array([0, 0, 0, 5.0])
+    >>> weights_TxZ, ids_TxZ, _ = route_jit(logits_TxE, config=config, bias=bias_E)
+    >>> ids_TxZ.tolist()
+    [[3, 0], [3, 2]]
+    >>> show(weights_TxZ)
+    [[0.234 0.766]
+     [0.434 0.566]]
     """
     e, k = config.num_experts, config.num_experts_per_tok
     if logits.ndim < 1 or logits.shape[-1] != e:
@@ -116,6 +139,11 @@ def update_routing_bias(
 
     `b_i += rate * sign(mean_load - load_i)`; call once per optimizer step with
     the step's total `tokens_per_expert` (the `stats` of `sparse_moe`/`dense_moe`).
+
+    >>> import jax.numpy as jnp
+    >>> from moe_kernels import update_routing_bias
+    >>> print(update_routing_bias(jnp.zeros(4), jnp.array([3, 1, 0, 0]), rate=0.01))
+    [-0.01  0.    0.01  0.01]
     """
     load = tokens_per_expert_E.astype(jnp.float32)
     step = rate * jnp.sign(load.mean() - load)

@@ -571,6 +571,16 @@ def make_config(overrides: dict[str, Any] | None = None) -> Config:
 
     Only structural checks happen here; `validate(config, num_devices)` checks
     what depends on the machine (mesh, batch sizes).
+
+    >>> from trainer.config import make_config, parse_overrides
+    >>> overrides = parse_overrides(["ici_fsdp_parallelism=4", "gradient_accumulation_steps=4"])
+    >>> config = make_config(overrides)
+    >>> config.model_name, config.ici_fsdp_parallelism, config.gradient_accumulation_steps
+    ('tagtrain-tiny', 4, 4)
+    >>> make_config({"gradient_accumulaton_steps": "4"})
+    Traceback (most recent call last):
+    ...
+    trainer.config.ConfigError: unknown config key ...; did you mean 'gradient_accumulation_steps'?
     """
     overrides = dict(overrides or {})
     _check_known(list(overrides))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from collections.abc import Callable
@@ -368,7 +367,3 @@ def data_lines(run: Run) -> list[str]:
     else:
         lines.append("checkpoints: off (set base_output_directory=DIR to save and resume)")
     return lines
-
-
-def metrics_json(m: dict) -> str:
-    return json.dumps({k: v for k, v in m.items()}, sort_keys=True)

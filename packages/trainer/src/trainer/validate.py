@@ -44,6 +44,17 @@ def validate(config: Config, num_devices: int, num_slices: int | None = None) ->
     """Raise ConfigError naming the key for anything that would fail later; return mesh sizes.
 
     `num_slices`: the slices the devices form (default: config.num_slices, or 1).
+
+    >>> from trainer.config import make_config
+    >>> from trainer.validate import global_batch_size, validate
+    >>> config = make_config({"ici_fsdp_parallelism": "4", "per_device_batch_size": "2"})
+    >>> sizes = validate(config, num_devices=8)  # the data axis (-1) fills the rest
+    >>> sizes["data"], sizes["fsdp"], global_batch_size(config, 8)
+    (2, 4, 16)
+    >>> validate(make_config({"ici_fsdp_parallelism": "8", "per_device_batch_size": "0.25"}), 8)
+    Traceback (most recent call last):
+    ...
+    trainer.config.ConfigError: microbatch of 2 sequences (...) does not split over 8 batch ...
     """
     if num_slices is None:
         num_slices = config.num_slices if config.num_slices > 0 else 1
