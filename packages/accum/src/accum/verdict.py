@@ -270,6 +270,22 @@ def _blame(finding: Finding, record: TraceRecord | None) -> str:
     return "no parameter of this shape (a value computed from the parameters)"
 
 
+def could_carry_a_gradient(finding: Finding, record: TraceRecord | None) -> bool:
+    """Whether one of the collective's arrays has the shape of a parameter's
+    gradient (global, per device, or one layer of a stack, in any dimension order).
+
+    A reduction of no such shape carries activations: context parallelism's
+    attention reduces the cotangents of its all-gathered keys and values over
+    'context' every microbatch, by construction, in explicit and auto mode alike;
+    deferral has nothing to move there. Without a record (text checked on its own)
+    every reduction counts.
+    """
+    if record is None or not record.shapes:
+        return True
+    dims = {tuple(sorted(a.dims)) for a in finding.collective.arrays if a.elements > MAX_ELEMENTS}
+    return any(_slice_shapes(s) & dims for shapes in record.shapes.values() for s in shapes)
+
+
 def _primitives(op_name: str) -> set[str]:
     """The JAX primitives an op_name ends in; XLA joins merged ops' names with ':'."""
     return {part.rsplit("/", 1)[-1].strip("()") for part in op_name.split(":")}
@@ -330,7 +346,8 @@ def message(findings: list[Finding], record: TraceRecord | None) -> str:
 def check_compiled(text: str, on_tag_lost: str = "raise", record: TraceRecord | None = None):
     """Raise `TagLostError` (warn: `RuntimeWarning`; ignore: nothing) when the
     compiled HLO `text` reduces a deferred axis inside accum's microbatch loop or
-    an `accum.add` body. Returns the findings.
+    an `accum.add` body. With a trace `record`, only a reduction of an array shaped
+    like a parameter's gradient counts (`could_carry_a_gradient`). Returns the findings.
 
     Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
 
@@ -351,7 +368,7 @@ def check_compiled(text: str, on_tag_lost: str = "raise", record: TraceRecord | 
     check_option(on_tag_lost)
     if on_tag_lost == "ignore":
         return []
-    findings = in_loop_reductions(text)
+    findings = [f for f in in_loop_reductions(text) if could_carry_a_gradient(f, record)]
     if findings:
         text = message(findings, record)
         if on_tag_lost == "warn":
@@ -373,8 +390,8 @@ def compile_checked(
     `fn` is a `jax.jit`-ed function (or a plain one, jitted here) whose body
     calls `accumulate_gradients` (train_step, zero1_step...) or `accum.add`.
     Lowers and compiles once, then raises `TagLostError` if and only if the
-    compiled program runs a reduction over a deferred axis inside the
-    microbatch loop (`check_compiled`). Call the returned executable: it is the
+    compiled program runs a reduction of a gradient-shaped array over a deferred
+    axis inside the microbatch loop (`check_compiled`). Call the returned executable: it is the
     program that was checked (no second compile), with the dynamic arguments
     only (static ones are compiled in). The trace-time analysis runs
     during lowering only to name the parameters in the message.
