@@ -265,7 +265,10 @@ def test_671b_with_mtp_counts_its_depth_apart_and_matches_the_model_card():
 
 def test_671b_fsdp_only_reports_that_it_does_not_fit(tmp_path, capsys):
     # FSDP alone gathers each MoE layer's 256 experts whole: XLA refuses, and
-    # the report says so with XLA's figures instead of crashing.
+    # the report says so with XLA's figures instead of crashing. An explicit policy:
+    # under auto, a refused policy gives way to the next one, and when none fits
+    # the run stops with one ConfigError naming XLA's refusal for each
+    # (test_reduction_choice).
     config = _config(
         tmp_path,
         model_name="deepseek3-671b",
@@ -273,6 +276,7 @@ def test_671b_fsdp_only_reports_that_it_does_not_fit(tmp_path, capsys):
         ici_data_parallelism="1",
         ici_fsdp_parallelism="-1",
         per_device_batch_size="1",
+        gradient_reduction_policy="deferred",
     )
     assert aot.main(config) != 0
     out = capsys.readouterr().out
