@@ -189,19 +189,26 @@ def test_671b_on_v5p_compiles_and_fits(tmp_path, capsys):
     assert 10 < total < 95
 
 
+def _abstract_params(config):
+    """The model's parameters as shapes on 8 devices (no compile, no memory)."""
+    from trainer import model as model_lib
+    from trainer.sharding import ShardCtx, logical_rules, make_mesh
+    from trainer.validate import validate
+
+    ctx = ShardCtx(make_mesh(validate(config, 8), "explicit"), logical_rules(config), "explicit")
+    params, _ = model_lib.abstract_state(model_lib.define(config, ctx), ctx)
+    return params
+
+
 def test_deepseek2_lite_has_the_model_cards_counts():
     # DeepSeek-V2-Lite's published config (YaRN, interleaved rope, q_lora_rank=0,
     # softmax greedy routing): 15.7B total / 2.4B active parameters, as its model
     # card says (active: every matmul weight one token multiplies, logits included:
     # 15,706.5M / 2,451.3M). Counted on the abstract state: no compile.
     from trainer import flops
-    from trainer import model as model_lib
-    from trainer.sharding import ShardCtx, logical_rules, make_mesh
-    from trainer.validate import validate
 
     config = make_config({"model_name": "deepseek2-lite"})
-    ctx = ShardCtx(make_mesh(validate(config, 8), "explicit"), logical_rules(config), "explicit")
-    params, _ = model_lib.abstract_state(model_lib.define(config, ctx), ctx)
+    params = _abstract_params(config)
     assert 15_650e6 <= flops.count_params(params) < 15_750e6
     assert 2_400e6 <= flops.active_matmul_params(config) < 2_500e6
 
@@ -231,13 +238,9 @@ def test_671b_with_mtp_counts_its_depth_apart_and_matches_the_model_card():
     checkpoint's MTP layer also stores copies of the embedding and the output head;
     here those are the main model's own (shared), so they are counted once."""
     from trainer import flops, report
-    from trainer import model as model_lib
-    from trainer.sharding import ShardCtx, logical_rules, make_mesh
-    from trainer.validate import validate
 
     config = make_config({"model_name": "deepseek3-671b", "mtp_num_layers": "1"})
-    ctx = ShardCtx(make_mesh(validate(config, 8), "explicit"), logical_rules(config), "explicit")
-    params, _ = model_lib.abstract_state(model_lib.define(config, ctx), ctx)
+    params = _abstract_params(config)
     total, mtp = flops.count_params(params), flops.mtp_param_count(params)
     assert 671.0e9 < total - mtp < 671.1e9  # the main model, as without MTP
     assert 11.5e9 < mtp < 11.7e9  # one MoE block of the 671b shape, eh_proj, 3 norms
