@@ -1,7 +1,7 @@
 """The packages' declared dependencies are the ones they import, each with a tested floor.
 
 The floors are what `nox -s wheels_minimum` pins (noxfile.declared_minimums) and what
-README's "Tested versions" lists; these tests keep the three from drifting apart.
+docs/testing.md's "Tested versions" lists; these tests keep the three from drifting apart.
 """
 
 import ast
@@ -90,13 +90,15 @@ def test_every_third_party_dependency_has_a_floor(package):
             assert any(s.operator == ">=" for s in req.specifier), f"{package.name}: {line}"
 
 
-def test_the_minimum_session_pins_every_floor_and_readme_lists_them():
+def test_the_minimum_session_pins_every_floor_and_the_docs_list_them():
     minimums = _noxfile().declared_minimums()
     third_party = {
         _normalize(Requirement(r).name) for p in PACKAGES for r in _project(p)["dependencies"]
     } - WORKSPACE
     assert set(minimums) == third_party
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Tested versions", 1)[1].split("\n## ", 1)[0]
+    page = (ROOT / "docs" / "testing.md").read_text()
+    section = page.split("## Tested versions", 1)[1].split("\n## ", 1)[0]
     for name, version in minimums.items():
-        assert f"{name}=={version}" in section, f"README's Tested versions lacks {name}=={version}"
+        assert f"{name}=={version}" in section, (
+            f"docs/testing.md's Tested versions lacks {name}=={version}"
+        )

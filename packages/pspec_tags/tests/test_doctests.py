@@ -1,5 +1,5 @@
 """Every public function's docstring example runs (on the 8 virtual CPU devices the
-root conftest sets up), and README.md's function list is `pspec_tags.__all__`: the
+root conftest sets up), and the package README's function list is `pspec_tags.__all__`: the
 examples and the list cannot drift from the code."""
 
 import pathlib
@@ -10,7 +10,7 @@ import pspec_tags
 from pspec_tags import carry, guards, logical, ops, specs, values
 
 MODULES = (carry, guards, logical, ops, specs, values)
-README = pathlib.Path(__file__).resolve().parents[3] / "README.md"
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
