@@ -69,7 +69,7 @@ def test_readme_sample_output_is_what_the_main_job_prints(tmp_path):
         f"README sample has {len(sample)} lines, the command printed {len(printed)}:\n"
         + result.stdout
     )
-    for number, (expected, actual) in enumerate(zip(sample, printed), 1):
+    for number, (expected, actual) in enumerate(zip(sample, printed, strict=True), 1):
         assert line_matches(expected, actual), (
             f"README sample line {number} differs from the output of {shlex.join(argv)}\n"
             f"  README:  {expected}\n  printed: {actual}"
