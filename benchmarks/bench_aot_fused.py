@@ -363,7 +363,7 @@ def main() -> int:
     lines += [
         "The async share is what the compiled schedule shows, not a projection: this "
         "libtpu's TPU compile from a CPU host keeps in-slice all-reduce and "
-        "reduce-scatter synchronous (hlo_tools README), wherever they sit; on two slices "
+        "reduce-scatter synchronous (docs/hlo_tools.md), wherever they sit; on two slices "
         "the asynchronous ones are the cross-slice (megascale DCN) reductions, each with "
         "compute scheduled between start and done.",
         "",

@@ -13,6 +13,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -54,9 +55,9 @@ def test_parser_reads_the_readme_block():
 @pytest.mark.slow
 def test_readme_sample_output_is_what_the_main_job_prints(tmp_path):
     argv, sample = readme_command_and_sample((ROOT / "README.md").read_text())
-    # `uv run train` from the repository's environment, run in an empty directory
-    # so its outputs/ land there.
-    train = ROOT / ".venv" / "bin" / "train"
+    # The `train` of the environment running the tests (uv's or nox's), in an empty
+    # directory so its outputs/ land there.
+    train = Path(sys.executable).parent / "train"
     command = [str(train), *argv[3:]] if train.exists() else argv
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)  # the README's run uses XLA's defaults
