@@ -143,6 +143,16 @@ def test_bad_config_names_the_key(overrides, message):
         validate(make_config(overrides), 8)
 
 
+def test_schedule_values_are_accums_and_fused_is_the_default():
+    import typing
+
+    import accum
+
+    hint = typing.get_type_hints(Config)["gradient_accumulation_schedule"]
+    assert typing.get_args(hint) == accum.SCHEDULES
+    assert make_config().gradient_accumulation_schedule == "fused"
+
+
 def test_accum_dtype_defaults_to_float32_and_takes_bfloat16():
     assert make_config().accum_dtype == "float32"
     assert make_config({"accum_dtype": "bfloat16"}).accum_dtype == "bfloat16"
