@@ -2,7 +2,7 @@
 
 For gradient accumulation steps GA = 1, 2, 4, 8, times one optimizer-free
 training step (accumulate_gradients under jit) with the reduction deferred to
-once per step and with it done per microbatch (defer_reduction=False), the two
+once per step and with it done per microbatch (policy="per_microbatch"), the two
 interleaved in one run: every round times each configuration once, and the
 median over the rounds after warm-up is reported. Also reads the all-reduce
 bytes per step inside / outside the accumulation loop from the compiled HLO
@@ -86,9 +86,8 @@ def setup(mesh):
 
 def compile_step(params, batch, n, defer):
     def step(params, batch):
-        return accum.accumulate_gradients(
-            loss_fn, params, batch, num_microbatches=n, defer_reduction=defer
-        )
+        plan = accum.plan_for(params, batch, policy="deferred" if defer else "per_microbatch")
+        return accum.accumulate_gradients(loss_fn, params, batch, num_microbatches=n, plan=plan)
 
     compiled = jax.jit(step).lower(params, batch).compile()
     traffic = ht.traffic(ht.parse(compiled.as_text()))

@@ -4,7 +4,7 @@ deepseek3-small, GA=4, one 1024-token sequence per device per microbatch, remat
 full, compiled on this CPU host with the trainer's TPU compile options
 (`tpu_async_collectives=true`, trainer/xla_options.py: asynchronous all-reduce
 collective fusions, no all-reduce combining). Rows: auto and
-overlap_gradient_reduction (the last microbatch's per-layer reductions inside
+gradient_accumulation_schedule=overlapped (the last microbatch's per-layer reductions inside
 its backward layer scan, pipelined by one layer and bucketed per layer) on v5e-8
 with ZeRO-1 (the seed's recipe, aot_fused.md's rows), overlap on v6e-8 with and
 without ZeRO-1 (all-reduces instead of reduce-scatters), and overlap on v5e-8 with
@@ -35,7 +35,7 @@ ASYNC = {"tpu_async_collectives": "true"}
 NO_ZERO1 = {"shard_optimizer_over_data": "false"}
 V6E = {"compile_topology": "v6e-8"}
 # ZeRO-1's per-layer reduce-scatters as rings of collective-permutes (accum/ring.py).
-RING = {"ring_reduce_scatter": "true"}
+RING = {"gradient_accumulation_schedule": "overlapped_ring"}  # after OVERLAP: replaces it
 OVERLAP = {"gradient_reduction_policy": "deferred", **fused.OVERLAP}
 ROWS = {
     ("v5e-8, ZeRO-1", "auto"): {"shard_mode": "auto", **ASYNC},

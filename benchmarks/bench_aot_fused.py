@@ -3,8 +3,8 @@
 deepseek3-small (24 layers, 16 experts), ZeRO-1, GA=4, one 1024-token sequence per
 device per microbatch, remat full, compiled on this CPU host for TPU v5e-8
 (data=8) in auto mode and in explicit mode: deferred (today's default), fused
-(fused_gradient_accumulation: each layer's gradient added into the accumulator
-inside the backward layer scan), overlap (overlap_gradient_reduction: the last
+(gradient_accumulation_schedule=fused: each layer's gradient added into the accumulator
+inside the backward layer scan), overlap (gradient_accumulation_schedule=overlapped: the last
 microbatch after the loop, each layer's gradient reduced inside its backward layer
 scan), and fused / overlap with accum_dtype=bfloat16. Then two v5e-8 slices over
 DCN (dcn_data=2 x data=8): auto, deferred, hierarchical and hierarchical + fused.
@@ -58,10 +58,10 @@ COMMON = {
     "gradient_accumulation_steps": "4",
 }
 BF16 = {"accum_dtype": "bfloat16"}
-FUSED = {"fused_gradient_accumulation": "true"}
+FUSED = {"gradient_accumulation_schedule": "fused"}
 # The per-microbatch gradient path (fused accumulation is the default).
-UNFUSED = {"fused_gradient_accumulation": "false"}
-OVERLAP = {"overlap_gradient_reduction": "true"}
+UNFUSED = {"gradient_accumulation_schedule": "plain"}
+OVERLAP = {"gradient_accumulation_schedule": "overlapped"}
 ONE_SLICE = {
     "auto": {"shard_mode": "auto"},
     "deferred": {"gradient_reduction_policy": "deferred", **UNFUSED},
@@ -300,7 +300,7 @@ def main() -> int:
             "peak of simultaneously live buffers (memory_analysis().peak_memory_in_bytes, "
             "arguments included), what the temp allocation reserves beyond it aside",
             "gradient reductions: all-reduce/reduce-scatter, cross-replica, over > 8 "
-            "floating elements, and ring_reduce_scatter's collective-permutes "
+            "floating elements, and overlapped_ring's collective-permutes "
             "(hlo_tools.is_ring_reduction); MiB per step per device, trip-count weighted, (ops); "
             "in loop = hlo_tools.in_loop_reductions (the microbatch loop and the scans "
             "inside it), overlapped = hlo_tools.overlapped_reductions (the last "

@@ -2,7 +2,7 @@
 
 tagtrain-test and the seed's 24-layer / 16-expert shape (deepseek3-small, 0.76B params)
 with ZeRO-1 and GA=4 (the seed's configuration), data parallel over 8 v5e chips,
-compiled tagged (defer_gradient_reduction=true), untagged (false) and in auto mode.
+compiled tagged (gradient_reduction_policy=deferred), untagged (per_microbatch) and in auto mode.
 Reports the gradient reductions (all-reduce + reduce-scatter over > 8 floating
 elements) inside the loops and after them, per step and per layer-microbatch (one
 execution of the reductions inside the layer scan), beside the seed's figures
@@ -49,7 +49,7 @@ VARIANTS = {
     "tagged (explicit, deferred)": {"shard_mode": "explicit"},
     "untagged (explicit, per microbatch)": {
         "shard_mode": "explicit",
-        "defer_gradient_reduction": "false",
+        "gradient_reduction_policy": "per_microbatch",
     },
     "auto": {"shard_mode": "auto"},
 }

@@ -5,7 +5,7 @@ explicit): a tagtrain-tiny-derived base (6 layers, 16 experts, f32, one
 32-token sequence per device per microbatch, GA=4), varying one factor at a time:
 GA steps 1/2/4/8, sequences per device per microbatch 1/2/4, experts 8/16/32,
 depth 3/6/12 layers. Every configuration is compiled twice (deferred and
-defer_gradient_reduction=false) and all are timed in one run, interleaved: each
+gradient_reduction_policy=per_microbatch) and all are timed in one run, interleaved: each
 round steps every configuration once; reported is the median of the rounds after
 warm-up. Also from the compiled step: all-reduce/reduce-scatter bytes per step in
 the loop and after it, and the compiled memory per device.
@@ -57,7 +57,7 @@ def overrides(ga, rows, experts, layers, defer) -> dict[str, str]:
         "per_device_batch_size": str(rows),
         "num_experts": str(experts),
         "base_num_decoder_layers": str(layers),
-        "defer_gradient_reduction": str(defer).lower(),
+        "gradient_reduction_policy": "deferred" if defer else "per_microbatch",
     }
 
 

@@ -4,7 +4,7 @@ trainer.floor runs the same model per device inside one `jax.shard_map` with no
 sharding annotations and one psum of every partial sum after the microbatch
 loop: the least traffic data parallelism can have. Beside it, on the same
 data=8 layout of 8 virtual CPU devices: the trainer's explicit path (deferred
-reduction), the same with defer_gradient_reduction=false, and auto mode. The
+reduction), the same with gradient_reduction_policy=per_microbatch, and auto mode. The
 model is bench_explicit_auto's (tagtrain-tiny, 6 layers, 16 experts, f32), at
 GA 1 and 4. All compiled steps are timed in one run, interleaved; reported is the
 median of the rounds after warm-up, with collective counts and bytes from the
@@ -43,7 +43,7 @@ VARIANTS = {
     "floor": ({"shard_mode": "explicit"}, True),
     "explicit": ({"shard_mode": "explicit"}, False),
     "explicit, per-microbatch": (
-        {"shard_mode": "explicit", "defer_gradient_reduction": "false"},
+        {"shard_mode": "explicit", "gradient_reduction_policy": "per_microbatch"},
         False,
     ),
     "auto": ({"shard_mode": "auto"}, False),

@@ -3,8 +3,8 @@
 Issue 14's CPU check: no step-time regression over 3% anywhere. The model and
 layouts of bench_explicit_auto.py (explicit mode, GA=4), plus the GA sweep of
 bench_deferral.py on the data layout (GA 1, 2, 8). Each configuration runs three
-ways: deferred (fused_gradient_accumulation=false, the unfused path), fused (the
-default since these measurements) and overlap_gradient_reduction=true. All
+ways: deferred (gradient_accumulation_schedule=plain, the unfused path), fused (the
+default since these measurements) and gradient_accumulation_schedule=overlapped. All
 compiled steps are timed in one run, interleaved (each round steps every
 configuration once, every other round in reverse); reported are the median
 step and the median (quartiles) of the per-round ratios to the deferred step.
@@ -39,9 +39,9 @@ WARMUP = 2
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "15"))
 LIMIT = 1.03  # the issue's bound on fused / deferred and overlap / deferred step time
 ALL_WAYS = {
-    "deferred": {"fused_gradient_accumulation": "false"},
-    "fused": {"fused_gradient_accumulation": "true"},
-    "overlap": {"overlap_gradient_reduction": "true"},
+    "deferred": {"gradient_accumulation_schedule": "plain"},
+    "fused": {"gradient_accumulation_schedule": "fused"},
+    "overlap": {"gradient_accumulation_schedule": "overlapped"},
 }
 
 

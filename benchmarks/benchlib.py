@@ -63,13 +63,12 @@ def header(title: str, command: str, notes: Sequence[str] = ()) -> list[str]:
 
 
 def accumulation_note() -> str:
-    """The trainer's default gradient-accumulation keys, for a page whose steps use them."""
+    """The trainer's default gradient-accumulation schedule, for a page whose steps use it."""
     from trainer.config import Config
 
     return (
-        "gradient accumulation: the trainer's defaults, "
-        f"fused_gradient_accumulation={str(Config.fused_gradient_accumulation).lower()}, "
-        f"overlap_gradient_reduction={str(Config.overlap_gradient_reduction).lower()}"
+        "gradient accumulation: the trainer's default, "
+        f"gradient_accumulation_schedule={Config.gradient_accumulation_schedule}"
     )
 
 

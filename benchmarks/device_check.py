@@ -30,16 +30,14 @@ import sys
 import time
 
 COMMAND = "benchmarks/device_check.sh"
-# fused_gradient_accumulation pinned on every path: the plain deferred path, the
+# gradient_accumulation_schedule pinned on every path: the plain deferred path, the
 # fused one (each layer's gradient added into the accumulator in the backward scan)
 # and the per-microbatch one, whatever the trainer's default.
+PLAIN = {"gradient_accumulation_schedule": "plain"}
 PATHS = {
-    "deferred": {"gradient_reduction_policy": "deferred", "fused_gradient_accumulation": "false"},
-    "fused": {"gradient_reduction_policy": "deferred", "fused_gradient_accumulation": "true"},
-    "per_microbatch": {
-        "gradient_reduction_policy": "per_microbatch",
-        "fused_gradient_accumulation": "false",
-    },
+    "deferred": {"gradient_reduction_policy": "deferred", **PLAIN},
+    "fused": {"gradient_reduction_policy": "deferred", "gradient_accumulation_schedule": "fused"},
+    "per_microbatch": {"gradient_reduction_policy": "per_microbatch", **PLAIN},
 }
 SHAPES = {
     "accelerator": {"model_name": "deepseek3-small", "per_device_batch_size": "2"},

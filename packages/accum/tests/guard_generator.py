@@ -289,11 +289,13 @@ class Model:
     def accumulate(self, params, batch, on_tag_lost):
         kw = {"num_microbatches": MICROBATCHES, "on_tag_lost": on_tag_lost}
         if self.prog.variant == "fused":
-            kw["fused"] = True
+            kw["schedule"] = "fused"
         if self.prog.variant == "zero1":
             kw["grad_shardings"] = accum.zero1_shardings(params, self.mesh)
         if self.prog.variant == "hierarchical":
-            kw.update(policy=self.policy, slice_axes=self.slice_axes)
+            kw["plan"] = accum.plan_for(
+                params, batch, policy=self.policy, slice_axes=self.slice_axes
+            )
         return accum.accumulate_gradients(self.loss_fn, params, batch, **kw)
 
     def reference(self, params, batch):

@@ -12,16 +12,17 @@ CASES = [("data8", n) for n in (1, 2, 3, 4)] + [
 ]
 
 
-def _accumulated(setup, n, defer=True, **kw):
+def _accumulated(setup, n, policy="deferred"):
     def build():
         def fn(params, batch):
+            plan = accum.plan_for(params, batch, policy=policy)
             return accum.accumulate_gradients(
-                setup.model.loss_fn, params, batch, num_microbatches=n, defer_reduction=defer, **kw
+                setup.model.loss_fn, params, batch, num_microbatches=n, plan=plan
             )
 
         return jax.jit(fn).lower(setup.params, setup.batch).compile()
 
-    return setup.cached(("accumulate", n, defer), build)
+    return setup.cached(("accumulate", n, policy), build)
 
 
 @pytest.mark.parametrize(("mesh", "n"), CASES)
@@ -50,7 +51,7 @@ def test_auto_mode_same_numerics(get_setup, close):
 def test_per_microbatch_reduction_same_grads(get_setup, close):
     setup = get_setup("data8")
     _, ref_grads = setup.reference()
-    _, _, grads = _accumulated(setup, 4, defer=False)(setup.params, setup.batch)
+    _, _, grads = _accumulated(setup, 4, policy="per_microbatch")(setup.params, setup.batch)
     close(grads, ref_grads, rtol=1e-5, atol=1e-6)
 
 
@@ -157,7 +158,7 @@ def test_deferred_and_per_microbatch_losses_agree_over_steps(get_setup):
     setup = get_setup("data8")
     optimizer = optax.adam(1e-2)
 
-    def run(defer):
+    def run(policy):
         @jax.jit
         def step(params, opt_state, batch):
             return accum.train_step(
@@ -167,7 +168,7 @@ def test_deferred_and_per_microbatch_losses_agree_over_steps(get_setup):
                 opt_state,
                 batch,
                 num_microbatches=4,
-                defer_reduction=defer,
+                plan=accum.plan_for(params, batch, policy=policy),
             )
 
         params, opt_state, losses = setup.params, optimizer.init(setup.params), []
@@ -177,6 +178,6 @@ def test_deferred_and_per_microbatch_losses_agree_over_steps(get_setup):
         return np.array(losses)
 
     with jax.set_mesh(setup.mesh):
-        tagged, untagged = run(True), run(False)
+        tagged, untagged = run("deferred"), run("per_microbatch")
     assert tagged[-1] < tagged[0]  # the steps do train
     np.testing.assert_allclose(tagged, untagged, rtol=1e-5)

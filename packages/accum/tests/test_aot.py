@@ -39,9 +39,8 @@ def _compile(tpu, defer):
     mesh, model, params, batch = tpu
 
     def fn(p, b):
-        return accum.accumulate_gradients(
-            model.loss_fn, p, b, num_microbatches=N, defer_reduction=defer
-        )
+        plan = accum.plan_for(p, b, policy="deferred" if defer else "per_microbatch")
+        return accum.accumulate_gradients(model.loss_fn, p, b, num_microbatches=N, plan=plan)
 
     with jax.set_mesh(mesh):
         return jax.jit(fn).lower(params, batch).compile().as_text()

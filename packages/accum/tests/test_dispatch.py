@@ -91,9 +91,10 @@ def test_add_without_deferral_reduces_in_add(get_setup):
     setup = get_setup("data8")
     mb = _microbatches(setup)[0]
     with jax.set_mesh(setup.mesh):
-        acc = jax.jit(lambda p, b: accum.start(setup.model.loss_fn, p, b, defer_reduction=False))(
-            setup.params, mb
-        )
+        per_microbatch = lambda p, b: accum.plan_for(p, b, policy="per_microbatch")  # noqa: E731
+        acc = jax.jit(
+            lambda p, b: accum.start(setup.model.loss_fn, p, b, plan=per_microbatch(p, b))
+        )(setup.params, mb)
         text = (
             jax.jit(lambda a, p, b: accum.add(a, setup.model.loss_fn, p, b))
             .lower(acc, setup.params, mb)

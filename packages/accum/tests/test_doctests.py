@@ -8,9 +8,20 @@ import pathlib
 import pytest
 
 import accum
-from accum import accumulate, dispatch, gating, guard, microbatch, plan, step, tags, zero1
+from accum import (
+    accumulate,
+    dispatch,
+    gating,
+    guard,
+    microbatch,
+    plan,
+    schedule,
+    step,
+    tags,
+    zero1,
+)
 
-MODULES = (accumulate, dispatch, gating, guard, microbatch, plan, step, tags, zero1)
+MODULES = (accumulate, dispatch, gating, guard, microbatch, plan, schedule, step, tags, zero1)
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 

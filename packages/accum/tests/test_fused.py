@@ -1,6 +1,8 @@
 """Fused accumulation (gradients added inside the backward layer scan) and the overlapped
 last-microbatch reduction: same numbers as the plain path, reductions where they belong."""
 
+from functools import partial
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -19,20 +21,20 @@ FLOATS = ("f32", "bf16")
 CASES = [
     (mesh, how)
     for mesh in ("data8", "data4_fsdp2", "data2_expert4")
-    for how in ("fused", "overlap")
+    for how in ("fused", "overlapped")
 ]
 
 
-def _compiled(setup, how, n=N, **kw):
+def _compiled(setup, how, n=N):
     def build():
         def fn(params, batch):
             return accum.accumulate_gradients(
-                setup.model.loss_fn, params, batch, num_microbatches=n, **{how: True}, **kw
+                setup.model.loss_fn, params, batch, num_microbatches=n, schedule=how
             )
 
         return jax.jit(fn).lower(setup.params, setup.batch).compile()
 
-    return setup.cached(("accumulate", how, n, tuple(sorted(kw))), build)
+    return setup.cached(("accumulate", how, n), build)
 
 
 def _plain(setup, n=N):
@@ -44,7 +46,8 @@ def _plain(setup, n=N):
 
         return jax.jit(fn).lower(setup.params, setup.batch).compile()
 
-    return setup.cached(("accumulate", n, True), build)
+    # test_accumulate's key for the same (default, deferred) plan: one compile.
+    return setup.cached(("accumulate", n, "deferred"), build)
 
 
 @pytest.mark.parametrize(("mesh", "how"), CASES)
@@ -60,7 +63,7 @@ def test_same_numbers_as_full_batch(get_setup, close, mesh, how):
         assert spec_of(g).partitions == spec_of(p).partitions
 
 
-@pytest.mark.parametrize("how", ["fused", "overlap"])
+@pytest.mark.parametrize("how", ["fused", "overlapped"])
 def test_auto_mode_same_numbers(get_setup, close, how):
     setup = get_setup("data8", "auto")
     (ref_loss, _), ref_grads = setup.reference()
@@ -70,7 +73,7 @@ def test_auto_mode_same_numbers(get_setup, close, how):
 
 
 def test_one_microbatch_is_the_plain_path(get_setup):
-    """Nothing to accumulate: fused=True with one microbatch lowers to the plain
+    """Nothing to accumulate: schedule="fused" with one microbatch lowers to the plain
     path's program (no zero accumulator added into the backward pass)."""
     setup = get_setup("data8")
 
@@ -83,13 +86,13 @@ def test_one_microbatch_is_the_plain_path(get_setup):
         with jax.set_mesh(setup.mesh):
             return jax.jit(fn).lower(setup.params, setup.batch).as_text()
 
-    assert lowered(1, fused=True) == lowered(1)
+    assert lowered(1, schedule="fused") == lowered(1)
     # Two microbatches do fuse (the comparison above could not pass vacuously).
-    assert lowered(2, fused=True) != lowered(2)
+    assert lowered(2, schedule="fused") != lowered(2)
 
 
 def test_per_microbatch_plan_is_the_plain_path(get_setup):
-    """A per-microbatch plan keeps no partial sums: fused=True lowers to the plain
+    """A per-microbatch plan keeps no partial sums: schedule="fused" lowers to the plain
     path's program (fusing let XLA:TPU move the per-layer reductions out of the
     backward scan onto a full-size gradient), through accumulate_gradients and add."""
     setup = get_setup("data8")
@@ -102,30 +105,30 @@ def test_per_microbatch_plan_is_the_plain_path(get_setup):
     def scan(policy, **kw):
         return lowered(
             lambda p, b: accum.accumulate_gradients(
-                loss_fn, p, b, num_microbatches=2, policy=policy, **kw
+                loss_fn, p, b, num_microbatches=2, plan=accum.plan_for(p, b, policy=policy), **kw
             ),
             setup.params,
             setup.batch,
         )
 
-    assert scan("per_microbatch", fused=True) == scan("per_microbatch")
+    assert scan("per_microbatch", schedule="fused") == scan("per_microbatch")
     # A deferred plan does fuse (the comparison above could not pass vacuously).
-    assert scan("deferred", fused=True) != scan("deferred")
+    assert scan("deferred", schedule="fused") != scan("deferred")
 
     # One microbatch of two, placed like the batch (the strided split).
     microbatch = jax.tree.map(lambda x: jax.device_put(np.asarray(x)[::2], x.sharding), setup.batch)
 
-    def add(defer, **kw):
+    def add(policy, **kw):
         with jax.set_mesh(setup.mesh):
-            acc = jax.jit(lambda p, b: accum.start(loss_fn, p, b, defer_reduction=defer))(
-                setup.params, microbatch
-            )
-        assert acc.plan.fused_applies == defer
+            acc = jax.jit(
+                lambda p, b: accum.start(loss_fn, p, b, plan=accum.plan_for(p, b, policy=policy))
+            )(setup.params, microbatch)
+        assert acc.plan.fused_applies == (policy == "deferred")
         step = lambda a, p, b: accum.add(a, loss_fn, p, b, **kw)  # noqa: E731
         return lowered(step, acc, setup.params, microbatch)
 
-    assert add(False, fused=True) == add(False)
-    assert add(True, fused=True) != add(True)
+    assert add("per_microbatch", schedule="fused") == add("per_microbatch")
+    assert add("deferred", schedule="fused") != add("deferred")
 
 
 def test_fused_loop_holds_no_reduction_and_bytes_match(get_setup):
@@ -138,7 +141,7 @@ def test_fused_loop_holds_no_reduction_and_bytes_match(get_setup):
 
 def test_overlap_reduces_each_layer_once_after_the_loop(get_setup):
     setup = get_setup("data8")
-    module = ht.parse(_compiled(setup, "overlap").as_text())
+    module = ht.parse(_compiled(setup, "overlapped").as_text())
     # Nothing in the loop over the first N-1 microbatches (a per-microbatch
     # reduction there would be in_loop_reductions), and the stacked layers'
     # reductions run inside the last microbatch's backward layer scan.
@@ -177,7 +180,7 @@ def test_overlap_runs_the_last_microbatch_after_the_loop(get_setup, mode):
     setup = get_setup("data8", mode)
     trace = jax.make_jaxpr(
         lambda p, b: accum.accumulate_gradients(
-            setup.model.loss_fn, p, b, num_microbatches=N, overlap=True
+            setup.model.loss_fn, p, b, num_microbatches=N, schedule="overlapped"
         )
     )
     with jax.set_mesh(setup.mesh):
@@ -203,13 +206,13 @@ def _reduction_bytes(text_or_module):
     )
 
 
-def _overlap_onto_zero1(setup, close, **kw):
-    """The overlap path compiled onto ZeRO-1 targets (cached per `kw`), its grads
-    checked against the full batch's and on the targets' partitions; the compiled."""
+def _overlap_onto_zero1(setup, close, schedule="overlapped"):
+    """The `schedule` (an overlapped one) compiled onto ZeRO-1 targets (cached), its
+    grads checked against the full batch's and on the targets' partitions; the compiled."""
     targets = accum.zero1_shardings(setup.params)
     _, ref_grads = setup.reference()
     fn = setup.cached(
-        ("overlap-zero1", tuple(sorted(kw.items()))),
+        ("overlap-zero1", schedule),
         lambda: (
             jax.jit(
                 lambda p, b: accum.accumulate_gradients(
@@ -217,9 +220,8 @@ def _overlap_onto_zero1(setup, close, **kw):
                     p,
                     b,
                     num_microbatches=N,
-                    overlap=True,
+                    schedule=schedule,
                     grad_shardings=targets,
-                    **kw,
                 )
             )
             .lower(setup.params, setup.batch)
@@ -242,12 +244,12 @@ def test_overlap_onto_zero1_shards(get_setup, close):
 
 @pytest.mark.parametrize("mesh", ["data8", "data2_expert4"])
 def test_ring_reduce_scatter_onto_zero1_shards(get_setup, close, mesh):
-    """ring_reduce_scatter: the per-layer reduce-scatters become one ring of n-1
+    """schedule="overlapped_ring": the per-layer reduce-scatters become one ring of n-1
     collective-permutes per layer (accum.ring), same numbers and shards; on
     data2_expert4 the axes the shards leave unsharded are psummed after the ring."""
     setup = get_setup(mesh)
     targets = accum.zero1_shardings(setup.params)
-    fn = _overlap_onto_zero1(setup, close, ring_reduce_scatter=True)
+    fn = _overlap_onto_zero1(setup, close, schedule="overlapped_ring")
     module = ht.parse(fn.as_text())
     if mesh == "data8":
         # (data2_expert4's expert layer all-reduces activations over 'expert' in
@@ -273,16 +275,52 @@ def test_ring_reduce_scatter_onto_zero1_shards(get_setup, close, mesh):
     assert not [c for c in after if c.kind == "reduce-scatter"]
 
 
-def test_ring_without_overlap_is_refused(get_setup):
-    setup = get_setup("data8")
-    with pytest.raises(ValueError, match="ring_reduce_scatter=True needs overlap=True"):
+@pytest.mark.parametrize(
+    ("mode", "policy", "schedule", "error"),
+    [
+        (
+            "explicit",
+            "per_microbatch",
+            "overlapped_ring",
+            "schedule='overlapped_ring' does nothing under policy='per_microbatch'",
+        ),
+        ("auto", "deferred", "overlapped_ring", "schedule='overlapped_ring' needs explicit mode"),
+        ("explicit", "deferred", "ring", "schedule='ring' is not one of"),
+    ],
+)
+def test_meaningless_schedule_is_refused(get_setup, mode, policy, schedule, error):
+    """One line naming the schedule and what it cannot go with, at trace time."""
+    setup = get_setup("data8", mode)
+    with pytest.raises(ValueError, match=error):
         jax.eval_shape(
             lambda p, b: accum.accumulate_gradients(
-                setup.model.loss_fn, p, b, num_microbatches=N, ring_reduce_scatter=True
+                setup.model.loss_fn,
+                p,
+                b,
+                num_microbatches=N,
+                plan=accum.plan_for(p, b, policy=policy),
+                schedule=schedule,
             ),
             setup.params,
             setup.batch,
         )
+
+
+def test_add_refuses_the_overlapped_schedules(get_setup):
+    """add accumulates one microbatch; the overlapped reduction needs the last one."""
+    setup = get_setup("data8")
+    # One microbatch of two, placed like the batch (the strided split).
+    microbatch = jax.tree.map(lambda x: jax.device_put(np.asarray(x)[::2], x.sharding), setup.batch)
+    with jax.set_mesh(setup.mesh):
+        # Abstract only: the refusal comes before anything is traced.
+        acc = jax.eval_shape(partial(accum.start, setup.model.loss_fn), setup.params, microbatch)
+        with pytest.raises(ValueError, match="add: schedule='overlapped' reduces inside"):
+            jax.eval_shape(
+                lambda a, p, b: accum.add(a, setup.model.loss_fn, p, b, schedule="overlapped"),
+                acc,
+                setup.params,
+                microbatch,
+            )
 
 
 def _scan_shard_bytes(setup, targets, layers) -> int:
@@ -363,10 +401,10 @@ def test_closures_second_uses_and_integer_outputs(close, mode, decay, n):
     with jax.set_mesh(mesh):
         plain = jax.jit(lambda p, b: accum.accumulate_gradients(loss_fn, p, b, num_microbatches=n))
         want = plain(params, batch)
-        for how in ("fused", "overlap"):
+        for how in ("fused", "overlapped"):
             got = jax.jit(
                 lambda p, b, how=how: accum.accumulate_gradients(
-                    loss_fn, p, b, num_microbatches=n, **{how: True}
+                    loss_fn, p, b, num_microbatches=n, schedule=how
                 )
             )(params, batch)
             close(got[0], want[0], rtol=1e-6)
@@ -390,29 +428,29 @@ def test_overlapped_scope_is_hlo_tools_contract():
 
 
 def test_add_fused_matches_add(get_setup, close):
-    """start / add(fused=True) / finish: same result as the plain add, per microbatch."""
+    """start / add(schedule="fused") / finish: same result as the plain add, per microbatch."""
     setup = get_setup("data8")
     microbatches = accum.split_microbatches(setup.batch, 2)
 
-    def run(fused):
+    def run(schedule):
         def fn(params, batch):
             acc = accum.start(setup.model.loss_fn, params, jax.tree.map(lambda x: x[0], batch))
             for i in range(2):
                 mb = jax.tree.map(lambda x, i=i: x[i], batch)
-                acc = accum.add(acc, setup.model.loss_fn, params, mb, fused=fused)
+                acc = accum.add(acc, setup.model.loss_fn, params, mb, schedule=schedule)
             return accum.finish(acc)
 
         with jax.set_mesh(setup.mesh):
             return jax.jit(fn)(setup.params, microbatches)
 
-    want, got = run(False), run(True)
+    want, got = run("plain"), run("fused")
     close(got[0], want[0], rtol=1e-6)
     close(got[2], want[2], rtol=1e-5, atol=1e-7)
 
 
-def _loop_buffers(setup, fused, targets=None, **kw):
-    """hlo_tools.loop_buffers of the accumulation compiled for `setup` (own compile: the
-    buffer assignment is only written when asked for); `kw`: overlap, ring_reduce_scatter."""
+def _loop_buffers(setup, schedule, targets=None):
+    """hlo_tools.loop_buffers of the accumulation under `schedule` compiled for `setup`
+    (own compile: the buffer assignment is only written when asked for)."""
 
     def build():
         def fn(params, batch):
@@ -421,17 +459,14 @@ def _loop_buffers(setup, fused, targets=None, **kw):
                 params,
                 batch,
                 num_microbatches=N,
-                fused=fused,
+                schedule=schedule,
                 grad_shardings=targets,
-                **kw,
             )
 
         lowered = jax.jit(fn).lower(setup.params, setup.batch)
         return ht.loop_buffers(ht.compile_with_buffers(lowered)[1])
 
-    return setup.cached(
-        ("loop_buffers", fused, targets is not None, tuple(sorted(kw.items()))), build
-    )
+    return setup.cached(("loop_buffers", schedule, targets is not None), build)
 
 
 def _per_device_shape(leaf, sharding) -> str:
@@ -447,7 +482,7 @@ def test_overlap_keeps_reduced_layers_in_the_accumulator(get_setup, ring):
     step's peak is at the start of that scan)."""
     setup = get_setup("data8")
     targets = accum.zero1_shardings(setup.params)
-    carried = _loop_buffers(setup, True, targets, overlap=True, ring_reduce_scatter=ring)
+    carried = _loop_buffers(setup, "overlapped_ring" if ring else "overlapped", targets)
     layers = jax.tree.leaves(setup.params["layers"])
     accumulators = {_per_device_shape(leaf, leaf.sharding) for leaf in layers}
     shards = {
@@ -456,7 +491,7 @@ def test_overlap_keeps_reduced_layers_in_the_accumulator(get_setup, ring):
     }
     # Shapes no loop of the fused path carries (a shard shape can equal an
     # activation stack's, e.g. layers x tokens x embed): none of them either.
-    fused = _loop_buffers(setup, True, targets)
+    fused = _loop_buffers(setup, "fused", targets)
     unambiguous = {s for s in shards - accumulators if not fused.get(s, 0)}
     assert unambiguous
     for shape in unambiguous:
@@ -472,7 +507,7 @@ def test_fused_holds_no_per_microbatch_gradient_buffer(get_setup, mesh, zero1):
     that leaf's (per-device) shape than the fused path, which adds in place."""
     setup = get_setup(mesh)
     targets = accum.zero1_shardings(setup.params) if zero1 else None
-    plain, fused = _loop_buffers(setup, False, targets), _loop_buffers(setup, True, targets)
+    plain, fused = _loop_buffers(setup, "plain", targets), _loop_buffers(setup, "fused", targets)
     stacked = {}
     for leaf in jax.tree.leaves(setup.params["layers"]):
         shard = leaf.sharding.shard_shape(leaf.shape)

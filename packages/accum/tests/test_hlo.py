@@ -11,15 +11,19 @@ N = 4
 
 
 def _compiled(setup, defer):
+    policy = "deferred" if defer else "per_microbatch"
+
     def build():
         def fn(params, batch):
+            plan = accum.plan_for(params, batch, policy=policy)
             return accum.accumulate_gradients(
-                setup.model.loss_fn, params, batch, num_microbatches=N, defer_reduction=defer
+                setup.model.loss_fn, params, batch, num_microbatches=N, plan=plan
             )
 
         return jax.jit(fn).lower(setup.params, setup.batch).compile()
 
-    return setup.cached(("accumulate", N, defer), build)
+    # The key test_accumulate's _accumulated uses too: one compile for both.
+    return setup.cached(("accumulate", N, policy), build)
 
 
 def _peak(compiled):

@@ -50,13 +50,15 @@ def _square(y):
     [jnp.tanh, jax.nn.sigmoid, jax.nn.gelu, _square],
     ids=["tanh", "sigmoid", "gelu", "square"],
 )
-@pytest.mark.parametrize("fused", [False, True])
-def test_reduced_loss_next_to_tanh_gives_full_batch_gradients(setup, activation, fused):
+@pytest.mark.parametrize("schedule", ["plain", "fused"])
+def test_reduced_loss_next_to_tanh_gives_full_batch_gradients(setup, activation, schedule):
     mesh, w, batch = setup
     loss_fn = _loss_fn(activation)
     with jax.set_mesh(mesh):
         _, _, grads = jax.jit(
-            lambda w, b: accum.accumulate_gradients(loss_fn, w, b, num_microbatches=1, fused=fused)
+            lambda w, b: accum.accumulate_gradients(
+                loss_fn, w, b, num_microbatches=1, schedule=schedule
+            )
         )(w, batch)
     # The reference on host: no mesh, no tags. One microbatch of weight 1: the
     # penalty is counted once, as in accum's sum over microbatches.

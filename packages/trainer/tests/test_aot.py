@@ -75,13 +75,13 @@ def test_v5e8_memory_report_and_hlo_file(zero1_v5e8):
 
 @pytest.fixture(scope="module")
 def overlap_v5e8(tmp_path_factory):
-    """tagtrain-test, explicit, data=8, GA=4 on v5e-8, overlap_gradient_reduction=true,
+    """tagtrain-test, explicit, data=8, GA=4 on v5e-8, gradient_accumulation_schedule=overlapped,
     tpu_async_collectives=true."""
     config = _config(
         tmp_path_factory.mktemp("aot"),
         **TEST_V5E8,
         ici_data_parallelism="8",
-        overlap_gradient_reduction="true",
+        gradient_accumulation_schedule="overlapped",
         tpu_async_collectives="true",
     )
     return aot.compile_for_topology(config)
@@ -131,15 +131,14 @@ def test_v5e8_overlap_runs_the_last_microbatch_after_the_loop(overlap_v5e8):
 
 def test_v5e8_ring_reduce_scatter_hides_zero1s_reductions(tmp_path):
     # ZeRO-1 + overlap: on v5e every reduce-scatter stays synchronous; as rings of
-    # collective-permutes (ring_reduce_scatter) the gradient reductions are async
+    # collective-permutes (overlapped_ring) the gradient reductions are async
     # with compute between start and done, and the step still reduces each
     # gradient once (nothing in the microbatch loop).
     config = _config(
         tmp_path,
         **TEST_V5E8,
         shard_optimizer_over_data="true",
-        overlap_gradient_reduction="true",
-        ring_reduce_scatter="true",
+        gradient_accumulation_schedule="overlapped_ring",
         tpu_async_collectives="true",
     )
     text = aot.compile_for_topology(config).compiled.as_text()
@@ -289,7 +288,7 @@ def test_671b_fsdp_only_reports_that_it_does_not_fit(tmp_path, capsys):
 
 def test_v5e8_per_microbatch_reduction_is_caught(tmp_path):
     # The same check fails when the gradients are reduced inside the loop.
-    config = _config(tmp_path, **TEST_V5E8, defer_gradient_reduction="false")
+    config = _config(tmp_path, **TEST_V5E8, gradient_reduction_policy="per_microbatch")
     text = aot.compile_for_topology(config).compiled.as_text()
     with pytest.raises(AssertionError, match="inside a loop"):
         hlo_tools.assert_reduced_once_per_step(text)

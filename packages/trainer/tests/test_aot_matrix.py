@@ -111,7 +111,7 @@ def compile_case(topology: str, layout: str, mode: str, defer: bool = True, **ex
         **LAYOUTS[layout],
         "compile_topology": topology,
         "shard_mode": mode,
-        "defer_gradient_reduction": str(defer).lower(),
+        "gradient_reduction_policy": "deferred" if defer else "per_microbatch",
         "base_output_directory": tempfile.mkdtemp(prefix="aot_matrix_"),
         **extra,
     }

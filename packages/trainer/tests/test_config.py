@@ -88,12 +88,51 @@ BAD = [
         r"^accum_dtype='float16' is not one of \('float32', 'bfloat16'\)$",
     ),
     (
-        {"ring_reduce_scatter": "true"},
-        r"^ring_reduce_scatter=true needs overlap_gradient_reduction=true",
+        {"gradient_accumulation_schedule": "overlapped", "scan_layers": "false"},
+        r"^gradient_accumulation_schedule=overlapped needs scan_layers=true",
     ),
     (
-        {"ring_reduce_scatter": "true", "overlap_gradient_reduction": "true", "shard_mode": "auto"},
-        r"^ring_reduce_scatter=true needs shard_mode=explicit",
+        {"gradient_accumulation_schedule": "overlapped_ring", "shard_mode": "auto"},
+        r"^gradient_accumulation_schedule=overlapped_ring needs shard_mode=explicit",
+    ),
+    (
+        {
+            "gradient_accumulation_schedule": "overlapped_ring",
+            "gradient_reduction_policy": "per_microbatch",
+        },
+        r"^gradient_accumulation_schedule=overlapped_ring does nothing with "
+        r"gradient_reduction_policy=per_microbatch .*: use gradient_accumulation_schedule="
+        r"overlapped$",
+    ),
+    (
+        {"gradient_accumulation_schedule": "ring"},
+        r"^gradient_accumulation_schedule='ring' is not one of \('plain', 'fused', "
+        r"'overlapped', 'overlapped_ring'\)$",
+    ),
+    # The removed keys: one line saying what to write instead.
+    (
+        {"fused_gradient_accumulation": "false"},
+        r"^fused_gradient_accumulation removed: write gradient_accumulation_schedule=plain "
+        r"instead$",
+    ),
+    (
+        {"overlap_gradient_reduction": "true"},
+        r"^overlap_gradient_reduction removed: write gradient_accumulation_schedule=overlapped "
+        r"instead$",
+    ),
+    (
+        {"overlap_gradient_reduction": "true", "ring_reduce_scatter": "true"},
+        r"^overlap_gradient_reduction, ring_reduce_scatter removed: write "
+        r"gradient_accumulation_schedule=overlapped_ring instead$",
+    ),
+    (
+        {"defer_gradient_reduction": "false", "fused_gradient_accumulation": "true"},
+        r"^defer_gradient_reduction, fused_gradient_accumulation removed: write "
+        r"gradient_accumulation_schedule=fused gradient_reduction_policy=per_microbatch instead$",
+    ),
+    (
+        {"defer_gradient_reduction": "maybe"},
+        r"^defer_gradient_reduction='maybe' is not a boolean",
     ),
 ]
 
@@ -102,6 +141,16 @@ BAD = [
 def test_bad_config_names_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate(make_config(overrides), 8)
+
+
+def test_schedule_values_are_accums_and_fused_is_the_default():
+    import typing
+
+    import accum
+
+    hint = typing.get_type_hints(Config)["gradient_accumulation_schedule"]
+    assert typing.get_args(hint) == accum.SCHEDULES
+    assert make_config().gradient_accumulation_schedule == "fused"
 
 
 def test_accum_dtype_defaults_to_float32_and_takes_bfloat16():

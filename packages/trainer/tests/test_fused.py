@@ -1,5 +1,5 @@
-"""fused_gradient_accumulation and overlap_gradient_reduction on the trainer's layouts:
-the deferred path's numbers, its gradient bytes, nothing reduced in the microbatch loop."""
+"""gradient_accumulation_schedule fused, overlapped and overlapped_ring on the trainer's
+layouts: the plain path's numbers, its gradient bytes, nothing reduced in the microbatch loop."""
 
 import numpy as np
 import pytest
@@ -17,18 +17,16 @@ FLOATS = ("f32", "bf16")
 # The seed's recipe (ZeRO-1) in the cpu tier; the other layouts are slow (two
 # compiles of the tiny model each): `uv run nox -s slow`.
 slow = pytest.mark.slow
-UNFUSED = {"fused_gradient_accumulation": "false"}
-OVERLAP = {"overlap_gradient_reduction": "true"}
-# ring_reduce_scatter: ZeRO-1's per-layer reduce-scatters as rings of permutes (the
+PLAIN = {"gradient_accumulation_schedule": "plain"}
+# overlapped_ring: ZeRO-1's per-layer reduce-scatters as rings of permutes (the
 # accum tests check the ring's numbers and permutes in the cpu tier).
-RING = {**OVERLAP, "ring_reduce_scatter": "true"}
 CASES = [
-    ("data+zero1", "overlap_gradient_reduction"),
-    pytest.param("data+zero1", "ring_reduce_scatter", marks=slow),
-    pytest.param("data", "overlap_gradient_reduction", marks=slow),
-    pytest.param("data", "fused_gradient_accumulation", marks=slow),
-    pytest.param("data+fsdp", "overlap_gradient_reduction", marks=slow),
-    pytest.param("data+expert", "overlap_gradient_reduction", marks=slow),
+    ("data+zero1", "overlapped"),
+    pytest.param("data+zero1", "overlapped_ring", marks=slow),
+    pytest.param("data", "overlapped", marks=slow),
+    pytest.param("data", "fused", marks=slow),
+    pytest.param("data+fsdp", "overlapped", marks=slow),
+    pytest.param("data+expert", "overlapped", marks=slow),
 ]
 
 
@@ -47,17 +45,17 @@ def _reduction_bytes(text: str) -> float:
     return total
 
 
-@pytest.mark.parametrize(("layout", "key"), CASES)
-def test_same_numbers_and_bytes_as_deferred(runner, grads_runner, layout, key):
+@pytest.mark.parametrize(("layout", "schedule"), CASES)
+def test_same_numbers_and_bytes_as_deferred(runner, grads_runner, layout, schedule):
     base = {**EIGHT_DEVICE_LAYOUTS[layout], **GA, **LAYERS}
     # The reference: the unfused path (per-microbatch gradients added after the
     # backward pass); fused accumulation is the default.
-    want_history, want_text = runner(1, **base, **UNFUSED)
-    keys = {"ring_reduce_scatter": RING}.get(key, {key: "true"})
+    want_history, want_text = runner(1, **base, **PLAIN)
+    keys = {"gradient_accumulation_schedule": schedule}
     got_history, got_text = runner(1, **base, **keys)
     for name in ("loss", "grad_norm"):
         np.testing.assert_allclose(got_history[0][name], want_history[0][name], rtol=1e-5)
-    want, got = grads_runner(1, **base, **UNFUSED), grads_runner(1, **base, **keys)
+    want, got = grads_runner(1, **base, **PLAIN), grads_runner(1, **base, **keys)
     for leaf, value in want.items():
         scale = float(np.abs(value).max())
         np.testing.assert_allclose(got[leaf], value, rtol=1e-5, atol=1e-6 * scale, err_msg=leaf)
@@ -69,12 +67,12 @@ def test_same_numbers_and_bytes_as_deferred(runner, grads_runner, layout, key):
     judged = ht.verdict(module, mesh_shape=sizes, over=("data",))
     assert judged["status"] == "OK", judged["message"]
     assert _reduction_bytes(got_text) == pytest.approx(_reduction_bytes(want_text), rel=1e-9)
-    if key == "ring_reduce_scatter":
+    if schedule == "overlapped_ring":
         # ZeRO-1's scanned layers: rings of permutes, no reduce-scatter left in the scan.
         in_scan = ht.overlapped_reductions(module)
         assert any(ht.is_ring_reduction(c) for c in in_scan)
         assert not [c for c in in_scan if c.kind == "reduce-scatter"]
-    elif key == "overlap_gradient_reduction":
+    elif schedule == "overlapped":
         # The scanned layers' share runs layer by layer in the last backward.
         assert ht.overlapped_reductions(module)
     else:

@@ -47,7 +47,7 @@ def test_no_cross_slice_reduction_in_the_loop_and_in_slice_scatters_per_microbat
     # Unfused: one reduce-scatter of the whole gradient after each microbatch's
     # backward pass (fused accumulation, the default, scatters each layer inside
     # it: test_hierarchical_fused_matches_and_keeps_cross_slice_out_of_the_loop).
-    _, text = runner(1, **SLICES, fused_gradient_accumulation="false")
+    _, text = runner(1, **SLICES, gradient_accumulation_schedule="plain")
     reductions = _reductions(text)
     inside = [c for c in reductions if c.in_loop]
     assert not [c for c in inside if hlo_tools.spans_mesh_axis(c, MESH, "dcn_data")]
@@ -116,14 +116,6 @@ def test_bad_slice_configs_stop_before_compiling(overrides, message):
         validate(config, 8, config.num_slices if config.num_slices > 0 else 1)
 
 
-def test_alias_contradiction_names_both_keys():
-    from trainer.config import ConfigError, make_config
-
-    with pytest.raises(ConfigError, match="defer_gradient_reduction=false"):
-        make_config({"defer_gradient_reduction": "false", "gradient_reduction_policy": "deferred"})
-    assert make_config({"defer_gradient_reduction": "false"}).reduction_policy == "per_microbatch"
-
-
 def test_slice_count_from_devices_config_and_topology():
     import types
 
@@ -170,11 +162,11 @@ def test_devices_that_report_slices_get_one_slice_per_dcn_block(monkeypatch):
 
 
 def test_hierarchical_fused_matches_and_keeps_cross_slice_out_of_the_loop(runner, grads_runner):
-    """fused_gradient_accumulation=true reduce-scatters each layer's in-slice partial
+    """gradient_accumulation_schedule=fused reduce-scatters each layer's in-slice partial
     sums inside the backward layer scan: same numbers as unfused hierarchical, and
     still no cross-slice reduction in any loop."""
-    fused = {**SLICES, "fused_gradient_accumulation": "true"}
-    unfused = {**SLICES, "fused_gradient_accumulation": "false"}
+    fused = {**SLICES, "gradient_accumulation_schedule": "fused"}
+    unfused = {**SLICES, "gradient_accumulation_schedule": "plain"}
     want = runner(1, **unfused)[0][0]
     got, text = runner(1, **fused)
     np.testing.assert_allclose(got[0]["loss"], want["loss"], rtol=1e-5)

@@ -101,7 +101,7 @@ def _train_and_time(defer: bool, devices) -> tuple[float, str, list[float], int]
         {
             **SCALE,
             "steps": str(WARMUP_STEPS + MEASURED_STEPS),
-            "defer_gradient_reduction": str(defer).lower(),
+            "gradient_reduction_policy": "deferred" if defer else "per_microbatch",
         }
     )
     run = run_lib.setup(config, devices)

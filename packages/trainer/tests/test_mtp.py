@@ -24,7 +24,7 @@ from trainer.validate import validate
 
 GA4 = {"gradient_accumulation_steps": "4"}
 ZERO1 = {"shard_optimizer_over_data": "true"}
-UNFUSED = {"fused_gradient_accumulation": "false"}
+UNFUSED = {"gradient_accumulation_schedule": "plain"}
 
 
 @pytest.mark.parametrize(
@@ -137,7 +137,7 @@ def test_accumulated_mtp_gradients_equal_the_full_batch_and_stay_deferred(
     _assert_no_gradient_reduction_in_the_loop(text)
 
 
-OVERLAP = {"overlap_gradient_reduction": "true"}
+OVERLAP = {"gradient_accumulation_schedule": "overlapped"}
 MATRIX = [
     pytest.param(depth, mode, layout, way, marks=pytest.mark.slow, id=f"{depth}-{mode}-{name}-{w}")
     for depth in ("1", "2")

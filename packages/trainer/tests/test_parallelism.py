@@ -50,7 +50,7 @@ def test_fsdp_keeps_data_reduction_out_of_the_loop(runner):
 
 
 def test_fsdp_without_deferral_reduces_data_in_the_loop(runner):
-    _, text = runner(1, **DATA_FSDP, defer_gradient_reduction="false")
+    _, text = runner(1, **DATA_FSDP, gradient_reduction_policy="per_microbatch")
     inside = hlo_tools.in_loop_reductions(text)
     assert [c for c in inside if _groups_span_data(c, 4)]
 
@@ -70,7 +70,7 @@ def test_startup_summary_tells_fsdp_reductions_from_lost_deferral(runner):
     )
     assert head.endswith(want), head
     # Deferral off: the 'data' reductions are in the loop, and a strict summary says so.
-    _, per_microbatch = runner(1, **DATA_FSDP, defer_gradient_reduction="false")
+    _, per_microbatch = runner(1, **DATA_FSDP, gradient_reduction_policy="per_microbatch")
     head = collective_summary(per_microbatch, config, mesh_shape, ("data",))[0]
     assert (
         head.split("; ")[-1].startswith("FAIL: ") and "> 8 elements over data inside loops" in head

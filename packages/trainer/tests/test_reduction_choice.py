@@ -11,15 +11,11 @@ from trainer.config import ConfigError, make_config
 
 
 def test_auto_is_the_default_and_explicit_values_keep_their_meaning():
-    assert make_config({}).reduction_policy == "auto"
-    assert make_config({"defer_gradient_reduction": "false"}).reduction_policy == "per_microbatch"
-    assert make_config({"defer_gradient_reduction": "true"}).reduction_policy == "deferred"
+    assert make_config({}).gradient_reduction_policy == "auto"
     explicit = make_config({"gradient_reduction_policy": "hierarchical"})
-    assert explicit.reduction_policy == "hierarchical"
-    # A config's own fields passed back in (auto with the alias at its default) is fine.
-    assert make_config(dict(make_config({}).__dict__)).reduction_policy == "auto"
-    with pytest.raises(ConfigError, match="defer_gradient_reduction=false .* contradicts"):
-        make_config({"gradient_reduction_policy": "auto", "defer_gradient_reduction": "false"})
+    assert explicit.gradient_reduction_policy == "hierarchical"
+    # A config's own fields passed back in is fine.
+    assert make_config(dict(make_config({}).__dict__)).gradient_reduction_policy == "auto"
 
 
 def _choice(**overrides):
@@ -43,6 +39,18 @@ def test_one_slice_picks_deferred_and_two_slices_never_per_microbatch_first():
     assert two.order.index("hierarchical") < two.order.index("per_microbatch")
     dcn = {p: c.link_bytes[cost_lib.DCN] for p, c in two.costs.items()}
     assert dcn["per_microbatch"] > dcn["hierarchical"]
+
+
+def test_overlapped_ring_leaves_per_microbatch_out_of_the_candidates():
+    # The ring has nothing to ring under per_microbatch (accum.check_schedule), so
+    # auto never falls back onto a combination an explicit config is refused.
+    ring = _choice(
+        model_name="tagtrain-test",
+        compile_topology="v5e-8",
+        gradient_accumulation_steps=4,
+        gradient_accumulation_schedule="overlapped_ring",
+    )
+    assert ring.order == ("deferred",)
 
 
 def test_rank_puts_hierarchical_before_per_microbatch_across_slices():

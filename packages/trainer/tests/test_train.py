@@ -59,7 +59,9 @@ def test_explicit_ga_reduces_gradients_once_per_step(runner):
 
 def test_per_microbatch_reduction_shows_in_the_loop(runner):
     # The same step with deferral off: proves the assertion above can fail.
-    _, text = runner(LONG, **CASES["explicit-data8-ga4"], defer_gradient_reduction="false")
+    _, text = runner(
+        LONG, **CASES["explicit-data8-ga4"], gradient_reduction_policy="per_microbatch"
+    )
     with pytest.raises(AssertionError, match="run inside a loop"):
         hlo_tools.assert_reduced_once_per_step(text)
 
@@ -67,7 +69,7 @@ def test_per_microbatch_reduction_shows_in_the_loop(runner):
 def test_deferred_and_per_microbatch_losses_agree_and_fall(runner):
     deferred, _ = runner(LONG, **CASES["explicit-data8-ga4"])
     per_microbatch, _ = runner(
-        LONG, **CASES["explicit-data8-ga4"], defer_gradient_reduction="false"
+        LONG, **CASES["explicit-data8-ga4"], gradient_reduction_policy="per_microbatch"
     )
     losses = np.array([m["loss"] for m in deferred])
     np.testing.assert_allclose(losses, [m["loss"] for m in per_microbatch], rtol=1e-5)
@@ -108,7 +110,7 @@ def _bf16_run(**overrides):
         "enable_tensorboard": "false",
         # The per-microbatch gradient path, where the bound below was calibrated
         # (the gather's dtype is what it checks, not the accumulation).
-        "fused_gradient_accumulation": "false",
+        "gradient_accumulation_schedule": "plain",
     }
     run = run_lib.setup(make_config({**values, **overrides}), jax.devices())
     compiled = run_lib.compile_step(run)

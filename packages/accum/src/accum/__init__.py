@@ -1,5 +1,5 @@
 """accum: gradient accumulation under one reduction plan (deferred, per microbatch or
-hierarchical across slices), and ZeRO-1.
+hierarchical across slices) and one schedule (plain, fused, overlapped), and ZeRO-1.
 
 The examples in the docstrings start from this setup: 8 devices (on CPU, set
 `jax.config.update("jax_num_cpu_devices", 8)` first), a replicated parameter and
@@ -27,7 +27,7 @@ from accum.gating import (
     data_is_only_batch_axis,
     deferred_axes,
     param_mesh_axes,
-    plan_for_values,
+    plan_for,
     resolve_mode,
 )
 from accum.guard import find_dropped_tags
@@ -45,6 +45,7 @@ from accum.plan import (
     make_plan,
     reduced_at_use,
 )
+from accum.schedule import SCHEDULES, check_schedule
 from accum.step import apply_updates, optimizer_update, train_step
 from accum.tags import tag_reduced, unreduced_zeros
 from accum.verdict import ON_TAG_LOST, check_compiled, compile_checked, in_loop_reductions
@@ -66,6 +67,7 @@ __all__ = [
     "PER_USE",
     "POLICIES",
     "SCATTER",
+    "SCHEDULES",
     "Accumulator",
     "LeafPlan",
     "PlanError",
@@ -75,6 +77,7 @@ __all__ = [
     "apply_updates",
     "batch_axes_of",
     "check_compiled",
+    "check_schedule",
     "check_zero1_compatible",
     "compile_checked",
     "data_is_only_batch_axis",
@@ -85,7 +88,7 @@ __all__ = [
     "make_plan",
     "optimizer_update",
     "param_mesh_axes",
-    "plan_for_values",
+    "plan_for",
     "reduced_at_use",
     "resolve_mode",
     "scan_layers",

@@ -9,10 +9,11 @@ import jax
 import jax.numpy as jnp
 
 from accum.fused_accumulate import fused_microbatch
-from accum.gating import plan_for_values, resolve_mode
+from accum.gating import plan_for
 from accum.guard import find_dropped_tags, report_dropped_tags
 from accum.microbatch import split_microbatches
 from accum.plan import ReductionPlan
+from accum.schedule import OVERLAPPED, Schedule, check_schedule
 from accum.seed import value_and_grad as seeded_value_and_grad
 from accum.tags import (
     reduce_to,
@@ -25,30 +26,6 @@ from accum.tags import (
 from accum.verdict import LOOP_SCOPE, marked, record_params
 from accum.verdict import check_option as _check_option
 from pspec_tags import find_untagged
-
-
-def _default_plan(
-    params: Any,
-    batch: Any,
-    mode: str | None,
-    policy: str | None,
-    defer_reduction: bool,
-    batch_axes: tuple[str, ...] | None,
-    slice_axes: tuple[str, ...],
-    per_parameter: bool = False,
-) -> ReductionPlan:
-    """The plan when the caller passes none: made from the values' own shardings
-    (`accumulate_gradients` and `start` alike)."""
-    return plan_for_values(
-        params,
-        batch,
-        mode=resolve_mode(mode, params),
-        policy=policy,
-        defer_reduction=defer_reduction,
-        batch_axes=batch_axes,
-        slice_axes=slice_axes,
-        per_parameter=per_parameter,
-    )
 
 
 def microbatch_grads(
@@ -130,20 +107,12 @@ def accumulate_gradients(
     batch: Any,
     *,
     num_microbatches: int,
-    mode: str | None = None,
-    defer_reduction: bool = True,
-    batch_axes: tuple[str, ...] | None = None,
+    plan: ReductionPlan | None = None,
+    schedule: Schedule = "plain",
     grad_shardings: Any = None,
     rng: jax.Array | None = None,
     on_tag_lost: str = "raise",
     accum_dtype: Any = jnp.float32,
-    per_parameter_axes: bool = False,
-    policy: str | None = None,
-    slice_axes: tuple[str, ...] = (),
-    plan: ReductionPlan | None = None,
-    fused: bool = False,
-    overlap: bool = False,
-    ring_reduce_scatter: bool = False,
 ) -> tuple[jax.Array, dict, Any]:
     """Loss, summed aux and gradients of `batch`, computed over `num_microbatches` microbatches.
 
@@ -156,47 +125,30 @@ def accumulate_gradients(
     Call it inside `jax.jit`. The microbatch loop is one `lax.scan` over a
     strided, communication-free split of every leaf's leading dimension.
 
-    Explicit mode (inferred from the parameters' shardings, or `mode=`): the
-    parameters are resharded to `reduced` over the deferrable batch axes (see
-    `gating.deferred_axes`; default batch axes: those sharding `batch`), the
-    scan carry holds `unreduced` partial sums, and one reshard after the loop
-    reduces them onto `grad_shardings` (default: the parameters' own
-    partitions; pass the optimizer's shardings for ZeRO-1). Whether a tag
-    dropped inside `loss_fn` moved a reduction back into the loop is a fact of
-    the compiled program: compile the step with `accum.compile_checked` (the
-    trainer does) to get `TagLostError` exactly then (`on_tag_lost="warn"`
-    warns, `"ignore"` skips the checks). Traced inside your own `jax.jit`, only
-    the trace-time analysis runs: it warns where it suspects a drop, never raises.
-    `defer_reduction=False` keeps parameters untagged so every microbatch
-    reduces its own gradients (for comparison).
-    `per_parameter_axes=True` defers, for each parameter, every batch axis
-    that does not shard it: right when the only parameters sharded over a
-    batch axis are consumed inside `shard_map` kernels (experts over
-    'expert'), where the manual region sums them itself. Matmuls outside
-    shard_map need the global gating (JAX types their gradient as unreduced
-    over every batch axis they contract).
+    `plan` (a `ReductionPlan`) decides every gradient reduction; None: the
+    default one, `accum.plan_for(params, batch)` (deferred: every batch axis
+    that shards `batch` and no parameter is reduced once per step). Build
+    another with `accum.plan_for(params, batch, policy=..., ...)` or
+    `accum.make_plan`. In explicit mode the parameters are resharded to
+    `reduced` over the plan's per-step axes, the scan carry holds `unreduced`
+    partial sums, and one reshard after the loop reduces them onto
+    `grad_shardings` (default: the parameters' own partitions; pass the
+    optimizer's shardings for ZeRO-1). Hierarchical plans reduce-scatter the
+    in-slice axes after each microbatch into an accumulator sharded over them.
 
-    `plan` (accum.plan.make_plan) decides every reduction; without it one is
-    made here from the values' shardings, `policy` ('deferred',
-    'per_microbatch', 'hierarchical'; default from `defer_reduction`),
-    `batch_axes`, `slice_axes` (mesh axes across slices) and
-    `per_parameter_axes`. Hierarchical: the in-slice axes are reduce-scattered
-    after each microbatch into an accumulator sharded over them, the
-    cross-slice ones reduced once after the loop.
+    `schedule` (accum.schedule) says where the additions and the reduction run:
+    'plain', 'fused' (each layer's gradient added inside the backward layer
+    scan of `accum.scan_layers`), 'overlapped' (and the last microbatch reduces
+    each layer inside its backward) or 'overlapped_ring' (those reductions onto
+    ZeRO-1 shards as rings of collective-permutes). Same numbers; `ValueError`
+    for a schedule the plan makes meaningless (`check_schedule`).
 
-    `fused=True`: stacked parameters that `loss_fn` runs through
-    `accum.scan_layers` get each layer's gradient added into the accumulator
-    inside the backward layer scan (no full-size per-microbatch gradient); with
-    one microbatch (nothing to accumulate) or a per-microbatch plan that reduces some
-    batch axis (`ReductionPlan.fused_applies`) it is the plain path.
-    `overlap=True` (implies fused): the last microbatch runs after the loop and
-    reduces each layer's total inside its backward scan, so the reductions can
-    overlap the remaining layers' backward compute; the first N-1 microbatches
-    hold no gradient reduction. Same numbers either way.
-    `ring_reduce_scatter=True` (with `overlap`, explicit mode): the per-layer
-    reduce-scatters onto ZeRO-1 shards go as one ring of collective-permutes per
-    layer (accum.ring): the same bytes, asynchronous where XLA keeps a
-    reduce-scatter synchronous (TPU v5e).
+    Whether a tag dropped inside `loss_fn` moved a reduction back into the loop
+    is a fact of the compiled program: compile the step with
+    `accum.compile_checked` (the trainer does) to get `TagLostError` exactly
+    then (`on_tag_lost="warn"` warns, `"ignore"` skips the checks). Traced
+    inside your own `jax.jit`, only the trace-time analysis runs: it warns
+    where it suspects a drop, never raises.
 
     Auto mode: same numerics, no tags; XLA places the reductions.
     Gradients come back in `accum_dtype` (None: each parameter's dtype).
@@ -211,15 +163,10 @@ def accumulate_gradients(
     (8.0, [1.0, 1.0], 16.0)
     """
     _check_option(on_tag_lost)
-    if ring_reduce_scatter and not overlap:
-        raise ValueError(
-            "ring_reduce_scatter=True needs overlap=True: the ring reduces each layer "
-            "inside the last microbatch's backward scan"
-        )
     if plan is None:
-        plan = _default_plan(
-            params, batch, mode, policy, defer_reduction, batch_axes, slice_axes, per_parameter_axes
-        )
+        plan = plan_for(params, batch)
+    check_schedule(schedule, plan)
+    overlap = schedule in OVERLAPPED
     mode = plan.mode
     microbatches = split_microbatches(batch, num_microbatches)
     # Free cast outside the loop: forward reads of a reduced array are reads of
@@ -230,7 +177,7 @@ def accumulate_gradients(
     # accumulator into the backward pass; nor is it used where autodiff reduces
     # every gradient per microbatch (plan.fused_applies). The overlap still pays (the one
     # reduction runs inside the backward, as in DDP), and it needs the fused pass.
-    fused = overlap or (fused and num_microbatches > 1 and plan.fused_applies)
+    fused = overlap or (schedule == "fused" and num_microbatches > 1 and plan.fused_applies)
 
     def args_of(index, microbatch):
         return (microbatch,) if rng is None else (microbatch, jax.random.fold_in(rng, index))
@@ -291,7 +238,7 @@ def accumulate_gradients(
         acc,
         final=True,
         targets=targets,
-        ring=ring_reduce_scatter,
+        ring=schedule == "overlapped_ring",
     )
     loss_sum = loss_sum + last_loss.astype(loss_sum.dtype) if looped else last_loss
     aux = jax.tree.map(lambda a, b: a + b.astype(a.dtype), aux, last_aux) if looped else last_aux

@@ -193,7 +193,7 @@ def predict(
 
     `step_flops_per_chip`: the optimizer step's training FLOPs on one chip
     (trainer.flops); `overlapped_after_loop`: the after-loop reductions run inside
-    the last microbatch's backward pass (the trainer's ring_reduce_scatter), so
+    the last microbatch's backward pass (schedule 'overlapped_ring': rings are async), so
     they hide under it up to its length.
     """
     sizes = dict(plan.mesh_shape)

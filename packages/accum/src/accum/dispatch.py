@@ -19,7 +19,6 @@ import jax.numpy as jnp
 
 from accum.accumulate import (
     _check_option,
-    _default_plan,
     add_grads,
     final_targets,
     guard_forward,
@@ -27,7 +26,9 @@ from accum.accumulate import (
     normalize,
 )
 from accum.fused_accumulate import fused_microbatch
+from accum.gating import plan_for
 from accum.plan import ReductionPlan
+from accum.schedule import OVERLAPPED, Schedule, check_schedule
 from accum.tags import reduce_to, scatter_into, tag_reduced, unreduced_zeros, zeros_of_type
 from accum.verdict import ADD_SCOPE, marked, record_params
 
@@ -64,20 +65,15 @@ def start(
     params: Any,
     microbatch: Any,
     *,
-    rng: jax.Array | None = None,
-    mode: str | None = None,
-    defer_reduction: bool = True,
-    batch_axes: tuple[str, ...] | None = None,
-    accum_dtype: Any = jnp.float32,
-    policy: str | None = None,
-    slice_axes: tuple[str, ...] = (),
     plan: ReductionPlan | None = None,
+    rng: jax.Array | None = None,
+    accum_dtype: Any = jnp.float32,
 ) -> Accumulator:
     """An empty accumulator for `loss_fn` on microbatches shaped like `microbatch`.
 
     Nothing is computed: `loss_fn` is only traced for the structure of its aux.
-    The plan is `plan`, or made as in `accumulate_gradients` (batch axes read
-    from `microbatch`'s shardings unless `batch_axes` is given). Call under
+    The plan is `plan`, or `accum.plan_for(params, microbatch)` as in
+    `accumulate_gradients` (batch axes read from `microbatch`'s shardings). Call under
     `jax.jit` (static `loss_fn`): the unreduced zeros need a traced context.
 
     Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
@@ -89,9 +85,7 @@ def start(
     (('data',), 0)
     """
     if plan is None:
-        plan = _default_plan(
-            params, microbatch, mode, policy, defer_reduction, batch_axes, slice_axes
-        )
+        plan = plan_for(params, microbatch)
     args = (microbatch,) if rng is None else (microbatch, rng)
     # Traced with the tags `add` will use, so unreduced loss/aux sums get
     # unreduced zeros (the same type: adding them moves nothing).
@@ -118,17 +112,19 @@ def add(
     *,
     rng: jax.Array | None = None,
     on_tag_lost: str = "raise",
-    fused: bool = False,
+    schedule: Schedule = "plain",
 ) -> Accumulator:
     """`acc` plus one microbatch's loss, aux and (unreduced) gradients.
 
     With `rng`, the microbatch gets `fold_in(rng, acc.count)`, as the scan path
     does. Compile it with `accum.compile_checked` for the exact verdict: any
     reduction over a deferred axis in the compiled `add` raises `TagLostError`.
-    `fused=True`: stacked parameters run through `accum.scan_layers` get each
-    layer's gradient added into `acc` inside the backward scan (donate `acc`
-    so the update is in place); a per-microbatch plan reducing some batch
-    axis takes the plain path (`ReductionPlan.fused_applies`).
+    `schedule="fused"`: stacked parameters run through `accum.scan_layers` get
+    each layer's gradient added into `acc` inside the backward scan (donate
+    `acc` so the update is in place); a per-microbatch plan reducing some batch
+    axis takes the plain path (`ReductionPlan.fused_applies`). The overlapped
+    schedules reduce inside the step's last backward pass, which `add` does not
+    know: `ValueError` (the reduction is `finish`'s).
 
     Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
 
@@ -141,11 +137,17 @@ def add(
     """
     _check_option(on_tag_lost)
     plan = acc.plan
+    check_schedule(schedule, plan)
+    if schedule in OVERLAPPED:
+        raise ValueError(
+            f"add: schedule={schedule!r} reduces inside the last microbatch's backward; "
+            "add accumulates one microbatch (finish reduces): use 'plain' or 'fused'"
+        )
     # Each call is one microbatch: any reduction over these axes in it is one
     # per microbatch (the mark accum.verdict looks for).
     watched = plan.strict_axes if plan.mode == "explicit" else ()
     with marked(ADD_SCOPE, watched, dict(plan.mesh_shape)):
-        return _add(acc, loss_fn, params, microbatch, rng, on_tag_lost, fused)
+        return _add(acc, loss_fn, params, microbatch, rng, on_tag_lost, schedule == "fused")
 
 
 def _add(acc, loss_fn, params, microbatch, rng, on_tag_lost, fused) -> Accumulator:

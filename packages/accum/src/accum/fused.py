@@ -1,15 +1,16 @@
 """Gradient accumulation fused into the backward pass of a scanned layer stack.
 
-`scan_layers(body, carry, stacked)` is `lax.scan` over a stack of layers. Inside
-`accumulate_gradients(..., fused=True)` (or `add(..., fused=True)`), each
-stacked parameter's gradient is added into its accumulator's slice *inside* the
-backward layer scan, as each layer's gradient is produced: no full-size
-per-microbatch gradient exists beside the accumulator (Megatron's
-gradient-accumulation fusion). On the step's last microbatch (`overlap`), each
-layer's final sum is reduced there instead — all-reduce, or reduce-scatter onto
-ZeRO-1 shards — pipelined by one layer: iteration l reduces layer l+1's total
-(finished in the previous iteration) while it computes layer l's backward, so
-nothing in the iteration waits for that collective and it can run under all of it.
+`scan_layers(body, carry, stacked)` is `lax.scan` over a stack of layers.
+Inside `accumulate_gradients(..., schedule="fused")` (or `add(...,
+schedule="fused")`), each stacked parameter's gradient is added into its
+accumulator's slice *inside* the backward layer scan, as each layer's gradient
+is produced: no full-size per-microbatch gradient exists beside the accumulator
+(Megatron's gradient-accumulation fusion). On the step's last microbatch (the
+overlapped schedules), each layer's final sum is reduced there instead —
+all-reduce, or reduce-scatter onto ZeRO-1 shards — pipelined by one layer:
+iteration l reduces layer l+1's total (finished in the previous iteration)
+while it computes layer l's backward, so nothing in the iteration waits for
+that collective and it can run under all of it.
 
 How: the stack is a `custom_vjp` whose forward is the plain scan (saving each
 layer's VJP residuals) and whose backward is a reverse scan that carries the
@@ -111,7 +112,7 @@ def scan_layers(body: Callable, carry: Any, stacked: Any) -> tuple[Any, Any]:
     """`lax.scan(body, carry, stacked)` over a layer stack, fused with gradient accumulation.
 
     `body(carry, layer) -> (carry, y)`; `stacked` holds the layers' parameters on
-    a leading axis. Outside `accumulate_gradients(..., fused=True)` this is
+    a leading axis. Outside a fused schedule of `accumulate_gradients` this is
     `lax.scan`. Inside, every stacked parameter leaf accum accumulates (and
     whose layer axis is not sharded) has its gradient added into its
     accumulator slice inside the backward scan. `body` may close over other

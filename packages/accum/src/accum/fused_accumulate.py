@@ -1,7 +1,7 @@
 """One microbatch's gradients added into the accumulator inside the backward pass.
 
 The plan's schedule is unchanged; only where the additions (and, on the last
-microbatch with `overlap`, the reductions) happen moves: into the backward
+microbatch of an overlapped schedule, the reductions) happen moves: into the backward
 layer scan of `accum.scan_layers` for stacked parameters, after the backward
 pass for the others (as `accumulate_gradients` always does).
 """

@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 
-from accum.plan import ReductionPlan, make_plan, mesh_shape_of, policy_of
+from accum.plan import ReductionPlan, make_plan, mesh_shape_of
 from pspec_tags import MODES, entry_axes, mesh_axes_used, partitions, spec_of
 
 
@@ -66,24 +66,37 @@ def param_mesh_axes(params: Any) -> frozenset[str]:
     return frozenset(a for leaf in jax.tree.leaves(params) for a in mesh_axes_used(spec_of(leaf)))
 
 
-def plan_for_values(
+def plan_for(
     params: Any,
     batch: Any,
     *,
-    mode: str,
-    policy: str | None = None,
-    defer_reduction: bool = True,
+    policy: str = "deferred",
+    mode: str | None = None,
     batch_axes: Iterable[str] | None = None,
     slice_axes: Iterable[str] = (),
     per_parameter: bool = False,
 ) -> ReductionPlan:
-    """`make_plan` from traced values: mesh and specs read from `params`' explicit
-    shardings, batch axes from `batch`'s unless given.
+    """The reduction plan of `params` read from the values themselves: `make_plan`
+    with the mesh and specs of `params`' explicit shardings and the batch axes of
+    `batch`'s (unless `batch_axes` is given). Works on traced values.
+
+    `policy`: 'deferred', 'per_microbatch' or 'hierarchical' (`slice_axes`: the
+    mesh axes across slices). `mode`: 'explicit' or 'auto'; None reads it from
+    `params` (`resolve_mode`). `per_parameter=True` defers, per parameter, every
+    batch axis that does not shard it: right when the only parameters sharded
+    over a batch axis are consumed inside `shard_map` kernels (experts over
+    'expert'), where the manual region sums them itself; the default (False)
+    reduces a batch axis that shards any parameter per microbatch for all, as
+    plain matmuls outside shard_map need (JAX types their gradient as unreduced
+    over every batch axis they contract).
+    `accumulate_gradients` and `start` call it when given no plan.
 
     Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
 
-    >>> accum.plan_for_values({"w": w}, batch, mode="explicit").summary()
+    >>> accum.plan_for({"w": w}, batch).summary()
     "deferred to once per step over ('data',) (grads stay unreduced)"
+    >>> accum.plan_for({"w": w}, batch, policy="per_microbatch").summary()
+    "per microbatch over ('data',) (policy per_microbatch)"
     """
     leaves = jax.tree.leaves(params)
     axes = tuple(batch_axes) if batch_axes is not None else batch_axes_of(batch)
@@ -91,8 +104,8 @@ def plan_for_values(
         params,
         batch_axes=axes,
         mesh_shape=mesh_shape_of(leaves),
-        policy=policy_of(defer_reduction, policy),
-        mode=mode,
+        policy=policy,
+        mode=resolve_mode(mode, params),
         slice_axes=slice_axes,
         per_parameter=per_parameter,
     )

@@ -1,5 +1,6 @@
-"""The step's last microbatch with `overlap`: each layer's total reduced inside the
-backward layer scan of `accum.scan_layers`, one layer behind its backward.
+"""The step's last microbatch under an overlapped schedule (accum.schedule): each
+layer's total reduced inside the backward layer scan of `accum.scan_layers`, one
+layer behind its backward.
 
 `reduce_layer` groups one layer's totals into as few collectives as the targets
 allow (one all-reduce bucket per dtype and axes, one ring per dtype and ring

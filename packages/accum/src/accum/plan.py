@@ -135,7 +135,7 @@ class ReductionPlan:
 
     @property
     def fused_applies(self) -> bool:
-        """Whether fused accumulation (`fused=True`) is used: everywhere but a plan
+        """Whether the fused schedule (accum.schedule) fuses: everywhere but a plan
         whose only batch-axis reductions are autodiff's per-microbatch ones (explicit
         mode, nothing tagged, some axis reduced per microbatch). There autodiff
         reduces each layer's gradient inside the backward scan anyway, and fusing
@@ -324,13 +324,6 @@ def reduced_at_use(source: P | None, target: P | None, batch_axes: Iterable[str]
         return frozenset()
     gathered = set(mesh_axes_used(source)) - set(mesh_axes_used(target))
     return tag | (gathered & set(batch_axes))
-
-
-def policy_of(defer_reduction: bool, policy: str | None) -> str:
-    """The policy named by accum's two arguments: `policy` wins; else the old flag."""
-    if policy is not None:
-        return policy
-    return "deferred" if defer_reduction else "per_microbatch"
 
 
 def mesh_shape_of(leaves: Iterable[Any]) -> dict[str, int]:

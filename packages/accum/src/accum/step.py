@@ -56,7 +56,7 @@ def train_step(
 
     `optimizer` follows the optax GradientTransformation protocol
     (`update(grads, state, params) -> (updates, state)`). Keyword arguments go to
-    `accumulate_gradients` (mode, defer_reduction, rng, ...). Returns
+    `accumulate_gradients` (plan, schedule, rng, ...). Returns
     `(params, opt_state, loss, aux)`. Call inside `jax.jit`.
 
     Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from accum.accumulate import accumulate_gradients
-from accum.gating import resolve_mode
+from accum.gating import plan_for, resolve_mode
 from accum.shards import add_axis_to_free_dim
 from accum.step import optimizer_update
 from accum.tags import as_spec, is_target_leaf, place, place_tree
@@ -208,12 +208,15 @@ def zero1_step(
     params = zero1_gather(master_params, compute_shardings, compute_dtype=compute_dtype, mode=mode)
     # grad_shardings = the masters' layout: the single post-loop reduction
     # lands there directly (reduce-scatter), never as a full all-reduce + slice.
+    plan = accum_kwargs.pop("plan", None)
+    if plan is None:
+        plan = plan_for(params, batch, mode=mode)
     loss, aux, grads = accumulate_gradients(
         loss_fn,
         params,
         batch,
         num_microbatches=num_microbatches,
-        mode=mode,
+        plan=plan,
         grad_shardings=master_shardings,
         **accum_kwargs,
     )

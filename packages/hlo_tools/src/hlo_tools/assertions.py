@@ -7,7 +7,7 @@ from hlo_tools.module import HloModule
 from hlo_tools.parser import parse
 
 # The JAX name scope accum puts on the per-layer reductions it issues inside the
-# last microbatch's backward layer scan (overlap_gradient_reduction): each layer's
+# last microbatch's backward layer scan (the overlapped schedules): each layer's
 # final gradient, reduced once, while the earlier layers still compute.
 OVERLAPPED_SCOPE = "overlapped_gradient_reduction"
 

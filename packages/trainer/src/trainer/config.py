@@ -167,12 +167,10 @@ class Config:
     # batch axis), per_microbatch, or hierarchical (cross-slice axes once per step,
     # in-slice ones reduce-scattered per microbatch into sharded accumulators).
     # auto (the default): the policy accum.cost predicts fastest that fits in HBM
-    # (trainer/reduction_choice.py). An explicit defer_gradient_reduction (true =
-    # deferred, false = per_microbatch) still names its policy.
-    gradient_reduction_policy: Literal["", "auto", "deferred", "per_microbatch", "hierarchical"] = (
-        ""
+    # (trainer/reduction_choice.py).
+    gradient_reduction_policy: Literal["auto", "deferred", "per_microbatch", "hierarchical"] = (
+        "auto"
     )
-    defer_gradient_reduction: bool = True
     # The chip whose figures (accum.hardware) auto's cost model uses: v4, v5e, v5p,
     # v6e, h100, h200. Empty: compile_topology's chip, else the devices' kind.
     reduction_hardware: str = ""
@@ -181,38 +179,25 @@ class Config:
     accum_dtype: Literal["float32", "bfloat16"] = "float32"
     # Print the reduction plan (parameter group x mesh axis -> when) at startup.
     print_reduction_plan: bool = False
-    # Add each layer's gradient into the accumulator inside the backward layer scan,
-    # so no full-size per-microbatch gradient buffer exists beside the accumulator
-    # (accum.scan_layers). Same numbers, same collectives. On by default: the
-    # seed's recipe on v5e-8 takes 5.87 GiB per device instead of 8.37
-    # (benchmarks/results/aot_fused.md), and CPU step time is within this 2-core
-    # machine's noise (a few %) of the unfused path on every layout (fused_cpu.md).
-    # No effect with scan_layers=false (no layer scan to fuse into), with one
-    # microbatch (nothing to accumulate) or with gradient_reduction_policy=
-    # per_microbatch over batch axes of size > 1 (autodiff reduces every gradient in
-    # the backward; fusing there cost 11.14 GiB vs 8.37 on that recipe:
-    # accum.ReductionPlan.fused_applies).
-    fused_gradient_accumulation: bool = True
-    # Run the last microbatch after the loop and reduce each layer's gradient inside
-    # its backward layer scan, so the reduction can overlap the remaining layers'
-    # backward compute (implies fused accumulation). Same numbers, same bytes.
-    overlap_gradient_reduction: bool = False
-    # With overlap_gradient_reduction (explicit mode): reduce each layer's gradients
-    # onto ZeRO-1 shards with a ring of collective-permutes (accum/ring.py) instead
-    # of reduce-scatters. Same numbers, same bytes on the wire; XLA:TPU runs
-    # reduce-scatters synchronously on v5e but collective-permutes asynchronously.
-    # With tpu_async_collectives: 100.0% of deepseek3-small ZeRO-1's gradient
-    # reduction bytes async with compute between on v5e-8, at 6.14 GiB vs 6.00
-    # without the ring (benchmarks/results/aot_async.md); off by default: no step
-    # time measured on chips.
-    ring_reduce_scatter: bool = False
+    # Where each step adds up and reduces the gradients (accum/schedule.py; same numbers):
+    # plain (add each microbatch's gradient after its backward), fused (the default: add
+    # each layer's inside the backward layer scan, no full-size per-microbatch gradient;
+    # no effect without scan_layers or with per_microbatch: accum.ReductionPlan.fused_applies;
+    # benchmarks/results/aot_fused.md, fused_cpu.md), overlapped (fused, and the last
+    # microbatch reduces each layer inside its backward, under the remaining layers'
+    # compute; needs scan_layers), overlapped_ring (overlapped, reductions onto ZeRO-1
+    # shards as rings of collective-permutes, async on v5e: aot_async.md; explicit mode,
+    # not with per_microbatch).
+    gradient_accumulation_schedule: Literal["plain", "fused", "overlapped", "overlapped_ring"] = (
+        "fused"
+    )
     # On TPU, compile with XLA's asynchronous all-reduce collective fusions and no
     # all-reduce combining (trainer/xla_options.py), so a reduction can run under
     # the compute scheduled after it (with libtpu's defaults every all-reduce is
     # synchronous). Off by default: on deepseek3-small's ZeRO-1 recipe it made no
-    # gradient reduction async without ring_reduce_scatter, it splits every
-    # combined all-reduce, and it raised the 671b v5p-1024 step's memory
-    # (benchmarks/results/aot_async.md, README).
+    # gradient reduction async without gradient_accumulation_schedule=overlapped_ring,
+    # it splits every combined all-reduce, and it raised the 671b v5p-1024 step's
+    # memory (benchmarks/results/aot_async.md, README).
     # No effect on CPU and GPU.
     tpu_async_collectives: bool = False
     steps: int = 10
@@ -313,13 +298,6 @@ class Config:
         return os.path.join(
             self.base_output_directory or "outputs", self.run_name or self.model_name
         )
-
-    @property
-    def reduction_policy(self) -> str:
-        """gradient_reduction_policy, or its alias defer_gradient_reduction."""
-        if self.gradient_reduction_policy:
-            return self.gradient_reduction_policy
-        return "deferred" if self.defer_gradient_reduction else "per_microbatch"
 
     def parallelism(self) -> dict[str, int]:
         """Requested size per in-slice mesh axis (before -1 is filled)."""
@@ -521,14 +499,7 @@ def _parse_value(key: str, raw: Any) -> Any:
     if isinstance(hint, types.UnionType):
         hint = str
     if hint is bool:
-        if isinstance(raw, bool):
-            return raw
-        lowered = str(raw).lower()
-        if lowered in ("true", "1", "yes"):
-            return True
-        if lowered in ("false", "0", "no"):
-            return False
-        raise ConfigError(f"{key}={raw!r} is not a boolean (true/false)")
+        return _parse_bool(key, raw)
     if hint is int:
         if isinstance(raw, bool):
             raise ConfigError(f"{key}={raw!r} is not an integer")
@@ -545,6 +516,17 @@ def _parse_value(key: str, raw: Any) -> Any:
         except (TypeError, ValueError):
             raise ConfigError(f"{key}={raw!r} is not a number") from None
     return str(raw)
+
+
+def _parse_bool(key: str, raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    lowered = str(raw).lower()
+    if lowered in ("true", "1", "yes"):
+        return True
+    if lowered in ("false", "0", "no"):
+        return False
+    raise ConfigError(f"{key}={raw!r} is not a boolean (true/false)")
 
 
 def parse_overrides(args: list[str]) -> dict[str, str]:
@@ -566,6 +548,47 @@ def _check_known(keys: list[str]) -> None:
             raise ConfigError(f"unknown config key {key!r}{hint}")
 
 
+# Removed boolean keys: their combination is now one value of
+# gradient_accumulation_schedule, defer_gradient_reduction one of gradient_reduction_policy.
+SCHEDULE_FLAGS = (
+    "fused_gradient_accumulation",
+    "overlap_gradient_reduction",
+    "ring_reduce_scatter",
+)
+REPLACED_KEYS = (*SCHEDULE_FLAGS, "defer_gradient_reduction")
+
+
+def _replacement(overrides: dict[str, Any]) -> str:
+    """The `key=value` words that say what the removed keys in `overrides` said."""
+    flag = lambda key, default: _parse_bool(key, overrides.get(key, default))  # noqa: E731
+    words = []
+    if set(SCHEDULE_FLAGS) & set(overrides):
+        if flag("ring_reduce_scatter", False):
+            schedule = "overlapped_ring"
+        elif flag("overlap_gradient_reduction", False):
+            schedule = "overlapped"
+        else:
+            schedule = "fused" if flag("fused_gradient_accumulation", True) else "plain"
+        words.append(f"gradient_accumulation_schedule={schedule}")
+    if "defer_gradient_reduction" in overrides:
+        policy = "deferred" if flag("defer_gradient_reduction", True) else "per_microbatch"
+        words.append(f"gradient_reduction_policy={policy}")
+    return " ".join(words)
+
+
+def _check_replaced(overrides: dict[str, Any]) -> None:
+    """ConfigError naming the removed keys given and what to write instead.
+
+    >>> make_config({"overlap_gradient_reduction": "true", "ring_reduce_scatter": "true"})
+    Traceback (most recent call last):
+    ...
+    trainer.config.ConfigError: ... write gradient_accumulation_schedule=overlapped_ring instead
+    """
+    old = [k for k in overrides if k in REPLACED_KEYS]
+    if old:
+        raise ConfigError(f"{', '.join(old)} removed: write {_replacement(overrides)} instead")
+
+
 def make_config(overrides: dict[str, Any] | None = None) -> Config:
     """Preset for `model_name` (default tagtrain-tiny) + `overrides`, type-checked.
 
@@ -583,6 +606,7 @@ def make_config(overrides: dict[str, Any] | None = None) -> Config:
     trainer.config.ConfigError: unknown config key ...; did you mean 'gradient_accumulation_steps'?
     """
     overrides = dict(overrides or {})
+    _check_replaced(overrides)
     _check_known(list(overrides))
     model_name = overrides.get("model_name", Config.model_name)
     if model_name not in PRESETS:
@@ -595,23 +619,7 @@ def make_config(overrides: dict[str, Any] | None = None) -> Config:
         text = overrides.get("dataset_type", values.get("dataset_type")) not in (None, "synthetic")
         values.update(trainer_keys_of_directory(str(overrides["hf_model_path"]), text))
     values.update(overrides)
-    config = Config(**{key: _parse_value(key, raw) for key, raw in values.items()})
-    alias = "deferred" if config.defer_gradient_reduction else "per_microbatch"
-    if not config.gradient_reduction_policy:
-        explicit = "defer_gradient_reduction" in overrides
-        config = dataclasses.replace(
-            config, gradient_reduction_policy=alias if explicit else "auto"
-        )
-    elif "defer_gradient_reduction" in overrides:
-        # auto with defer_gradient_reduction=true: a config's own fields passed back in.
-        auto_ok = config.gradient_reduction_policy == "auto" and config.defer_gradient_reduction
-        if alias != config.gradient_reduction_policy and not auto_ok:
-            raise ConfigError(
-                f"defer_gradient_reduction={str(config.defer_gradient_reduction).lower()} "
-                f"(an alias of gradient_reduction_policy={alias}) contradicts "
-                f"gradient_reduction_policy={config.gradient_reduction_policy}: set one"
-            )
-    return config
+    return Config(**{key: _parse_value(key, raw) for key, raw in values.items()})
 
 
 def _fill(sizes: dict[str, int], total: int, prefix: str, what: str) -> dict[str, int]:

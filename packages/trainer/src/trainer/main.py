@@ -79,7 +79,7 @@ def _checked_config(argv: list[str]):
         profiling.check(config)
         if config.compile_topology:
             aot.resolve(config)
-        if config.reduction_policy == "auto":
+        if config.gradient_reduction_policy == "auto":
             from trainer import reduction_choice
 
             reduction_choice.hardware_for(config, [])  # ConfigError: unknown or incomplete chip

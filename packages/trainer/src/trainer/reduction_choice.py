@@ -94,17 +94,18 @@ def step_flops_per_chip(config: Config) -> float:
 
 
 def plans(config: Config, ctx: Any, params: Any) -> dict[str, accum.ReductionPlan]:
-    """A plan per policy that applies to this mesh (hierarchical needs a cross-slice axis)."""
+    """A plan per policy that applies to this mesh (hierarchical needs a cross-slice
+    axis) and to the schedule (overlapped_ring rings nothing under per_microbatch)."""
     from trainer.sharding import reduction_plan
 
     out = {}
     for policy in accum.POLICIES:
         try:
-            out[policy] = reduction_plan(
-                dataclasses.replace(config, gradient_reduction_policy=policy), ctx, params
-            )
-        except accum.PlanError:
+            plan = reduction_plan(with_policy(config, policy), ctx, params)
+            accum.check_schedule(config.gradient_accumulation_schedule, plan)
+        except ValueError:  # accum.PlanError is one
             continue
+        out[policy] = plan
     return out
 
 
@@ -121,7 +122,8 @@ def predict_all(
             step_flops_per_chip=step_flops_per_chip(config),
             compute_dtype=config.dtype,
             accum_dtype=config.accum_dtype,
-            overlapped_after_loop=config.ring_reduce_scatter,
+            # Only rings run async under the last backward (aot_async.md).
+            overlapped_after_loop=config.gradient_accumulation_schedule == "overlapped_ring",
         )
         for policy, plan in candidates.items()
     }
@@ -162,19 +164,15 @@ def auto_order(
 
 def resolve(config: Config, ctx: Any, params: Any, devices: list) -> tuple[Config, Choice | None]:
     """(config with a concrete gradient_reduction_policy, the Choice or None when explicit)."""
-    if config.reduction_policy != "auto":
+    if config.gradient_reduction_policy != "auto":
         return config, None
     choice = choose(config, ctx, params, devices)
     return with_policy(config, choice.policy), choice
 
 
 def with_policy(config: Config, policy: str) -> Config:
-    """`config` with gradient_reduction_policy=`policy` (its alias kept consistent)."""
-    return dataclasses.replace(
-        config,
-        gradient_reduction_policy=policy,
-        defer_gradient_reduction=policy != "per_microbatch",
-    )
+    """`config` with gradient_reduction_policy=`policy`."""
+    return dataclasses.replace(config, gradient_reduction_policy=policy)
 
 
 def next_choice(choice: Choice, reason: str) -> Choice:

@@ -94,13 +94,13 @@ def collective_summary(
     overlapped = hlo_tools.overlapped_reductions(module)
     during = ""
     if overlapped:
-        # overlap_gradient_reduction: the stacked layers' one reduction runs layer
+        # An overlapped gradient_accumulation_schedule: the stacked layers' one reduction runs layer
         # by layer inside the last microbatch's backward scan.
         mib = sum(c.bytes_per_step or c.bytes for c in overlapped) / MIB
         during = f", {mib:.3f} MiB/step layer by layer in the last microbatch's backward"
     head = (
         f"collectives per step (GA={config.gradient_accumulation_steps}, "
-        f"gradient_reduction_policy={config.reduction_policy}): "
+        f"gradient_reduction_policy={config.gradient_reduction_policy}): "
         f"{len(outside)} gradient reductions after the loops ({outside_mib:.3f} MiB{during}); "
         + _verdict(module, inside, mesh_shape, strict_axes)
     )

@@ -170,7 +170,7 @@ def _build(
     else:
         params, router = model_lib.init(config, ctx, model)
     choice = None
-    if config.reduction_policy == "auto":
+    if config.gradient_reduction_policy == "auto":
         config, choice = reduction_choice.resolve(config, ctx, params, devices)
     plan = reduction_plan(config, ctx, params)
     tx = make_optimizer(config)

@@ -216,7 +216,7 @@ def reduction_plan(config: Config, ctx: ShardCtx, params: Any) -> accum.Reductio
         params,
         batch_axes=ctx.token_axes,
         mesh_shape=shape,
-        policy=config.reduction_policy,
+        policy=config.gradient_reduction_policy,
         mode=config.shard_mode,
         slice_axes=slice_axes(shape),
         per_parameter=True,

@@ -146,6 +146,9 @@ def make_step(
     backend forms one), and the optimizer updates shards only.
     """
     compute_dtype = jnp.dtype(config.dtype)
+    schedule = config.gradient_accumulation_schedule
+    if schedule == "fused" and not config.scan_layers:
+        schedule = "plain"  # fusing works inside the layer scan: unscanned layers have none
 
     def step(state: dict, batch: dict) -> tuple[dict, dict]:
         grad_shardings, params = None, state["params"]
@@ -167,14 +170,10 @@ def make_step(
             params,
             batch,
             num_microbatches=config.gradient_accumulation_steps,
-            mode=config.shard_mode,
             plan=plan,
+            schedule=schedule,
             grad_shardings=grad_shardings,
             accum_dtype=jnp.dtype(config.accum_dtype),
-            # Fusing works inside the layer scan: unscanned layers have none.
-            fused=config.fused_gradient_accumulation and config.scan_layers,
-            overlap=config.overlap_gradient_reduction,
-            ring_reduce_scatter=config.ring_reduce_scatter,
         )
         return apply_gradients(config, tx, state, loss, aux, grads)
 

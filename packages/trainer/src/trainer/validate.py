@@ -63,7 +63,7 @@ def validate(config: Config, num_devices: int, num_slices: int | None = None) ->
     _check_model(config)
     _check_parallelism(config, sizes)
     _check_reduction_policy(config, sizes)
-    _check_fused_accumulation(config)
+    _check_accumulation_schedule(config)
     microbatch = microbatch_size(config, num_devices)
     shards = batch_shard_count(config, sizes)
     _require(
@@ -201,28 +201,31 @@ def _check_routing(config: Config) -> None:
     )
 
 
-def _check_fused_accumulation(config: Config) -> None:
-    # fused_gradient_accumulation (on by default) has no effect without the scan;
-    # the overlap is asked for explicitly and would silently not overlap.
+def _check_accumulation_schedule(config: Config) -> None:
+    # fused (the default) has no effect without the scan; an overlapped schedule is
+    # asked for explicitly and would silently not overlap.
+    schedule = config.gradient_accumulation_schedule
+    key = f"gradient_accumulation_schedule={schedule}"
     _require(
-        not config.overlap_gradient_reduction or config.scan_layers,
-        "overlap_gradient_reduction=true needs scan_layers=true (it works inside the "
-        "backward layer scan)",
+        schedule not in ("overlapped", "overlapped_ring") or config.scan_layers,
+        f"{key} needs scan_layers=true (it works inside the backward layer scan)",
+    )
+    if schedule != "overlapped_ring":
+        return
+    _require(
+        config.shard_mode == "explicit",
+        f"{key} needs shard_mode=explicit (auto mode lets XLA place every reduction)",
     )
     _require(
-        not config.ring_reduce_scatter or config.overlap_gradient_reduction,
-        "ring_reduce_scatter=true needs overlap_gradient_reduction=true (the ring reduces "
-        "each layer inside the last microbatch's backward scan)",
-    )
-    _require(
-        not config.ring_reduce_scatter or config.shard_mode == "explicit",
-        "ring_reduce_scatter=true needs shard_mode=explicit (auto mode lets XLA place "
-        "every reduction)",
+        config.gradient_reduction_policy != "per_microbatch",
+        f"{key} does nothing with gradient_reduction_policy=per_microbatch (every gradient "
+        "is reduced in its microbatch's backward): use gradient_accumulation_schedule="
+        "overlapped",
     )
 
 
 def _check_reduction_policy(config: Config, sizes: dict[str, int]) -> None:
-    policy = config.reduction_policy
+    policy = config.gradient_reduction_policy
     if policy != "hierarchical":
         return
     _require(
