@@ -87,11 +87,12 @@ def main() -> int:
         ("trace-time analysis: misses (silent, oracle counts one)", _listed(misses)),
         (f"accumulated vs full-batch gradients off by >= {RTOL:g} (relative)", _listed(gradients)),
     ]
-    by_variant = {}
+    by_variant, by_mesh = {}, {}
     for r in rows:
-        by_variant.setdefault(r["variant"], [0, 0])
-        by_variant[r["variant"]][0] += 1
-        by_variant[r["variant"]][1] += r["oracle"]
+        for table, key in ((by_variant, r["variant"]), (by_mesh, r["mesh"])):
+            table.setdefault(key, [0, 0])
+            table[key][0] += 1
+            table[key][1] += r["oracle"]
     lines = bl.header(
         f"Generated corpus: {count} random models",
         f"{COMMAND} {count}",
@@ -100,7 +101,9 @@ def main() -> int:
             "runs seeds 0-49, the slow tier 50-549)",
             "oracle: all-reduce/reduce-scatter with an array > 8 elements spanning the watched "
             "axis inside the ENTRY while loop of trip count 2 (the whole program for accum.add), "
-            "read from the HLO text by the generator's own regular expressions",
+            "read from the HLO text by the generator's own regular expressions; the watched axis "
+            "is the mesh's deferred one ('dcn' for hierarchical), none when a weight is sharded "
+            "over it at rest (it reduces that axis per use by design)",
             "trace-time analysis: the same step traced in a plain jax.jit "
             "(accum's find_dropped_tags + gradient types), which can only warn",
         ],
@@ -110,6 +113,11 @@ def main() -> int:
     lines += bl.table(
         ["variant", "programs", "truly reduce"],
         [(v, n, k) for v, (n, k) in sorted(by_variant.items())],
+    )
+    lines += ["", "Per mesh (data2_fsdp4: weights at rest over 'fsdp', gathered per use):", ""]
+    lines += bl.table(
+        ["mesh", "programs", "truly reduce"],
+        [(m, n, k) for m, (n, k) in sorted(by_mesh.items())],
     )
     bl.write("guard_corpus", lines, rows)
     return 0

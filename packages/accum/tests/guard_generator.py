@@ -3,17 +3,21 @@
 `program(seed)` draws a small model: an embedding lookup, a few body layers
 and a loss, each from the idioms a JAX user writes under explicit sharding
 (some keep every tag, some drop one, some reduce a batch axis on purpose),
-plus how it is accumulated (plain, fused, ZeRO-1, start/add/finish,
-hierarchical). `oracle_reduces(text, ...)` counts the all-reduces and
-reduce-scatters of more than 8 elements over the watched axis inside the
-microbatch loop by reading the HLO text directly (regular expressions over
-while loops, their trip counts, called computations and replica groups), not
+on replicated, tensor-, FSDP- (a 'data' x 'fsdp' mesh: weights at rest over
+'fsdp', gathered per use) or data-sharded weights, plus how it is accumulated
+(plain, fused, ZeRO-1, start/add/finish, hierarchical). `oracle_reduces(text,
+...)` counts the all-reduces and reduce-scatters of more than 8 elements over
+the watched axis (none when a weight is sharded over it at rest: that weight
+reduces it per use by design) inside the microbatch loop by reading the HLO
+text directly (regular expressions over while loops, their trip counts,
+called computations and replica groups), not
 through hlo_tools or accum.verdict.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Callable
@@ -35,9 +39,15 @@ MAX_ELEMENTS = 8
 MESHES = {
     "data8": ({"data": 8}, ("data",), "data", None, ()),
     "data4_tensor2": ({"data": 4, "tensor": 2}, ("data",), "data", None, ()),
+    # FSDP: tokens over both axes, weights at rest over 'fsdp' (gathered per use,
+    # reduce-scattered over 'fsdp' in every backward pass by design), 'data' deferred.
+    "data2_fsdp4": ({"data": 2, "fsdp": 4}, ("data", "fsdp"), "data", None, ()),
     "hierarchical": ({"dcn": 2, "data": 4}, ("dcn", "data"), "dcn", "hierarchical", ("dcn",)),
 }
+MESH_ODDS = (0.4, 0.25, 0.2, 0.15)
 VARIANTS = ("plain", "fused", "zero1", "add")
+# ZeRO-1 shards the masters over 'data' and refuses a mesh that also does FSDP.
+FSDP_VARIANTS = ("plain", "fused", "add")
 
 
 @dataclasses.dataclass
@@ -66,11 +76,17 @@ BODY = (
     "dense_relu",
     "dense_dropped",
     "dense_tensor",
+    "dense_fsdp",
+    "dense_fsdp_dropped",
+    "stack_fsdp",
+    "dense_data_sharded",
     "norm",
     "norm_dropped",
     "residual",
     "stack",
     "stack_remat",
+    "stack_dropped",
+    "stack_norm",
     "reshard_activations",
     "shard_map_carried",
     "shard_map_psum_param",
@@ -82,12 +98,25 @@ BODY = (
 LOSSES = ("optax_int_ce", "optax_onehot_ce", "log_softmax_take", "masked_mean", "mse")
 
 
+# Body ops that only make sense on some meshes.
+_ONLY_ON = {
+    "dense_tensor": ("data4_tensor2",),
+    "dense_fsdp": ("data2_fsdp4",),
+    "dense_fsdp_dropped": ("data2_fsdp4",),
+    "stack_fsdp": ("data2_fsdp4",),
+    # A weight sharded over the only batch axis (ZeRO-3 over 'data'): that axis
+    # is then reduced per use for it, so no axis is deferred strictly (rarely drawn).
+    "dense_data_sharded": ("data8",),
+}
+
+
 def program(seed: int) -> Program:
     """The model drawn from `seed` (numpy's default_rng: the same on every host)."""
     rng = np.random.default_rng(seed)
-    mesh_name = str(rng.choice(list(MESHES), p=[0.5, 0.3, 0.2]))
-    variant = "hierarchical" if mesh_name == "hierarchical" else str(rng.choice(VARIANTS))
-    body_choices = [b for b in BODY if b != "dense_tensor" or mesh_name == "data4_tensor2"]
+    mesh_name = str(rng.choice(list(MESHES), p=MESH_ODDS))
+    variants = FSDP_VARIANTS if mesh_name == "data2_fsdp4" else VARIANTS
+    variant = "hierarchical" if mesh_name == "hierarchical" else str(rng.choice(variants))
+    body_choices = [b for b in BODY if mesh_name in _ONLY_ON.get(b, (mesh_name,))]
     body = [str(b) for b in rng.choice(body_choices, size=int(rng.integers(1, 4)))]
     return Program(
         seed=seed,
@@ -115,6 +144,10 @@ class Model:
         batch = self.batch_axes if len(self.batch_axes) > 1 else self.batch_axes[0]
         self.act = P(batch, None, None)  # TAG: batch-sharded activations
         self.rows = P(batch, None)  # TAG: batch-sharded ids
+        self.fsdp = "fsdp" in sizes
+        # Weights at rest over a batch axis: the plan reduces that axis per use for
+        # them and defers the others (per_parameter_axes), as the trainer's FSDP does.
+        self.per_parameter = self.fsdp or "dense_data_sharded" in prog.body
 
     # -- parameters and batch
 
@@ -126,12 +159,23 @@ class Model:
             value = (0.3 * rng.standard_normal(shape)).astype(np.float32)
             return jax.device_put(value, NamedSharding(self.mesh, spec))
 
-        params = {"embed": put((VOCAB, DIM)), "head": put((DIM, VOCAB))}
+        # TAG: FSDP keeps the output head over 'fsdp' at rest, gathered in the loss.
+        head = P("fsdp", None) if self.fsdp else P()
+        params = {"embed": put((VOCAB, DIM)), "head": put((DIM, VOCAB), head)}
         for i, op in enumerate(self.prog.body):
             if op == "dense_tensor":
                 # TAG: weights sharded over a model axis, not a batch axis
                 params[f"w{i}"] = put((DIM, DIM), P(None, "tensor"))
                 params[f"v{i}"] = put((DIM, DIM), P("tensor", None))
+            elif op in ("dense_fsdp", "dense_fsdp_dropped"):
+                params[f"w{i}"] = put((DIM, DIM), P("fsdp", None))  # TAG: FSDP at rest
+            elif op == "stack_fsdp":
+                # TAG: each layer FSDP-sharded at rest; the layer axis unsharded (fusable)
+                params[f"w{i}"] = put((LAYERS, DIM, DIM), P(None, "fsdp", None))
+            elif op == "dense_data_sharded":
+                params[f"w{i}"] = put((DIM, DIM), P("data", None))  # TAG: ZeRO-3 over data
+            elif op == "stack_norm":
+                params[f"w{i}"] = put((LAYERS, DIM))
             elif op.startswith("stack"):
                 params[f"w{i}"] = put((LAYERS, DIM, DIM))
             elif op.startswith("norm"):
@@ -171,12 +215,36 @@ class Model:
             table, ids
         )
 
-    def _stack(self, x, w, remat):
+    def _gather(self, w):
+        """A weight at rest over batch axes, gathered whole for one use (FSDP's forward)."""
+        target = P(None, None)
+        tag = accum.reduced_at_use(pt.spec_of(w), target, self.batch_axes)
+        # TAG: the plan's per-use rule: reduced over the gathered token axes too, so
+        # the transpose is a reduce-scatter over them and the deferred axes stay unreduced.
+        return jax.reshard(w, pt.with_reduced(target, tag))
+
+    def _stack(self, x, w, remat=False, gather=False, drop=False):
         def layer(x, w):
+            if gather:
+                w = self._gather(w)
+            if drop:
+                # TAG: a layer weight resharded onto a spec rebuilt from rules (tag lost)
+                w = jax.reshard(w, P(None, None))
             return x + jnp.tanh(self._dot("btd,de->bte", x, w)), None
 
         if remat:
             layer = jax.checkpoint(layer)
+        scan = accum.scan_layers if self.prog.variant == "fused" else jax.lax.scan
+        x, _ = scan(layer, x, w)
+        return x
+
+    def _norm_stack(self, x, w):
+        """Scanned norms: each layer scales by its own weight vector."""
+
+        def layer(x, w):
+            h = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+            return x + h * pt.broadcast_param(w, h), None
+
         scan = accum.scan_layers if self.prog.variant == "fused" else jax.lax.scan
         x, _ = scan(layer, x, w)
         return x
@@ -188,6 +256,14 @@ class Model:
             return fn[op](self._dot("btd,de->bte", x, w))
         if op == "dense_dropped":
             return jnp.tanh(self._dot("btd,de->bte", x, jax.reshard(w, P(None, None))))
+        if op in ("dense_fsdp", "dense_data_sharded"):
+            return jnp.tanh(self._dot("btd,de->bte", x, self._gather(w)))
+        if op == "dense_fsdp_dropped":
+            # Gathered onto a spec rebuilt from rules: the reduced tag is gone, so the
+            # backward all-reduces the gradient over every batch axis, 'data' included.
+            return jnp.tanh(self._dot("btd,de->bte", x, jax.reshard(w, P(None, None))))
+        if op == "stack_fsdp":
+            return self._stack(x, w, gather=True)
         if op == "dense_tensor":
             hidden = self._dot("btd,de->bte", x, w, out=P(*self.act[:2], "tensor"))
             return self._dot("bte,ed->btd", jax.nn.gelu(hidden), p[f"v{i}"])
@@ -197,8 +273,10 @@ class Model:
             return h * scale
         if op == "residual":
             return x + jnp.tanh(self._dot("btd,de->bte", x, w))
-        if op in ("stack", "stack_remat"):
-            return self._stack(x, w, op == "stack_remat")
+        if op in ("stack", "stack_remat", "stack_dropped"):
+            return self._stack(x, w, remat=op == "stack_remat", drop=op == "stack_dropped")
+        if op == "stack_norm":
+            return self._norm_stack(x, w)
         if op == "reshard_activations":
             # Activations through a replicated layout and back: a gather, no reduction.
             return jax.reshard(jax.reshard(x, P()), self.act) * 0.5
@@ -251,7 +329,8 @@ class Model:
 
     def _loss(self, x, p, mb):
         labels = mb["labels"]
-        logits = self._dot("btd,dv->btv", x, p["head"])
+        head = self._gather(p["head"]) if self.fsdp else p["head"]
+        logits = self._dot("btd,dv->btv", x, head)
         kind = self.prog.loss
         count = jnp.float32(labels.size)
         if kind == "optax_int_ce":
@@ -294,9 +373,35 @@ class Model:
             kw["grad_shardings"] = accum.zero1_shardings(params, self.mesh)
         if self.prog.variant == "hierarchical":
             kw["plan"] = accum.plan_for(
-                params, batch, policy=self.policy, slice_axes=self.slice_axes
+                params,
+                batch,
+                policy=self.policy,
+                slice_axes=self.slice_axes,
+                per_parameter=self.per_parameter,
             )
+        elif self.per_parameter:
+            # FSDP: weights sharded over a batch axis reduce it per use (gather's
+            # transpose); the plan defers every other batch axis per parameter.
+            kw["plan"] = accum.plan_for(params, batch, per_parameter=True)
         return accum.accumulate_gradients(self.loss_fn, params, batch, **kw)
+
+    def plan(self, params) -> accum.ReductionPlan:
+        """The plan `accumulate` makes (for start/add/finish, which takes a plan)."""
+        return accum.make_plan(
+            params,
+            batch_axes=self.batch_axes,
+            mesh_shape=dict(self.mesh.shape),
+            per_parameter=self.per_parameter,
+        )
+
+    def oracle_axis(self, params) -> str | None:
+        """The axis the oracle watches: the mesh's deferred axis, unless a weight
+        is sharded over it at rest (then that weight reduces it per use, by
+        design, and no axis is deferred for every parameter: nothing to watch)."""
+        at_rest = {
+            a for leaf in jax.tree.leaves(params) for a in pt.mesh_axes_used(pt.spec_of(leaf))
+        }
+        return None if self.watched in at_rest else self.watched
 
     def reference(self, params, batch):
         """Full-batch gradients: one pass over the whole batch, no accumulation."""
@@ -383,10 +488,13 @@ def _spans(group: list[int], sizes: dict[str, int], axis: str) -> bool:
     return len({(d // stride) % sizes[axis] for d in group}) > 1
 
 
-def oracle_reduces(text: str, sizes: dict[str, int], axis: str, whole_program: bool) -> bool:
+def oracle_reduces(text: str, sizes: dict[str, int], axis: str | None, whole_program: bool) -> bool:
     """Whether an all-reduce / reduce-scatter with an array of more than 8
     elements spans `axis` inside the microbatch loop: the ENTRY computation's
-    while loop with trip count MICROBATCHES (or anywhere, `whole_program`)."""
+    while loop with trip count MICROBATCHES (or anywhere, `whole_program`).
+    No axis (nothing deferred): False."""
+    if axis is None:
+        return False
     comps = _computations(text)
     entry = next(
         n for n in comps if re.search(rf"^ENTRY\s+%?{re.escape(n)}\s", text, re.M) is not None
@@ -471,7 +579,7 @@ def run(seed: int, trace_time: bool = False) -> Outcome:
         grads, reference = compiled(params, batch)
         warned = _trace_time_warns(step, params, batch) if trace_time else False
     text = compiled.as_text()
-    oracle = oracle_reduces(text, sizes, model.watched, whole_program=False)
+    oracle = oracle_reduces(text, sizes, model.oracle_axis(params), whole_program=False)
     return Outcome(verdict, oracle, warned, _max_rel_error(grads, reference), message)
 
 
@@ -479,7 +587,10 @@ def _run_add(model, params, batch, sizes, trace_time) -> Outcome:
     """start / add per microbatch / finish; the compiled add is the one checked."""
     microbatches = accum.split_microbatches(batch, MICROBATCHES)
     first = jax.tree.map(lambda x: x[0], microbatches)
-    acc = jax.jit(accum.start, static_argnums=0)(model.loss_fn, params, first)
+    # FSDP's per-parameter plan is passed whole; otherwise start makes the default one.
+    plan = model.plan(params) if model.per_parameter else None
+    start = functools.partial(accum.start, plan=plan)
+    acc = jax.jit(start, static_argnums=0)(model.loss_fn, params, first)
     add = jax.jit(accum.add, static_argnums=1)
     compiled, verdict, message = _compiled_verdict(add, acc, model.loss_fn, params, first)
     for i in range(MICROBATCHES):
@@ -492,7 +603,9 @@ def _run_add(model, params, batch, sizes, trace_time) -> Outcome:
         )
     else:
         warned = False
-    oracle = oracle_reduces(compiled.as_text(), sizes, model.watched, whole_program=True)
+    oracle = oracle_reduces(
+        compiled.as_text(), sizes, model.oracle_axis(params), whole_program=True
+    )
     return Outcome(verdict, oracle, warned, _max_rel_error(grads, reference), message)
 
 

@@ -90,3 +90,28 @@ def test_unknown_option_is_rejected(get_setup):
     setup = get_setup("data8")
     with pytest.raises(ValueError, match="on_tag_lost"):
         _trace(setup, setup.model.loss_fn, on_tag_lost="loud")
+
+
+def test_fused_layer_type_check_explains_and_never_raises(get_setup):
+    """The fused path's per-layer type check is trace-time analysis too: a layer
+    gradient not typed unreduced over its deferred axes (autodiff does not make
+    one for a reduced parameter, so it is built here by hand) is a suspect named
+    in compile_checked's message, or a warning in a user's own jit, never a
+    TagLostError before anything compiles (the compiled verdict decides)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from accum.fused_accumulate import _prepare
+    from accum.plan import PER_STEP, LeafPlan
+    from accum.verdict import recording
+
+    mesh = get_setup("data8").mesh
+    leaf = LeafPlan(when=(("data", PER_STEP),), param_spec=P(), accumulator_spec=P())
+    plain = jax.device_put(jax.numpy.zeros(4), NamedSharding(mesh, P()))  # not unreduced
+    with pytest.warns(RuntimeWarning, match=r"\['w'\][\s\S]*not typed unreduced"):
+        _prepare(leaf, "explicit", None, "['w']", on_tag_lost="raise")(plain)
+    with warnings.catch_warnings(), recording() as record:
+        warnings.simplefilter("error")
+        _prepare(leaf, "explicit", None, "['w']", on_tag_lost="raise")(plain)
+        _prepare(leaf, "explicit", None, "['w']", on_tag_lost="ignore")(plain)
+    assert list(record.suspects) == ["['w']"]

@@ -350,3 +350,31 @@ def test_integer_label_loss_raises_nothing(corpus):
     """compile_checked raises nothing on optax's integer-label loss (README)."""
     compiled = corpus.compile(integer_label_ce, "raise")
     assert not ht.in_loop_reductions(compiled.as_text())
+
+
+def _trace_time_warns(corpus, case):
+    """Whether tracing the accumulation of `case` in a plain jax.jit warns (no compile)."""
+
+    def step(params, batch):
+        return accum.accumulate_gradients(case, params, batch, num_microbatches=2)
+
+    with jax.set_mesh(corpus.mesh), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.jit(step).trace(corpus.params, corpus.batch)
+    return [str(w.message) for w in caught if "trace-time analysis" in str(w.message)]
+
+
+def test_trace_time_analysis_on_the_corpus(corpus):
+    """Inside a user's own jit: no warning on a tag-safe idiom (take_along_axis's
+    scatter-add back into batch-sharded rows is local), a warning naming the
+    parameter on each dropping one (a parameter psum'd inside shard_map: in the
+    forward pass), except a table resharded untagged before `.at[].get`: its
+    jaxpr all-gathers the cotangent and scatter-adds locally; the all-reduce is
+    XLA's rewrite, which only the compiled verdict sees."""
+    for case in SAFE:
+        assert not _trace_time_warns(corpus, case), case.__name__
+    for case, name in DROPPING.items():
+        if case is table_resharded_untagged:
+            continue
+        warned = _trace_time_warns(corpus, case)
+        assert warned and f"['{name}']" in warned[0], (case.__name__, warned)

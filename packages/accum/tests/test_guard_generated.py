@@ -43,11 +43,16 @@ def test_generated_program_slow(generator, seed):
     _judge(generator, seed)
 
 
-def test_the_cpu_programs_cover_every_variant_and_reduce_in_a_fair_share(generator):
-    """Every accumulation variant is drawn, and between a quarter and three
-    quarters of the programs truly reduce a deferred axis in the loop."""
+def test_the_cpu_programs_cover_every_variant_and_mesh_and_reduce_in_a_fair_share(generator):
+    """Every accumulation variant and mesh (FSDP included) is drawn, and between a
+    quarter and three quarters of the programs truly reduce a deferred axis in
+    the loop, on the FSDP mesh too."""
     gg = generator
-    variants = {gg.program(seed).variant for seed in CPU_SEEDS}
-    assert variants == {"plain", "fused", "zero1", "add", "hierarchical"}
+    programs = [gg.program(seed) for seed in CPU_SEEDS]
+    assert {p.variant for p in programs} == {"plain", "fused", "zero1", "add", "hierarchical"}
+    assert {p.mesh_name for p in programs} == set(gg.MESHES)
     reducing = sum(_outcome(gg, seed).oracle for seed in CPU_SEEDS)
     assert len(CPU_SEEDS) // 4 <= reducing <= 3 * len(CPU_SEEDS) // 4, reducing
+    fsdp = [p.seed for p in programs if p.mesh_name == "data2_fsdp4"]
+    fsdp_reducing = sum(_outcome(gg, seed).oracle for seed in fsdp)
+    assert 0 < fsdp_reducing < len(fsdp), (fsdp_reducing, fsdp)

@@ -188,7 +188,9 @@ def accumulate_gradients(
             # Each layer's gradient is added into `acc` inside the backward scan.
             args = args_of(index, microbatch)
             guard_forward(loss_fn, compute_params, args, plan, on_tag_lost)
-            loss_sum, aux, acc = fused_microbatch(loss_fn, compute_params, args, plan, acc)
+            loss_sum, aux, acc = fused_microbatch(
+                loss_fn, compute_params, args, plan, acc, on_tag_lost=on_tag_lost
+            )
             return acc, (loss_sum, aux)
         mb_rng = None if rng is None else jax.random.fold_in(rng, index)
         loss_sum, aux, grads = microbatch_grads(
@@ -239,6 +241,7 @@ def accumulate_gradients(
         final=True,
         targets=targets,
         ring=schedule == "overlapped_ring",
+        on_tag_lost=on_tag_lost,
     )
     loss_sum = loss_sum + last_loss.astype(loss_sum.dtype) if looped else last_loss
     aux = jax.tree.map(lambda a, b: a + b.astype(a.dtype), aux, last_aux) if looped else last_aux

@@ -159,7 +159,9 @@ def _add(acc, loss_fn, params, microbatch, rng, on_tag_lost, fused) -> Accumulat
     if fused and acc.plan.fused_applies:
         args = (microbatch,) if mb_rng is None else (microbatch, mb_rng)
         guard_forward(loss_fn, compute_params, args, acc.plan, on_tag_lost)
-        loss_sum, aux, grads = fused_microbatch(loss_fn, compute_params, args, acc.plan, acc.grads)
+        loss_sum, aux, grads = fused_microbatch(
+            loss_fn, compute_params, args, acc.plan, acc.grads, on_tag_lost=on_tag_lost
+        )
     else:
         loss_sum, aux, grads = microbatch_grads(
             loss_fn, compute_params, microbatch, mb_rng, acc.plan, on_tag_lost

@@ -4,6 +4,11 @@ The plan's schedule is unchanged; only where the additions (and, on the last
 microbatch of an overlapped schedule, the reductions) happen moves: into the backward
 layer scan of `accum.scan_layers` for stacked parameters, after the backward
 pass for the others (as `accumulate_gradients` always does).
+
+Each layer's gradient is type-checked as it is added (unreduced over the leaf's
+tagged axes). Like every trace-time check that check only explains: inside
+`accum.compile_checked` it names suspects for the compiled verdict's message,
+inside a user's own jit it warns; the compiled program decides (accum.verdict).
 """
 
 from __future__ import annotations
@@ -16,11 +21,12 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from accum.fused import SinkLeaf, fused_value_and_grad, sink_type
+from accum.guard import report_dropped_tags
 from accum.layer_slices import leading_unsharded, without_leading
 from accum.overlapped import ring_key, ring_place
 from accum.plan import LeafPlan, ReductionPlan, is_floating
 from accum.tags import as_spec, is_target_leaf, place, scatter_leaf
-from pspec_tags import check_unreduced, spec_of, untagged
+from pspec_tags import find_untagged, spec_of, untagged
 
 
 def _final_spec(acc: jax.Array, target: Any) -> P | None:
@@ -32,13 +38,25 @@ def _final_spec(acc: jax.Array, target: Any) -> P | None:
     return untagged(spec)
 
 
-def _prepare(leaf: LeafPlan, mode: str, slice_target: P | None) -> Callable:
-    """A layer's gradient made addable to its accumulator slice: checked unreduced
-    over the leaf's tagged axes, reduce-scattered over its scatter axes."""
+def _check_layer_gradient(d: jax.Array, leaf: LeafPlan, path: str, on_tag_lost: str) -> None:
+    """Report a layer gradient not typed unreduced over the leaf's tagged axes:
+    a suspect for `compile_checked`'s message, else a warning; never an error
+    (the compiled program, not the type, says whether a reduction runs here)."""
+    if not find_untagged(d, leaf.tagged):
+        return
+    why = f"a layer's gradient {jax.typeof(d)} is not typed unreduced over {leaf.tagged}"
+    report_dropped_tags({path: [why]}, leaf.tagged, on_tag_lost)
+
+
+def _prepare(
+    leaf: LeafPlan, mode: str, slice_target: P | None, path: str = "", on_tag_lost: str = "warn"
+) -> Callable:
+    """A layer's gradient made addable to its accumulator slice: its type checked
+    (`_check_layer_gradient`, at trace time), reduce-scattered over its scatter axes."""
 
     def prepare(d):
-        if mode == "explicit" and leaf.tagged:
-            check_unreduced(d, leaf.tagged)
+        if mode == "explicit" and leaf.tagged and on_tag_lost != "ignore":
+            _check_layer_gradient(d, leaf, path, on_tag_lost)
         if leaf.scatter and slice_target is not None:
             # Same barrier as scatter_into: keeps XLA from sinking the
             # reduce-scatter out of the loop into a full-size accumulator.
@@ -49,7 +67,12 @@ def _prepare(leaf: LeafPlan, mode: str, slice_target: P | None) -> Callable:
 
 
 def make_entries(
-    plan: ReductionPlan, params: Any, acc: Any, targets: Any, ring: bool = False
+    plan: ReductionPlan,
+    params: Any,
+    acc: Any,
+    targets: Any,
+    ring: bool = False,
+    on_tag_lost: str = "warn",
 ) -> list:
     """A SinkLeaf per stackable parameter leaf (floating, layer axis unsharded), else
     None, in the parameters' flattened order.
@@ -57,15 +80,17 @@ def make_entries(
     `targets`: None to accumulate; else the per-leaf list of where the last
     microbatch reduces the total (NamedSharding, PartitionSpec, or None for the
     accumulator's own partitions). `ring`: reduce-scatters onto those targets go
-    as rings of collective-permutes (accum.ring).
+    as rings of collective-permutes (accum.ring). `on_tag_lost`: how a layer
+    gradient's type check reports (warn / ignore; never raises).
     """
     mode = plan.mode
     treedef = jax.tree.structure(params)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     param_leaves = treedef.flatten_up_to(params)
     acc_leaves = treedef.flatten_up_to(acc)
     target_leaves = [None] * len(param_leaves) if targets is None else targets
 
-    def entry(leaf: LeafPlan, p, a, target):
+    def entry(leaf: LeafPlan, path: str, p, a, target):
         if not is_floating(p) or p.ndim == 0:
             return None
         if not leading_unsharded(spec_of(p)) or not leading_unsharded(spec_of(a)):
@@ -81,7 +106,7 @@ def make_entries(
         return SinkLeaf(
             acc=a,
             final=final,
-            prepare=_prepare(leaf, mode, without_leading(spec_of(a))),
+            prepare=_prepare(leaf, mode, without_leading(spec_of(a)), path, on_tag_lost),
             place=lambda x, t: place(x, t, mode),
             sink=sink_type(a, final_stacked),
             ring=ring and mode == "explicit",
@@ -89,7 +114,7 @@ def make_entries(
 
     return [
         entry(*args)
-        for args in zip(plan.leaf_list, param_leaves, acc_leaves, target_leaves, strict=True)
+        for args in zip(plan.leaf_list, paths, param_leaves, acc_leaves, target_leaves, strict=True)
     ]
 
 
@@ -115,6 +140,7 @@ def fused_microbatch(
     final: bool = False,
     targets: Any = None,
     ring: bool = False,
+    on_tag_lost: str = "warn",
 ) -> tuple[jax.Array, dict, Any]:
     """(loss_sum, aux, new_acc) of one microbatch, gradients added inside the backward.
 
@@ -123,12 +149,13 @@ def fused_microbatch(
     `targets` (a tree of NamedSharding/PartitionSpec/None; None: each
     accumulator's own partitions): stacked leaves reduced layer by layer inside
     the backward pass, the rest right after it; with `ring`, the stacked leaves'
-    reduce-scatters as rings of collective-permutes.
+    reduce-scatters as rings of collective-permutes. `on_tag_lost`: as in
+    `accumulate_gradients`; the layer gradients' type check warns at most.
     """
     mode = plan.mode
     treedef = jax.tree.structure(params)
     finals = target_leaves(targets, params) if final else None
-    entries = make_entries(plan, params, acc, finals, ring)
+    entries = make_entries(plan, params, acc, finals, ring, on_tag_lost)
     (loss_sum, aux), grads, sink_cts = fused_value_and_grad(loss_fn, params, args, entries)
     acc_leaves = treedef.flatten_up_to(acc)
     grad_leaves = treedef.flatten_up_to(grads)

@@ -26,12 +26,21 @@ that is no longer unreduced over it. That is exactly a reduction XLA must run
 inside the loop. Each flagged equation is attributed to the parameters whose
 gradient it flows into; the cheap forward walk (a layout op that drops a
 parameter's `reduced` tag) only adds the line where the tag was lost.
+
+Two rules follow the compiled verdict's: a sum into at most `MAX_ELEMENTS`
+elements per device (a loss, a count) is let pass, and a forward equation
+that sums a value computed from the parameters over a deferred axis (a weight
+psum'd inside shard_map, a Gram matrix over the batch) is flagged too, blamed
+on those parameters: it runs once per microbatch as well. A scatter-add adds
+locally along an axis that shards both its updates and its result (the
+transpose of `take_along_axis` on batch-sharded rows).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -42,7 +51,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from accum.seed import cotangent_like
-from accum.verdict import active_record
+from accum.verdict import MAX_ELEMENTS, active_record
 from pspec_tags import (
     entry_axes,
     mesh_axes_used,
@@ -130,6 +139,20 @@ def _reduced(var: Any) -> frozenset[str]:
 def _unreduced(var: Any) -> frozenset[str]:
     """Axes `var` holds per-device partial sums over: explicit tag or manual axis type."""
     return unreduced_axes(_spec(var)) | _manual(var, "unreduced")
+
+
+def _elements(var: Any) -> int:
+    """Elements of one device's block of `var` (what a collective on it moves)."""
+    aval = _aval(var)
+    shape = list(getattr(aval, "shape", ()))
+    mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+    sizes = dict(getattr(mesh, "shape", None) or {})
+    # Inside shard_map the shape is already the block; its spec names no manual axis.
+    for d, entry in enumerate(partitions(_spec(var))):
+        if d < len(shape) and entry is not None:
+            for axis in entry_axes(entry):
+                shape[d] = -(-shape[d] // sizes.get(axis, 1))
+    return math.prod(shape)
 
 
 def _dim_axes(var: Any, dims: Iterable[int]) -> frozenset[str]:
@@ -315,8 +338,12 @@ def _partial_axes(eqn: Any, cotangent_in: Sequence[Any]) -> dict[str, Any]:
     elif name in _REDUCE_PRIMITIVES:
         add(_dim_axes(eqn.invars[0], params.get("axes", ())), eqn.invars[0])
     elif name in _SCATTER_ADD and len(eqn.invars) >= 3:
+        # Updates sharded over an axis the result is sharded over too (rows
+        # scattered back into their own batch-sharded rows: take_along_axis's
+        # transpose) add locally; only an axis the result does not shard sums.
         updates = eqn.invars[2]
-        add(mesh_axes_used(_spec(updates)), updates)
+        local = mesh_axes_used(_spec(eqn.outvars[0]))
+        add(set(mesh_axes_used(_spec(updates))) - set(local), updates)
     elif name in _MANUAL_REDUCTIONS:
         axes = params.get("axes", params.get("axis_name", ()))
         axes = frozenset(axes if isinstance(axes, tuple | list) else (axes,))
@@ -340,6 +367,8 @@ class _Walker:
         self.trace_lines = trace_lines
         self.sites: dict[int, _Site] = {}  # id(eqn) -> site, stable across loop re-walks
         self.drops: dict[str, list[str]] = {}  # param path -> forward drops
+        # param path -> forward reductions of values computed from it
+        self.forward: dict[str, list[_Site]] = {}
 
     def walk(self, jaxpr: Any, in_labels: Sequence[frozenset]) -> list[frozenset]:
         env = dict(zip(jaxpr.invars, in_labels, strict=True))
@@ -362,7 +391,23 @@ class _Walker:
                 union = union | {site}
             if self.trace_lines:
                 union = union | {("line", user_lines(eqn), eqn.primitive.name)}
+        elif _params_in(union):
+            self._forward_reduction(eqn, ins)
         return [union] * len(eqn.outvars)
+
+    def _forward_reduction(self, eqn: Any, ins: list[frozenset]) -> None:
+        """Note a forward sum over a deferred axis of a value computed from the
+        parameters (a weight psum'd inside shard_map, a Gram matrix over the
+        batch): it too runs once per microbatch. Blamed on the parameters the
+        value depends on; a backward contraction over the batch does not undo it
+        (it is no cotangent), so it is kept apart from the backward sites."""
+        computed = [v for v, lab in zip(eqn.invars, ins, strict=True) if _params_in(lab)]
+        site = self._reduction(eqn, computed, "forward")
+        if site is None:
+            return
+        for name in _params_in(frozenset().union(*ins)):
+            if site not in self.forward.setdefault(name, []):
+                self.forward[name].append(site)
 
     def _without_resummed(self, eqn: Any, cotangent_in: list[Any], labels: frozenset) -> frozenset:
         """`labels` less the sites over axes this equation makes partial again.
@@ -414,18 +459,21 @@ class _Walker:
                 return sub_out
             sub_in = grown
 
-    def _reduction(self, eqn: Any, cotangent_in: list[Any]) -> _Site | None:
-        """The site if `eqn` sums a cotangent over a deferred axis, else None."""
-        partial = _partial_axes(eqn, cotangent_in)
+    def _reduction(self, eqn: Any, inputs: list[Any], pass_: str = "backward") -> _Site | None:
+        """The site if `eqn` sums one of `inputs` (cotangents, or in the forward
+        pass values computed from the parameters) over a deferred axis into more
+        than MAX_ELEMENTS elements per device, else None. Smaller sums (a loss,
+        a count) are what the compiled verdict lets pass too."""
+        partial = _partial_axes(eqn, inputs)
         kept = frozenset().union(*(_unreduced(o) for o in eqn.outvars))
         lost = sorted(a for a in partial if a in self.axes and a not in kept)
-        if not lost:
+        if not lost or max(_elements(o) for o in eqn.outvars) <= MAX_ELEMENTS:
             return None
         if id(eqn) not in self.sites:
             src = partial[lost[0]]
             self.sites[id(eqn)] = _Site(
                 f"{eqn.primitive.name}: {src.aval} -> {eqn.outvars[0].aval} reduces "
-                f"{lost} in the backward pass of {_where(eqn)}",
+                f"{lost} in the {pass_} pass of {_where(eqn)}",
                 frozenset(lost),
             )
         return self.sites[id(eqn)]
@@ -477,13 +525,16 @@ def find_dropped_tags(
     returns `{key path: [what reduces it and where, ...]}`: each backward
     equation that sums a cotangent over a deferred axis (the reduction XLA
     would run once per microbatch), with the forward source line it came
-    from, followed by the layout ops that dropped the parameter's `reduced`
-    tag in the forward pass, if any. Empty when every gradient stays
+    from, then each forward equation that sums a value computed from the
+    parameter over one, then the layout ops that dropped the parameter's
+    `reduced` tag in the forward pass, if any. Sums into at most
+    `MAX_ELEMENTS` elements per device are not reported. Empty when every gradient stays
     unreduced over `axes` until the accumulator (a forward drop whose
     transpose reduces nothing is not reported).
 
     Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
 
+    >>> w2 = jax.device_put(jnp.ones((8, 2)), NamedSharding(mesh, P()))  # 16 elements
     >>> def drops_tag(params, mb):  # resharding w onto P() drops its reduced tag
     ...     return loss_fn(jax.reshard(params["w"], P()), mb)
     >>> found = []
@@ -494,7 +545,7 @@ def find_dropped_tags(
     ...                 drops_tag, accum.tag_reduced(p, ("data",)), b, axes=("data",)
     ...             )
     ...         ),
-    ...         {"w": w},
+    ...         {"w": w2},
     ...         batch,
     ...     )
     >>> list(found[0])  # the parameter whose gradient the backward pass reduces per microbatch
@@ -526,6 +577,7 @@ def find_dropped_tags(
         # sharded over a batch axis (experts) is summed over it by design.
         deferred = _reduced(var)
         sites = sorted(lab.text for lab in out if isinstance(lab, _Site) and lab.axes & deferred)
+        sites += [site.text for site in walker.forward.get(path, ()) if site.axes & deferred]
         if sites:
             found[path] = sites + [f"tag dropped by {d}" for d in walker.drops.get(path, [])]
     return found
@@ -548,8 +600,9 @@ def report_dropped_tags(
     if on_tag_lost == "ignore":
         return
     lines = [
-        f"{len(found)} parameter(s) may have their gradient reduced over {tuple(sorted(axes))} "
-        "inside loss_fn's backward pass (once per microbatch instead of once per step), "
+        f"{len(found)} parameter(s) may have their gradient (or a value computed from them) "
+        f"reduced over {tuple(sorted(axes))} inside loss_fn (once per microbatch instead of "
+        "once per step), "
         "by the trace-time analysis, which can be wrong both ways; compile the step with "
         "accum.compile_checked for the exact verdict from the compiled program:"
     ]
