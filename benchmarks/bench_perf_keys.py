@@ -1,0 +1,208 @@
+"""What each performance config key changes in the compiled TPU program: v5e-8 AOT.
+
+deepseek3-small, ZeRO-1 (shard_optimizer_over_data), GA=4, one 1024-token
+sequence per device per microbatch, remat full, compiled on this CPU host for
+TPU v5e-8 (data=8) as bench_aot_fused.py compiles it. Each row flips one key
+against a base row and records what the compiled program shows: per-device
+memory (total and peak live), the count of each collective kind, gradient
+reduction bytes per step in the microbatch loop, the async-overlapped share of
+gradient reduction bytes (hlo_tools.async_overlap / overlap_summary), and
+whether the compiled (scheduled) module is the same instruction for instruction
+as its base's (a fingerprint of the HLO text with metadata stripped).
+
+Two bases: the issue #35 recipe (deferred, overlap_gradient_reduction,
+ring_reduce_scatter, tpu_async_collectives) and the trainer's defaults with
+gradient_reduction_policy=deferred (one compile per row: auto may compile
+several policies).
+
+    JAX_PLATFORMS=cpu uv run --extra tpu python benchmarks/bench_perf_keys.py [--reuse] [--short]
+
+Writes benchmarks/results/perf_keys.md and .csv. Compiles are cached under
+$TMPDIR/bench_aot_fused/ (slugs perf_*); `--reuse` reads them back. `--short`
+leaves out the rows in OPTIONAL (the slowest compiles); the page says so.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import importlib.util
+import re
+import sys
+import time
+
+import bench_aot_fused as fused  # noqa: E402 - sets up jax and the compile cache
+import benchlib as bl  # noqa: E402
+
+COMMAND = "JAX_PLATFORMS=cpu uv run --extra tpu python benchmarks/bench_perf_keys.py"
+DEFERRED = {"gradient_reduction_policy": "deferred"}
+RECIPE = {
+    **DEFERRED,
+    "overlap_gradient_reduction": "true",
+    "ring_reduce_scatter": "true",
+    "tpu_async_collectives": "true",
+}
+DEFAULTS = dict(DEFERRED)
+# (key flipped, base name, base overrides, flipped value); the base row of each is
+# the base's overrides alone.
+BASES = {"recipe": RECIPE, "defaults": DEFAULTS}
+FLIPS = [
+    ("tpu_async_collectives", "recipe", "false"),
+    ("ring_reduce_scatter", "recipe", "false"),
+    ("overlap_gradient_reduction", "defaults", "true"),
+    ("tpu_async_collectives", "defaults", "true"),
+    ("fused_gradient_accumulation", "defaults", "false"),
+    ("accum_dtype", "defaults", "bfloat16"),
+    ("remat_policy", "defaults", "minimal"),
+    ("sparse_matmul", "defaults", "false"),
+    ("remat_policy", "defaults", "none"),
+    ("scan_layers", "defaults", "false"),
+]
+# Left out by --short: the slowest compiles (no rematerialization, 24 unrolled layers).
+OPTIONAL = {("remat_policy", "none"), ("scan_layers", "false")}
+KINDS = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute", "all-to-all")
+_METADATA = re.compile(r", metadata=\{[^}]*\}")
+
+
+def fingerprint(hlo_path: str) -> str:
+    """sha256 (12 hex digits) of the compiled module's text without metadata: equal
+    fingerprints mean the same instructions in the same scheduled order."""
+    with open(hlo_path) as f:
+        text = _METADATA.sub("", f.read())
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def collective_counts(hlo_path: str) -> dict[str, int]:
+    """Collectives per kind in the compiled module (each instruction once, loops not
+    weighted), and how many of them are asynchronous (hlo_tools.async_overlap: a
+    -start form or a TPU async collective fusion)."""
+    import hlo_tools
+
+    with open(hlo_path) as f:
+        module = hlo_tools.parse(f.read())
+    seen = {}
+    for record in hlo_tools.async_overlap(module):
+        seen[(record.collective.computation, record.collective.name)] = record
+    counts = collections.Counter(record.kind for record in seen.values())
+    asynchronous = sum(1 for record in seen.values() if record.is_async)
+    return {**{kind: counts.get(kind, 0) for kind in KINDS}, "async_collectives": asynchronous}
+
+
+def measure_row(key: str, base: str, value: str | None, reuse: bool) -> dict:
+    variant = dict(BASES[base])
+    if value is not None:
+        variant[key] = value
+    slug = f"perf_{base}" + ("" if value is None else f"_{key}_{value}")
+    row = {"base": base, "key": key if value else "", "value": value or "", "slug": slug}
+    row.update(fused.measure(slug, variant, reuse))
+    if "error" not in row:
+        path = f"{fused.CACHE}/{slug}.hlo"
+        row["fingerprint"] = fingerprint(path)
+        row.update(collective_counts(path))
+    return row
+
+
+def _counts_cell(r: dict) -> str:
+    parts = [f"{kind} {r[kind]}" for kind in KINDS if r.get(kind)]
+    return ", ".join(parts) + f"; {r['async_collectives']} async"
+
+
+def _share(r: dict) -> str:
+    share = r["async_overlap_share"]
+    return "-" if share is None else f"{100 * share:.1f}%"
+
+
+def _row_cells(r: dict, base: dict | None) -> list[str]:
+    if "error" in r:
+        return [f"fails: {r['error']}"] + [""] * 6
+    same = (
+        ""
+        if base is None or "error" in base
+        else ("yes" if r["fingerprint"] == base["fingerprint"] else "no")
+    )
+    return [
+        fused.gib(r["memory_bytes"]),
+        "" if r.get("peak_bytes") is None else fused.gib(r["peak_bytes"]),
+        _counts_cell(r),
+        f"{bl.mib(r['in_loop_bytes_per_step'])} ({r['in_loop_ops']})",
+        _share(r) + f" ({r['async_ops']} of {r['schedule_ops']} async)",
+        r["fingerprint"],
+        same,
+    ]
+
+
+def main() -> int:
+    if importlib.util.find_spec("libtpu") is None:
+        print("bench_perf_keys: skipped, needs libtpu (uv run --extra tpu ...)")
+        return 0
+    reuse = "--reuse" in sys.argv[1:]
+    short = "--short" in sys.argv[1:]
+    started = time.perf_counter()
+    bases = {name: measure_row("", name, None, reuse) for name in BASES}
+    for row in bases.values():
+        print(row, flush=True)
+    rows = list(bases.values())
+    for key, base, value in FLIPS:
+        if short and (key, value) in OPTIONAL:
+            continue
+        row = measure_row(key, base, value, reuse)
+        print(row, flush=True)
+        rows.append(row)
+    wall = time.perf_counter() - started
+    lines = bl.header(
+        "What each performance key changes in the compiled program: TPU v5e-8 AOT",
+        COMMAND + "".join(f" {a}" for a in sys.argv[1:] if a in ("--short", "--reuse")),
+        [
+            "deepseek3-small, ZeRO-1 (shard_optimizer_over_data), GA=4, 1 x 1024 tokens per "
+            "device per microbatch, remat full unless the row says otherwise, bf16 compute, "
+            "f32 weights, v5e-8: data=8 over v5e:2x4",
+            "bases: recipe = "
+            + ", ".join(f"{k}={v}" for k, v in RECIPE.items())
+            + "; defaults = the trainer's defaults with "
+            + ", ".join(f"{k}={v}" for k, v in DEFAULTS.items())
+            + " ("
+            + bl.accumulation_note()
+            + ")",
+            "memory: compiled.memory_analysis() per device (total; peak live buffers); "
+            "collectives: instructions per kind in the compiled module, each once (loops "
+            "not weighted), async = issued by an async start (hlo_tools.async_overlap); "
+            "in loop = gradient reduction "
+            "MiB per step (ops) inside the microbatch loop (hlo_tools.in_loop_reductions); "
+            "async-overlapped share = gradient reduction bytes per step issued by an async "
+            "start with compute scheduled between start and done (as on aot_async.md)",
+            "fingerprint: sha256 of the compiled HLO text without metadata; same = the "
+            "row's compiled program is its base's, instruction for instruction, in the "
+            "same scheduled order",
+            f"run: {len(rows)} compiles, "
+            f"{sum(r.get('compile_s', 0) for r in rows) / 60:.1f} min of compile time; "
+            "compiled at "
+            + ", ".join(dict.fromkeys(r["tree"] for r in rows if "tree" in r))
+            + (f"; this analysis pass {wall / 60:.1f} min, reading cached HLO" if reuse else "")
+            + (
+                "; --short: left out " + ", ".join(f"{k}={v}" for k, v in sorted(OPTIONAL))
+                if short
+                else ""
+            ),
+        ],
+    )
+    columns = [
+        "GiB/device",
+        "peak live GiB",
+        "collectives",
+        "in-loop reduction MiB/step (ops)",
+        "async-overlapped share",
+        "fingerprint",
+        "same as base",
+    ]
+    table_rows = []
+    for r in rows:
+        label = f"{r['base']}" + (f": {r['key']}={r['value']}" if r["key"] else " (base)")
+        base = None if not r["key"] else bases[r["base"]]
+        table_rows.append([label, *_row_cells(r, base)])
+    lines += bl.table(["row", *columns], table_rows, align="l" + "r" * 5 + "ll")
+    bl.write("perf_keys", lines, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
