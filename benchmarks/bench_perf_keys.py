@@ -15,11 +15,12 @@ ring_reduce_scatter, tpu_async_collectives) and the trainer's defaults with
 gradient_reduction_policy=deferred (one compile per row: auto may compile
 several policies).
 
-    JAX_PLATFORMS=cpu uv run --extra tpu python benchmarks/bench_perf_keys.py [--reuse] [--short]
+    JAX_PLATFORMS=cpu uv run --extra tpu python benchmarks/bench_perf_keys.py [--reuse] [--first N]
 
-Writes benchmarks/results/perf_keys.md and .csv. Compiles are cached under
-$TMPDIR/bench_aot_fused/ (slugs perf_*); `--reuse` reads them back. `--short`
-leaves out the rows in OPTIONAL (the slowest compiles); the page says so.
+Writes benchmarks/results/perf_keys.md and .csv, after every compile (a run cut
+short keeps its rows; the page names the rows not compiled). Compiles are cached
+under $TMPDIR/bench_aot_fused/ (slugs perf_*); `--reuse` reads them back.
+`--first N` compiles only the first N rows of FLIPS (priority order).
 """
 
 from __future__ import annotations
@@ -46,20 +47,19 @@ DEFAULTS = dict(DEFERRED)
 # (key flipped, base name, base overrides, flipped value); the base row of each is
 # the base's overrides alone.
 BASES = {"recipe": RECIPE, "defaults": DEFAULTS}
+# In priority order (--first N compiles the first N): each compile takes minutes.
 FLIPS = [
     ("tpu_async_collectives", "recipe", "false"),
-    ("ring_reduce_scatter", "recipe", "false"),
-    ("overlap_gradient_reduction", "defaults", "true"),
     ("tpu_async_collectives", "defaults", "true"),
-    ("fused_gradient_accumulation", "defaults", "false"),
-    ("accum_dtype", "defaults", "bfloat16"),
     ("remat_policy", "defaults", "minimal"),
     ("sparse_matmul", "defaults", "false"),
+    ("accum_dtype", "defaults", "bfloat16"),
+    ("ring_reduce_scatter", "recipe", "false"),
+    ("overlap_gradient_reduction", "defaults", "true"),
+    ("fused_gradient_accumulation", "defaults", "false"),
     ("remat_policy", "defaults", "none"),
     ("scan_layers", "defaults", "false"),
 ]
-# Left out by --short: the slowest compiles (no rematerialization, 24 unrolled layers).
-OPTIONAL = {("remat_policy", "none"), ("scan_layers", "false")}
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute", "all-to-all")
 _METADATA = re.compile(r", metadata=\{[^}]*\}")
 
@@ -131,27 +131,43 @@ def _row_cells(r: dict, base: dict | None) -> list[str]:
     ]
 
 
+def _first(argv: list[str]) -> int:
+    """--first N: how many FLIPS rows to compile (all without it)."""
+    if "--first" not in argv:
+        return len(FLIPS)
+    return int(argv[argv.index("--first") + 1])
+
+
 def main() -> int:
     if importlib.util.find_spec("libtpu") is None:
         print("bench_perf_keys: skipped, needs libtpu (uv run --extra tpu ...)")
         return 0
-    reuse = "--reuse" in sys.argv[1:]
-    short = "--short" in sys.argv[1:]
+    argv = sys.argv[1:]
+    reuse = "--reuse" in argv
+    flips = FLIPS[: _first(argv)]
     started = time.perf_counter()
-    bases = {name: measure_row("", name, None, reuse) for name in BASES}
-    for row in bases.values():
-        print(row, flush=True)
-    rows = list(bases.values())
-    for key, base, value in FLIPS:
-        if short and (key, value) in OPTIONAL:
-            continue
+    rows = []
+    # The page is rewritten after every compile, so a run cut short keeps its rows.
+    for key, base, value in [("", name, None) for name in BASES] + flips:
         row = measure_row(key, base, value, reuse)
         print(row, flush=True)
         rows.append(row)
-    wall = time.perf_counter() - started
+        _write_page(rows, argv, time.perf_counter() - started)
+    return 0
+
+
+def _write_page(rows: list[dict], argv: list[str], wall: float) -> None:
+    """perf_keys.md and .csv from the rows compiled so far."""
+    reuse = "--reuse" in argv
+    done = {(r["key"], r["base"], r["value"]) for r in rows}
+    left_out = [f"{k}={v} ({b})" for k, b, v in FLIPS if (k, b, v) not in done]
+    flags = "".join(f" {a}" for a in argv if a == "--reuse")
+    if "--first" in argv:
+        flags += f" --first {_first(argv)}"
+    bases = {r["base"]: r for r in rows if not r["key"]}
     lines = bl.header(
         "What each performance key changes in the compiled program: TPU v5e-8 AOT",
-        COMMAND + "".join(f" {a}" for a in sys.argv[1:] if a in ("--short", "--reuse")),
+        COMMAND + flags,
         [
             "deepseek3-small, ZeRO-1 (shard_optimizer_over_data), GA=4, 1 x 1024 tokens per "
             "device per microbatch, remat full unless the row says otherwise, bf16 compute, "
@@ -178,11 +194,7 @@ def main() -> int:
             "compiled at "
             + ", ".join(dict.fromkeys(r["tree"] for r in rows if "tree" in r))
             + (f"; this analysis pass {wall / 60:.1f} min, reading cached HLO" if reuse else "")
-            + (
-                "; --short: left out " + ", ".join(f"{k}={v}" for k, v in sorted(OPTIONAL))
-                if short
-                else ""
-            ),
+            + ("; not compiled in this run (time): " + ", ".join(left_out) if left_out else ""),
         ],
     )
     columns = [
@@ -197,11 +209,10 @@ def main() -> int:
     table_rows = []
     for r in rows:
         label = f"{r['base']}" + (f": {r['key']}={r['value']}" if r["key"] else " (base)")
-        base = None if not r["key"] else bases[r["base"]]
+        base = bases.get(r["base"]) if r["key"] else None
         table_rows.append([label, *_row_cells(r, base)])
     lines += bl.table(["row", *columns], table_rows, align="l" + "r" * 5 + "ll")
     bl.write("perf_keys", lines, rows)
-    return 0
 
 
 if __name__ == "__main__":

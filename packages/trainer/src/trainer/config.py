@@ -489,7 +489,9 @@ class Config(
 
     def dcn_parallelism(self) -> dict[str, int]:
         """Requested size per cross-slice mesh axis (before -1 is filled)."""
-        return {axis: getattr(self, f"{axis}_parallelism") for axis in DCN_AXES}
+        return {
+            axis: getattr(self, f"dcn_{axis.removeprefix('dcn_')}_parallelism") for axis in DCN_AXES
+        }
 
 
 # MaxText's DeepSeek-V3 test shapes, under MaxText's names (configs/models/*.yml), so a
