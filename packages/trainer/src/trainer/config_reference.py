@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import os
 import re
 import sys
@@ -66,7 +67,7 @@ def _pattern_keys(node: ast.JoinedStr, keys: Iterable[str]) -> set[str]:
     return {key for key in keys if pattern.fullmatch(key)}
 
 
-def _key_mentions(tree: ast.AST) -> list[ast.Constant]:
+def _key_mentions(nodes: list[ast.AST]) -> list[ast.Constant]:
     """String constants that name a config key by its name: an argument of a call
     that also passes the config (getattr's attribute), an element of a tuple, list or
     set (`for key in ("vocab_size", ...)`), a dict value, a dict key mapping to a
@@ -74,7 +75,7 @@ def _key_mentions(tree: ast.AST) -> list[ast.Constant]:
     key of an overrides dict's get(). Not: prose, or a record's field that shares a
     key's name (`metrics["learning_rate"]`)."""
     out = []
-    for node in ast.walk(tree):
+    for node in nodes:
         if isinstance(node, ast.Call) and any(_holder(a) in CONFIG_NAMES for a in node.args):
             out += node.args  # getattr(config, "key"), open_column(config, "key", ...)
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
@@ -100,8 +101,9 @@ def keys_named(
     """The keys `tree` reads (the rules in the module docstring), with the config held
     under the names in `holders`; `derived` maps a Config property or method name to
     the keys it reads."""
-    found = {node.value for node in _key_mentions(tree) if node.value in keys}
-    for node in ast.walk(tree):
+    nodes = list(ast.walk(tree))
+    found = {node.value for node in _key_mentions(nodes) if node.value in keys}
+    for node in nodes:
         if isinstance(node, ast.Attribute) and _holder(node.value) in holders:
             if node.attr in keys:
                 found.add(node.attr)
@@ -137,8 +139,10 @@ def _source_files() -> list[str]:
     return sorted(out)
 
 
-def readers() -> dict[str, list[str]]:
-    """Key -> the trainer modules that read it (paths under trainer/, sorted)."""
+@functools.cache
+def readers() -> dict[str, tuple[str, ...]]:
+    """Key -> the trainer modules that read it (paths under trainer/, sorted); scanned
+    once per process."""
     keys = frozenset(config_lib.FIELDS)
     trees = {}
     for path in _source_files():
@@ -151,7 +155,7 @@ def readers() -> dict[str, list[str]]:
         holders = CONFIG_NAMES | {"self"} if path == "config.py" else CONFIG_NAMES
         for key in sorted(keys_named(tree, keys, derived, holders)):
             out[key].append(path)
-    return out
+    return {key: tuple(paths) for key, paths in out.items()}
 
 
 def _default(field: dataclasses.Field) -> str:
