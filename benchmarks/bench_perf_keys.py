@@ -20,7 +20,7 @@ several policies).
 Writes benchmarks/results/perf_keys.md and .csv, after every compile (a run cut
 short keeps its rows; the page names the rows not compiled). Compiles are cached
 under $TMPDIR/bench_aot_fused/ (slugs perf_*); `--reuse` reads them back.
-`--first N` compiles only the first N rows of FLIPS (priority order).
+`--first N` compiles only the first N of ROWS (priority order).
 """
 
 from __future__ import annotations
@@ -44,12 +44,14 @@ RECIPE = {
     "tpu_async_collectives": "true",
 }
 DEFAULTS = dict(DEFERRED)
-# (key flipped, base name, base overrides, flipped value); the base row of each is
-# the base's overrides alone.
+# Base name -> its overrides (on top of bench_aot_fused.COMMON).
 BASES = {"recipe": RECIPE, "defaults": DEFAULTS}
-# In priority order (--first N compiles the first N): each compile takes minutes.
-FLIPS = [
+# Rows in priority order (--first N compiles the first N), each (key flipped, base,
+# value); a base row flips nothing ("", base, None). Each compile takes minutes.
+ROWS = [
+    ("", "recipe", None),
     ("tpu_async_collectives", "recipe", "false"),
+    ("", "defaults", None),
     ("tpu_async_collectives", "defaults", "true"),
     ("remat_policy", "defaults", "minimal"),
     ("sparse_matmul", "defaults", "false"),
@@ -132,9 +134,9 @@ def _row_cells(r: dict, base: dict | None) -> list[str]:
 
 
 def _first(argv: list[str]) -> int:
-    """--first N: how many FLIPS rows to compile (all without it)."""
+    """--first N: how many ROWS to compile (all without it)."""
     if "--first" not in argv:
-        return len(FLIPS)
+        return len(ROWS)
     return int(argv[argv.index("--first") + 1])
 
 
@@ -144,11 +146,11 @@ def main() -> int:
         return 0
     argv = sys.argv[1:]
     reuse = "--reuse" in argv
-    flips = FLIPS[: _first(argv)]
+    todo = ROWS[: _first(argv)]
     started = time.perf_counter()
     rows = []
     # The page is rewritten after every compile, so a run cut short keeps its rows.
-    for key, base, value in [("", name, None) for name in BASES] + flips:
+    for key, base, value in todo:
         row = measure_row(key, base, value, reuse)
         print(row, flush=True)
         rows.append(row)
@@ -159,8 +161,10 @@ def main() -> int:
 def _write_page(rows: list[dict], argv: list[str], wall: float) -> None:
     """perf_keys.md and .csv from the rows compiled so far."""
     reuse = "--reuse" in argv
-    done = {(r["key"], r["base"], r["value"]) for r in rows}
-    left_out = [f"{k}={v} ({b})" for k, b, v in FLIPS if (k, b, v) not in done]
+    done = {(r["key"], r["base"], r["value"] or None) for r in rows}
+    left_out = [
+        f"{k}={v} ({b})" if k else f"{b} (base)" for k, b, v in ROWS if (k, b, v) not in done
+    ]
     flags = "".join(f" {a}" for a in argv if a == "--reuse")
     if "--first" in argv:
         flags += f" --first {_first(argv)}"
