@@ -193,11 +193,7 @@ def _write_page(rows: list[dict], argv: list[str], wall: float) -> None:
             "fingerprint: sha256 of the compiled HLO text without metadata; same = the "
             "row's compiled program is its base's, instruction for instruction, in the "
             "same scheduled order",
-            f"run: {len(rows)} compiles, "
-            f"{sum(r.get('compile_s', 0) for r in rows) / 60:.1f} min of compile time; "
-            "compiled at "
-            + ", ".join(dict.fromkeys(r["tree"] for r in rows if "tree" in r))
-            + (f"; this analysis pass {wall / 60:.1f} min, reading cached HLO" if reuse else "")
+            bl.compiles_note(rows, wall, reuse)
             + ("; not compiled in this run (time): " + ", ".join(left_out) if left_out else ""),
         ],
     )

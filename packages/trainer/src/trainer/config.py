@@ -396,9 +396,20 @@ GROUPS: dict[str, type] = {
 }
 
 
-def _view(config: Any, group: type) -> Any:
-    """`config`'s keys of `group`, as that group's dataclass."""
-    return group(**{f.name: getattr(config, f.name) for f in dataclasses.fields(group)})
+Group = typing.TypeVar("Group")
+
+
+class _GroupView(typing.Generic[Group]):
+    """`config.<group>`: the config's keys of one group, as that group's dataclass.
+    (A class attribute without an annotation: no dataclass field.)"""
+
+    def __init__(self, group: type[Group]):
+        self.group = group
+
+    def __get__(self, config: Any, owner: type | None = None) -> Group:
+        return self.group(
+            **{f.name: getattr(config, f.name) for f in dataclasses.fields(self.group)}
+        )
 
 
 # Bases last to first: dataclass fields follow the reversed MRO, so keys keep the
@@ -421,37 +432,14 @@ class Config(
     is one group's keys as its own frozen dataclass, for a module that reads only those.
     """
 
-    @property
-    def model(self) -> ModelConfig:
-        return _view(self, ModelConfig)
-
-    @property
-    def parallelism(self) -> ParallelismConfig:
-        return _view(self, ParallelismConfig)
-
-    @property
-    def training(self) -> TrainingConfig:
-        return _view(self, TrainingConfig)
-
-    @property
-    def accumulation(self) -> AccumulationConfig:
-        return _view(self, AccumulationConfig)
-
-    @property
-    def data(self) -> DataConfig:
-        return _view(self, DataConfig)
-
-    @property
-    def evaluation(self) -> EvaluationConfig:
-        return _view(self, EvaluationConfig)
-
-    @property
-    def checkpointing(self) -> CheckpointingConfig:
-        return _view(self, CheckpointingConfig)
-
-    @property
-    def output(self) -> OutputConfig:
-        return _view(self, OutputConfig)
+    model = _GroupView(ModelConfig)
+    parallelism = _GroupView(ParallelismConfig)
+    training = _GroupView(TrainingConfig)
+    accumulation = _GroupView(AccumulationConfig)
+    data = _GroupView(DataConfig)
+    evaluation = _GroupView(EvaluationConfig)
+    checkpointing = _GroupView(CheckpointingConfig)
+    output = _GroupView(OutputConfig)
 
     @property
     def emb_dim(self) -> int:
