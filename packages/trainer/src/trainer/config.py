@@ -150,10 +150,15 @@ class ModelConfig:
     normalization_layer_epsilon: float = _key(1e-6, "RMSNorm epsilon")
     dtype: Literal["float32", "bfloat16"] = _key("bfloat16", "compute (activation) dtype")
     weight_dtype: Literal["float32", "bfloat16"] = _key("float32", "parameter dtype")
+    # Which activations each layer's backward recomputes (model/decoder.py REMAT):
+    # none keeps them all, full saves nothing (jax.checkpoint nothing_saveable),
+    # minimal saves the outputs of matmuls without batch dimensions.
     remat_policy: Literal["none", "full", "minimal"] = _key(
-        "none", "activation rematerialization in each layer's backward (memory for compute)"
+        "none", "what each layer's backward recomputes: none, full (all), minimal (not matmuls)"
     )
-    scan_layers: bool = _key(True, "run the decoder layers as one layer scan instead of unrolled")
+    scan_layers: bool = _key(
+        True, "decoder layers as one lax.scan (fused accumulation needs it); false: unrolled"
+    )
     # Multi-token prediction (DeepSeek-V3 section 2.2), under MaxText's keys
     # (model/mtp.py): mtp_num_layers sequential depths after the main model, depth
     # k predicting the token k+1 ahead through its own block and the shared
