@@ -7,8 +7,8 @@ against a base row and records what the compiled program shows: per-device
 memory (total and peak live), the count of each collective kind, gradient
 reduction bytes per step in the microbatch loop, the async-overlapped share of
 gradient reduction bytes (hlo_tools.async_overlap / overlap_summary), and
-whether the compiled (scheduled) module is the same instruction for instruction
-as its base's (a fingerprint of the HLO text with metadata stripped).
+whether the compiled (scheduled) module is its base's, instruction for instruction
+(program_lines: the computations' text without metadata).
 
 Two bases: the issue #35 recipe (deferred, overlap_gradient_reduction,
 ring_reduce_scatter, tpu_async_collectives) and the trainer's defaults with
@@ -64,14 +64,37 @@ ROWS = [
 ]
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute", "all-to-all")
 _METADATA = re.compile(r", metadata=\{[^}]*\}")
+# A computation's first line: `%name (...) -> ... {` or `ENTRY %name ...`. What comes
+# before it (module header, stack-frame tables) names the Python call stack, not the
+# program.
+_COMPUTATION = re.compile(r"^(ENTRY )?%\S+ ")
 
 
-def fingerprint(hlo_path: str) -> str:
-    """sha256 (12 hex digits) of the compiled module's text without metadata: equal
-    fingerprints mean the same instructions in the same scheduled order."""
+def program_lines(hlo_path: str) -> list[str]:
+    """The compiled module's computations, line by line, without metadata: two
+    compiles of the same program give the same lines in the same (scheduled) order."""
     with open(hlo_path) as f:
-        text = _METADATA.sub("", f.read())
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
+        lines = f.read().splitlines()
+    start = next(i for i, line in enumerate(lines) if _COMPUTATION.match(line))
+    return [_METADATA.sub("", line) for line in lines[start:]]
+
+
+def fingerprint(lines: list[str]) -> str:
+    """sha256 (12 hex digits) of `program_lines`."""
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:12]
+
+
+def against_base(row_lines: list[str], base_lines: list[str]) -> str:
+    """How a row's program differs from its base's: same, reordered only, or the
+    count of instruction lines only in each."""
+    if row_lines == base_lines:
+        return "same program"
+    here, there = collections.Counter(row_lines), collections.Counter(base_lines)
+    if here == there:
+        return "same instructions, another order"
+    return f"differs: {sum((here - there).values())} lines only here, " + (
+        f"{sum((there - here).values())} only in base"
+    )
 
 
 def collective_counts(hlo_path: str) -> dict[str, int]:
@@ -98,8 +121,8 @@ def measure_row(key: str, base: str, value: str | None, reuse: bool) -> dict:
     row = {"base": base, "key": key if value else "", "value": value or "", "slug": slug}
     row.update(fused.measure(slug, variant, reuse))
     if "error" not in row:
-        path = f"{fused.CACHE}/{slug}.hlo"
-        row["fingerprint"] = fingerprint(path)
+        path = _hlo_path(row)
+        row["fingerprint"] = fingerprint(program_lines(path))
         row.update(collective_counts(path))
     return row
 
@@ -114,14 +137,16 @@ def _share(r: dict) -> str:
     return "-" if share is None else f"{100 * share:.1f}%"
 
 
+def _hlo_path(r: dict) -> str:
+    return f"{fused.CACHE}/{r['slug']}.hlo"
+
+
 def _row_cells(r: dict, base: dict | None) -> list[str]:
     if "error" in r:
         return [f"fails: {r['error']}"] + [""] * 6
-    same = (
-        ""
-        if base is None or "error" in base
-        else ("yes" if r["fingerprint"] == base["fingerprint"] else "no")
-    )
+    versus = ""
+    if base is not None and "error" not in base:
+        versus = against_base(program_lines(_hlo_path(r)), program_lines(_hlo_path(base)))
     return [
         fused.gib(r["memory_bytes"]),
         "" if r.get("peak_bytes") is None else fused.gib(r["peak_bytes"]),
@@ -129,7 +154,7 @@ def _row_cells(r: dict, base: dict | None) -> list[str]:
         f"{bl.mib(r['in_loop_bytes_per_step'])} ({r['in_loop_ops']})",
         _share(r) + f" ({r['async_ops']} of {r['schedule_ops']} async)",
         r["fingerprint"],
-        same,
+        versus,
     ]
 
 
@@ -190,9 +215,11 @@ def _write_page(rows: list[dict], argv: list[str], wall: float) -> None:
             "MiB per step (ops) inside the microbatch loop (hlo_tools.in_loop_reductions); "
             "async-overlapped share = gradient reduction bytes per step issued by an async "
             "start with compute scheduled between start and done (as on aot_async.md)",
-            "fingerprint: sha256 of the compiled HLO text without metadata; same = the "
-            "row's compiled program is its base's, instruction for instruction, in the "
-            "same scheduled order",
+            "fingerprint: sha256 of the compiled module's computations without metadata "
+            "(the stack-frame tables and module header left out: they name the Python "
+            "call stack); against base: the same program (the same lines in the same "
+            "scheduled order), the same instructions in another order, or how many "
+            "instruction lines only each has",
             bl.compiles_note(rows, wall, reuse)
             + ("; not compiled in this run (time): " + ", ".join(left_out) if left_out else ""),
         ],
@@ -204,7 +231,7 @@ def _write_page(rows: list[dict], argv: list[str], wall: float) -> None:
         "in-loop reduction MiB/step (ops)",
         "async-overlapped share",
         "fingerprint",
-        "same as base",
+        "against base",
     ]
     table_rows = []
     for r in rows:
