@@ -206,16 +206,18 @@ class ParallelismConfig:
         False, "ZeRO-1: optimizer state and update sharded over the data axes"
     )
     # On TPU, compile with XLA's asynchronous all-reduce collective fusions and no
-    # all-reduce combining (trainer/xla_options.py): they make an all-reduce an
-    # async start/done pair the scheduler may put compute between, and keep per-layer
-    # all-reduces separate. What that changes in a compiled program depends on which
-    # collectives it has: reduce-scatters (ZeRO-1's) and ring_reduce_scatter's
-    # collective-permutes are untouched by these options, so a program whose
-    # gradient reductions are those compiles the same with it on and off
-    # (benchmarks/results/perf_keys.md; aot_async.md for the all-reduce programs).
-    # No effect on CPU and GPU.
+    # all-reduce combining (trainer/xla_options.py), so an all-reduce can be an async
+    # start/done pair with compute scheduled between. Only all-reduces are touched:
+    # reduce-scatters (ZeRO-1's) and ring_reduce_scatter's collective-permutes compile
+    # the same with it on and off. On deepseek3-small's ZeRO-1 recipe with
+    # overlap_gradient_reduction and ring_reduce_scatter it only splits the combined
+    # all-reduces: none becomes async, and memory and the async share of the gradient
+    # reductions do not change (benchmarks/results/perf_keys.md). Where gradients are
+    # all-reduced (no ZeRO-1) it makes the overlapped per-layer ones async
+    # (aot_async.md). Off by default: it raised the 671b v5p-1024 step's memory
+    # (aot_async.md, README). No effect on CPU and GPU.
     tpu_async_collectives: bool = _key(
-        False, "TPU compile options: async all-reduce fusions, no all-reduce combining"
+        False, "TPU: all-reduces as async fusions, uncombined (other collectives untouched)"
     )
     # The platform to run on, under MaxText's key: "" = JAX's default (an accelerator
     # where there is one), cpu (the CPU backend with --num_cpu_devices virtual
@@ -297,11 +299,9 @@ class AccumulationConfig:
     # With overlap_gradient_reduction (explicit mode): reduce each layer's gradients
     # onto ZeRO-1 shards with a ring of collective-permutes (accum/ring.py) instead
     # of reduce-scatters. Same numbers, same bytes on the wire; XLA:TPU runs
-    # reduce-scatters synchronously on v5e but collective-permutes asynchronously.
-    # With tpu_async_collectives: 100.0% of deepseek3-small ZeRO-1's gradient
-    # reduction bytes async with compute between on v5e-8, at 6.14 GiB vs 6.00
-    # without the ring (benchmarks/results/aot_async.md); off by default: no step
-    # time measured on chips.
+    # reduce-scatters synchronously on v5e but collective-permutes asynchronously,
+    # with or without tpu_async_collectives (benchmarks/results/perf_keys.md; memory
+    # and async share: aot_async.md). Off by default: no step time measured on chips.
     ring_reduce_scatter: bool = _key(
         False, "with overlap: ZeRO-1 reduce-scatters as rings of collective-permutes"
     )
