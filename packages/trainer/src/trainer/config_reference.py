@@ -190,6 +190,7 @@ def render() -> str:
 
 
 def main(argv: list[str]) -> int:
+    """Write docs/config.md; with --check, compare instead (exit 1 when it differs)."""
     text = render()
     if "--check" in argv:
         with open(PAGE) as f:
