@@ -209,11 +209,12 @@ class ParallelismConfig:
     # all-reduce combining (trainer/xla_options.py), so an all-reduce can be an async
     # start/done pair with compute scheduled between. Only all-reduces are touched:
     # reduce-scatters (ZeRO-1's) and ring_reduce_scatter's collective-permutes compile
-    # the same with it on and off. On deepseek3-small's ZeRO-1 recipe with
-    # overlap_gradient_reduction and ring_reduce_scatter it only splits the combined
-    # all-reduces: none becomes async, and memory and the async share of the gradient
-    # reductions do not change (benchmarks/results/perf_keys.md). Where gradients are
-    # all-reduced (no ZeRO-1) it makes the overlapped per-layer ones async
+    # the same with it on and off. On deepseek3-small ZeRO-1 on v5e-8, with the
+    # default fused accumulation or with overlap_gradient_reduction and
+    # ring_reduce_scatter, it only splits the combined all-reduces: none becomes
+    # async, and memory and the async share of the gradient reductions do not
+    # change (benchmarks/results/perf_keys.md). Where gradients are
+    # all-reduced (no ZeRO-1, v6e-8) it makes the overlapped per-layer ones async
     # (aot_async.md). Off by default: it raised the 671b v5p-1024 step's memory
     # (aot_async.md, README). No effect on CPU and GPU.
     tpu_async_collectives: bool = _key(
