@@ -84,11 +84,7 @@ def main() -> int:
             "per step issued by an async start with compute scheduled between start and done; "
             "of wire bytes = the same share of hlo_tools.wire_bytes (comparable across "
             "all-reduce, reduce-scatter and ring permutes)",
-            f"run: {len(rows)} compiles, "
-            f"{sum(r.get('compile_s', 0) for r in rows) / 60:.1f} min of compile time; "
-            "compiled at "
-            + ", ".join(dict.fromkeys(r["tree"] for r in rows if "tree" in r))
-            + (f"; this analysis pass {wall / 60:.1f} min, reading cached HLO" if reuse else ""),
+            bl.compiles_note(rows, wall, reuse),
         ],
     )
     auto = _v5e_row(rows, "auto")

@@ -72,6 +72,19 @@ def accumulation_note() -> str:
     )
 
 
+def compiles_note(rows: Sequence[dict], wall: float, reuse: bool) -> str:
+    """The header note of a page of cached AOT compiles (rows with compile_s and tree):
+    how many, their compile time, the trees they were compiled at, and with `reuse`
+    this analysis pass's time."""
+    trees = ", ".join(dict.fromkeys(r["tree"] for r in rows if "tree" in r))
+    return (
+        f"run: {len(rows)} compiles, "
+        f"{sum(r.get('compile_s', 0) for r in rows) / 60:.1f} min of compile time; "
+        f"compiled at {trees}"
+        + (f"; this analysis pass {wall / 60:.1f} min, reading cached HLO" if reuse else "")
+    )
+
+
 def table(columns: Sequence[str], rows: Sequence[Sequence[str]], align: str = "") -> list[str]:
     align = align or "l" + "r" * (len(columns) - 1)
     marks = ["---:" if a == "r" else "---" for a in align]

@@ -18,10 +18,6 @@ PAGES = sorted(
     + list(ROOT.glob("packages/*/CHANGELOG.md"))
     + list(ROOT.glob("docs/*.md"))
 )
-# Pages another branch writes (the configuration reference is generated from Config):
-# links to them are allowed while they are absent. Remove an entry once its page is
-# merged; the last test fails until then, so none lingers.
-PENDING = {"docs/config.md"}
 
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
@@ -55,8 +51,6 @@ def broken_links(page: Path) -> list[str]:
         path, _, fragment = target.partition("#")
         resolved = (page.parent / path).resolve() if path else page
         relative = resolved.relative_to(ROOT).as_posix() if resolved.is_relative_to(ROOT) else ""
-        if relative in PENDING and not resolved.exists():
-            continue
         if not resolved.exists():
             broken.append(f"{target} (no such file)")
         elif fragment and resolved.suffix == ".md" and fragment not in anchors(resolved):
@@ -87,8 +81,3 @@ def test_a_missing_file_and_a_missing_heading_are_reported(tmp_path):
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_relative_links_resolve(page):
     assert not broken_links(page), f"{page.relative_to(ROOT)}: {broken_links(page)}"
-
-
-def test_pending_pages_are_still_absent():
-    merged = [name for name in PENDING if (ROOT / name).exists()]
-    assert not merged, f"{merged} exist now: remove them from PENDING in {__file__}"

@@ -53,132 +53,226 @@ class ConfigError(ValueError):
     """A bad configuration: the message names the offending key and value."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """Everything a run needs. Build with `make_config(overrides)`, never by hand."""
+def _key(default: Any, meaning: str) -> Any:
+    """A config key's field: its default and its one-line meaning (docs/config.md)."""
+    return dataclasses.field(default=default, metadata={"meaning": meaning})
 
-    model_name: str = "tagtrain-tiny"
-    # Model shape.
-    vocab_size: int = 256
-    base_emb_dim: int = 64
-    base_num_decoder_layers: int = 3
-    first_num_dense_layers: int = 1
-    base_mlp_dim: int = 128
-    base_moe_mlp_dim: int = 32
-    num_experts: int = 8
-    num_experts_per_tok: int = 2
-    shared_experts: int = 1
-    n_routing_groups: int = 2
-    topk_routing_group: int = 1
-    routed_scaling_factor: float = 1.0
-    routed_score_func: Literal["sigmoid", "softmax"] = "sigmoid"
+
+# The keys come in groups, one dataclass each; Config inherits them all, so every key
+# stays a flat attribute (and a flat MaxText name on the command line) while a module
+# can take just the group it reads (`config.data` is a DataConfig). Each key is
+# declared once, in its group, with its default and meaning.
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The architecture and how it is computed: shapes, routing, RoPE, MTP, dtypes, remat."""
+
+    model_name: str = _key("tagtrain-tiny", "preset the other keys start from (PRESETS)")
+    # Start from a Hugging Face directory (trainer.hf, docs/hf.md): the architecture
+    # from its config.json (explicit keys still win), the initial weights from its
+    # safetensors, the tokenizer from its tokenizer.json unless tokenizer_path is set.
+    # A restarted run resumes from its own checkpoints, never from these weights.
+    hf_model_path: str = _key(
+        "", "Hugging Face directory: architecture, initial weights, tokenizer (docs/hf.md)"
+    )
+    vocab_size: int = _key(256, "vocabulary size (embedding and output head rows)")
+    base_emb_dim: int = _key(64, "model width (embedding dimension)")
+    base_num_decoder_layers: int = _key(3, "decoder layers, dense ones included")
+    first_num_dense_layers: int = _key(1, "leading decoder layers with a dense MLP instead of MoE")
+    base_mlp_dim: int = _key(128, "hidden size of the dense layers' MLP")
+    base_moe_mlp_dim: int = _key(32, "hidden size of each expert's MLP")
+    num_experts: int = _key(8, "routed experts per MoE layer")
+    num_experts_per_tok: int = _key(2, "routed experts each token is sent to (top-k)")
+    shared_experts: int = _key(1, "always-on experts per MoE layer")
+    n_routing_groups: int = _key(2, "expert groups for group-limited routing")
+    topk_routing_group: int = _key(1, "groups a token may route into")
+    routed_scaling_factor: float = _key(1.0, "scale on the routed experts' combined output")
+    routed_score_func: Literal["sigmoid", "softmax"] = _key(
+        "sigmoid", "router score function (HF scoring_func)"
+    )
     # How experts are picked (HF topk_method): noaux_tc (DeepSeek-V3: a group scores
     # the sum of its two best biased scores), group_limited_greedy (DeepSeek-V2: a
     # group scores its best expert), greedy (plain top-k; n_routing_groups=1).
     # The routing bias steers the choice in every method; it stays 0 with
     # routed_bias_update_rate=0 (deepseek2-lite).
-    routed_topk_method: Literal["noaux_tc", "group_limited_greedy", "greedy"] = "noaux_tc"
+    routed_topk_method: Literal["noaux_tc", "group_limited_greedy", "greedy"] = _key(
+        "noaux_tc", "how experts are picked (HF topk_method)"
+    )
     # Renormalize the chosen experts' combine weights to sum to one (before
     # routed_scaling_factor).
-    norm_topk_prob: bool = True
-    routed_bias_update_rate: float = 0.001
-    load_balance_loss_weight: float = 0.0
-    sparse_matmul: bool = True
+    norm_topk_prob: bool = _key(True, "renormalize the chosen experts' combine weights")
+    routed_bias_update_rate: float = _key(
+        0.001, "step of the aux-loss-free routing bias update per train step (0: bias stays 0)"
+    )
+    load_balance_loss_weight: float = _key(0.0, "weight of the auxiliary load-balance loss")
+    sparse_matmul: bool = _key(
+        True, "experts as grouped (ragged) matmuls over sorted tokens; false: dense one-hot"
+    )
     # 0 = never drop a token (all-to-all blocks sized for every assignment);
     # c > 0 caps each expert-parallel block at c x its fair share and drops overflow.
-    capacity_factor: float = 0.0
-    base_num_query_heads: int = 4
+    capacity_factor: float = _key(
+        0.0, "expert-parallel block cap in fair shares, overflow dropped (0: no drop)"
+    )
+    base_num_query_heads: int = _key(4, "attention heads")
     # > 0: queries through a low-rank bottleneck (wq_a, q_norm, wq_b; DeepSeek-V3);
     # 0: one plain query projection `wq` (DeepSeek-V2-Lite, HF q_lora_rank null).
-    q_lora_rank: int = 32
-    kv_lora_rank: int = 32
-    qk_nope_head_dim: int = 16
-    qk_rope_head_dim: int = 8
-    v_head_dim: int = 16
+    q_lora_rank: int = _key(32, "query low-rank bottleneck (0: one plain query projection)")
+    kv_lora_rank: int = _key(32, "key/value latent (MLA compression) rank")
+    qk_nope_head_dim: int = _key(16, "per-head query/key dims without RoPE")
+    qk_rope_head_dim: int = _key(8, "per-head query/key dims with RoPE")
+    v_head_dim: int = _key(16, "per-head value dims")
     # RoPE (model/rope.py), MaxText's keys. rope_max_timescale is theta (HF rope_theta).
-    rope_max_timescale: int = 10_000
+    rope_max_timescale: int = _key(10_000, "RoPE theta (HF rope_theta)")
     # "default": plain RoPE; "yarn": YaRN (DeepSeek-V2/V3's rope_scaling), the keys below.
-    rope_type: Literal["default", "yarn"] = "default"
-    rope_factor: float = 40.0
-    original_max_position_embeddings: int = 4096
+    rope_type: Literal["default", "yarn"] = _key("default", "plain RoPE or YaRN")
+    rope_factor: float = _key(40.0, "YaRN context extension factor")
+    original_max_position_embeddings: int = _key(4096, "YaRN's pre-extension context")
     # The context YaRN extends to: with rope_type=yarn, max_target_length may not exceed it.
-    max_position_embeddings: int = 163_840
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
+    max_position_embeddings: int = _key(
+        163_840, "YaRN's extended context: caps max_target_length under rope_type=yarn"
+    )
+    beta_fast: float = _key(32.0, "YaRN ramp bound (fast)")
+    beta_slow: float = _key(1.0, "YaRN ramp bound (slow)")
     # m(s, k) = 0.1 k ln(s) + 1. Rotated q/k are scaled by m(rope_factor, mscale) /
     # m(rope_factor, mscale_all_dim); the softmax scale by m(rope_factor, mscale_all_dim)^2.
     # mscale_all_dim < 0: equal to mscale (MaxText's one-key meaning: q/k unscaled,
     # softmax times m(rope_factor, mscale)^2); HF's rope_scaling sets both.
-    mscale: float = 1.0
-    mscale_all_dim: float = -1.0
+    mscale: float = _key(1.0, "YaRN attention scale exponent for rotated q/k")
+    mscale_all_dim: float = _key(-1.0, "YaRN softmax scale exponent (< 0: equal to mscale)")
     # Rotate interleaved pairs (2i, 2i+1), DeepSeek/HF's weight layout, instead of
     # half-split pairs (i, i+R/2): HF weights then load without a permutation.
-    rope_interleave: bool = False
+    rope_interleave: bool = _key(False, "rotate interleaved pairs (HF layout), not half-split")
     # Floor/ceil YaRN's ramp bounds (DeepSeek's and transformers' default).
-    rope_truncate: bool = True
+    rope_truncate: bool = _key(True, "floor/ceil YaRN's ramp bounds")
     # Also scale rotated q/k by m(rope_factor, 1) (MaxText's YaRN attention_scaling).
-    rope_attention_scaling: bool = False
-    max_target_length: int = 32
-    normalization_layer_epsilon: float = 1e-6
-    dtype: Literal["float32", "bfloat16"] = "bfloat16"
-    weight_dtype: Literal["float32", "bfloat16"] = "float32"
-    remat_policy: Literal["none", "full", "minimal"] = "none"
+    rope_attention_scaling: bool = _key(False, "also scale rotated q/k (MaxText's YaRN)")
+    normalization_layer_epsilon: float = _key(1e-6, "RMSNorm epsilon")
+    dtype: Literal["float32", "bfloat16"] = _key("bfloat16", "compute (activation) dtype")
+    weight_dtype: Literal["float32", "bfloat16"] = _key("float32", "parameter dtype")
+    # Which activations each layer's backward recomputes (model/decoder.py REMAT):
+    # none keeps them all, full saves nothing (jax.checkpoint nothing_saveable),
+    # minimal saves the outputs of matmuls without batch dimensions.
+    remat_policy: Literal["none", "full", "minimal"] = _key(
+        "none", "what each layer's backward recomputes: none, full (all), minimal (not matmuls)"
+    )
+    scan_layers: bool = _key(
+        True, "decoder layers as one lax.scan (fused accumulation needs it); false: unrolled"
+    )
     # Multi-token prediction (DeepSeek-V3 section 2.2), under MaxText's keys
     # (model/mtp.py): mtp_num_layers sequential depths after the main model, depth
     # k predicting the token k+1 ahead through its own block and the shared
     # embedding and output head; 0 = off. The loss adds mtp_loss_scaling_factor x
     # the mean over depths of each depth's cross-entropy (V3: 0.3, later 0.1).
-    # mtp_eval_target_module=k > 0: evaluation reports depth k's top-1 acceptance.
-    mtp_num_layers: int = 0
-    mtp_loss_scaling_factor: float = 0.1
-    mtp_eval_target_module: int = 0
-    scan_layers: bool = True
+    mtp_num_layers: int = _key(0, "multi-token prediction depths (0: off)")
+    mtp_loss_scaling_factor: float = _key(0.1, "weight of the MTP loss")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelismConfig:
+    """Devices, the mesh, sharding, and how the program is compiled for them."""
+
     # Parallelism: -1 fills the devices left over (ici_: within a slice; dcn_: across
     # slices, filling num_slices). num_slices=-1: detected (1 on one slice or CPU; set
     # it to emulate slices on CPU devices, e.g. num_slices=2 on 8 devices = 2 x 4).
-    num_slices: int = -1
-    dcn_data_parallelism: int = -1
-    dcn_fsdp_parallelism: int = 1
+    num_slices: int = _key(-1, "slices (-1: detected; set it to emulate slices on CPU)")
+    dcn_data_parallelism: int = _key(-1, "cross-slice data parallelism (-1: fills the slices)")
+    dcn_fsdp_parallelism: int = _key(1, "cross-slice FSDP")
     # OTHER_DCN_KEYS: MaxText's names, accepted; anything but 1 stops before compiling.
-    dcn_fsdp_transpose_parallelism: int = 1
-    dcn_sequence_parallelism: int = 1
-    dcn_context_parallelism: int = 1
-    dcn_context_autoregressive_parallelism: int = 1
-    dcn_tensor_parallelism: int = 1
-    dcn_tensor_transpose_parallelism: int = 1
-    dcn_tensor_sequence_parallelism: int = 1
-    dcn_pipeline_parallelism: int = 1
-    dcn_expert_parallelism: int = 1
-    dcn_autoregressive_parallelism: int = 1
-    dcn_diloco_parallelism: int = 1
-    ici_data_parallelism: int = -1
-    ici_fsdp_parallelism: int = 1
-    ici_tensor_parallelism: int = 1
-    ici_tensor_transpose_parallelism: int = 1
-    ici_context_parallelism: int = 1
-    ici_expert_parallelism: int = 1
-    expert_shard_attention_option: Literal["fsdp", "context"] = "fsdp"
-    shard_mode: Literal[SHARD_MODES] = "explicit"
-    shard_optimizer_over_data: bool = False
-    # Training.
-    per_device_batch_size: float = 1.0
-    gradient_accumulation_steps: int = 1
+    dcn_fsdp_transpose_parallelism: int = _key(1, "MaxText's; must be 1")
+    dcn_sequence_parallelism: int = _key(1, "MaxText's; must be 1")
+    dcn_context_parallelism: int = _key(1, "MaxText's; must be 1")
+    dcn_context_autoregressive_parallelism: int = _key(1, "MaxText's; must be 1")
+    dcn_tensor_parallelism: int = _key(1, "MaxText's; must be 1")
+    dcn_tensor_transpose_parallelism: int = _key(1, "MaxText's; must be 1")
+    dcn_tensor_sequence_parallelism: int = _key(1, "MaxText's; must be 1")
+    dcn_pipeline_parallelism: int = _key(1, "MaxText's; must be 1")
+    dcn_expert_parallelism: int = _key(1, "MaxText's; must be 1")
+    dcn_autoregressive_parallelism: int = _key(1, "MaxText's; must be 1")
+    dcn_diloco_parallelism: int = _key(1, "MaxText's; must be 1")
+    ici_data_parallelism: int = _key(-1, "in-slice data parallelism (-1: fills the devices)")
+    ici_fsdp_parallelism: int = _key(1, "in-slice FSDP (parameters sharded over 'fsdp')")
+    ici_tensor_parallelism: int = _key(1, "in-slice tensor parallelism")
+    ici_tensor_transpose_parallelism: int = _key(1, "in-slice transposed tensor parallelism")
+    ici_context_parallelism: int = _key(1, "in-slice context (sequence) parallelism")
+    ici_expert_parallelism: int = _key(1, "in-slice expert parallelism")
+    expert_shard_attention_option: Literal["fsdp", "context"] = _key(
+        "fsdp", "what the expert axis shards in attention layers"
+    )
+    shard_mode: Literal[SHARD_MODES] = _key(
+        "explicit", "explicit sharding (tags, deferred reductions) or auto (GSPMD)"
+    )
+    shard_optimizer_over_data: bool = _key(
+        False, "ZeRO-1: optimizer state and update sharded over the data axes"
+    )
+    # On TPU, compile with XLA's asynchronous all-reduce collective fusions and no
+    # all-reduce combining (trainer/xla_options.py), so an all-reduce can be an async
+    # start/done pair with compute scheduled between. Only all-reduces are touched:
+    # reduce-scatters (ZeRO-1's) and ring_reduce_scatter's collective-permutes compile
+    # the same with it on and off. On deepseek3-small ZeRO-1 on v5e-8, with the
+    # default fused accumulation or with overlap_gradient_reduction and
+    # ring_reduce_scatter, it only splits the combined all-reduces: none becomes
+    # async, and memory and the async share of the gradient reductions do not
+    # change (benchmarks/results/perf_keys.md). Where gradients are
+    # all-reduced (no ZeRO-1, v6e-8) it makes the overlapped per-layer ones async
+    # (aot_async.md). Off by default: it raised the 671b v5p-1024 step's memory
+    # (aot_async.md, README). No effect on CPU and GPU.
+    tpu_async_collectives: bool = _key(
+        False, "TPU: all-reduces as async fusions, uncombined (other collectives untouched)"
+    )
+    # The platform to run on, under MaxText's key: "" = JAX's default (an accelerator
+    # where there is one), cpu (the CPU backend with --num_cpu_devices virtual
+    # devices, even beside an accelerator), tpu, gpu (gpu_multiprocess: the same).
+    hardware: Literal["", "cpu", "tpu", "gpu", "gpu_multiprocess"] = _key(
+        "", "platform to run on ('': JAX's default)"
+    )
+    # Never join a process group (MaxText's key): one process even on a detected
+    # cluster or with JAX_COORDINATOR_ADDRESS set (distributed.py).
+    skip_jax_distributed_system: bool = _key(False, "never join a multi-process group")
+    # AOT (aot.py): compile the step for a TPU topology on this host, do not train.
+    compile_topology: str = _key("", "AOT: compile for this TPU topology (e.g. v5e-8), no training")
+    compile_topology_num_slices: int = _key(1, "AOT: slices of compile_topology")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingConfig:
+    """The optimizer, its schedule, the step count and the seed."""
+
+    steps: int = _key(10, "optimizer steps")
+    learning_rate: float = _key(3e-3, "peak learning rate")
+    warmup_steps_fraction: float = _key(0.1, "share of steps in linear warmup")
+    cosine_final_lr_fraction: float = _key(0.1, "final learning rate / peak (cosine decay)")
+    adam_b1: float = _key(0.9, "AdamW beta1")
+    adam_b2: float = _key(0.95, "AdamW beta2")
+    adam_eps: float = _key(1e-8, "AdamW epsilon")
+    adam_weight_decay: float = _key(0.1, "AdamW weight decay")
+    gradient_clipping_threshold: float = _key(1.0, "global gradient norm clip (<= 0: off)")
+    seed: int = _key(0, "seed of the initial weights and the data order")
+
+
+@dataclasses.dataclass(frozen=True)
+class AccumulationConfig:
+    """Microbatches and when, where and how each gradient is reduced."""
+
+    gradient_accumulation_steps: int = _key(1, "microbatches per optimizer step")
     # When each gradient is reduced (accum.plan): deferred (once per step over every
     # batch axis), per_microbatch, or hierarchical (cross-slice axes once per step,
     # in-slice ones reduce-scattered per microbatch into sharded accumulators).
     # auto (the default): the policy accum.cost predicts fastest that fits in HBM
     # (trainer/reduction_choice.py).
-    gradient_reduction_policy: Literal["auto", "deferred", "per_microbatch", "hierarchical"] = (
-        "auto"
+    gradient_reduction_policy: Literal["auto", "deferred", "per_microbatch", "hierarchical"] = _key(
+        "auto", "when each gradient is reduced (auto: the fastest that fits)"
     )
     # The chip whose figures (accum.hardware) auto's cost model uses: v4, v5e, v5p,
     # v6e, h100, h200. Empty: compile_topology's chip, else the devices' kind.
-    reduction_hardware: str = ""
+    reduction_hardware: str = _key("", "chip whose figures auto's cost model uses")
     # The gradient accumulator's dtype (the scan carry summing microbatches):
     # bfloat16 halves its memory; sums then differ from float32's by bf16 rounding.
-    accum_dtype: Literal["float32", "bfloat16"] = "float32"
+    accum_dtype: Literal["float32", "bfloat16"] = _key(
+        "float32", "gradient accumulator dtype (bfloat16 halves its memory)"
+    )
     # Print the reduction plan (parameter group x mesh axis -> when) at startup.
-    print_reduction_plan: bool = False
+    print_reduction_plan: bool = _key(False, "print the reduction plan at startup")
     # Where each step adds up and reduces the gradients (accum/schedule.py; same numbers):
     # plain (add each microbatch's gradient after its backward), fused (the default: add
     # each layer's inside the backward layer scan, no full-size per-microbatch gradient;
@@ -186,56 +280,50 @@ class Config:
     # benchmarks/results/aot_fused.md, fused_cpu.md), overlapped (fused, and the last
     # microbatch reduces each layer inside its backward, under the remaining layers'
     # compute; needs scan_layers), overlapped_ring (overlapped, reductions onto ZeRO-1
-    # shards as rings of collective-permutes, async on v5e: aot_async.md; explicit mode,
-    # not with per_microbatch).
+    # shards as rings of collective-permutes, which XLA:TPU runs asynchronously with or
+    # without tpu_async_collectives where it keeps reduce-scatters synchronous on v5e:
+    # perf_keys.md, aot_async.md; explicit mode, not with per_microbatch).
     gradient_accumulation_schedule: Literal["plain", "fused", "overlapped", "overlapped_ring"] = (
-        "fused"
+        _key(
+            "fused",
+            "how microbatch gradients are added and reduced: plain, fused, overlapped, "
+            "overlapped_ring",
+        )
     )
-    # On TPU, compile with XLA's asynchronous all-reduce collective fusions and no
-    # all-reduce combining (trainer/xla_options.py), so a reduction can run under
-    # the compute scheduled after it (with libtpu's defaults every all-reduce is
-    # synchronous). Off by default: on deepseek3-small's ZeRO-1 recipe it made no
-    # gradient reduction async without gradient_accumulation_schedule=overlapped_ring,
-    # it splits every combined all-reduce, and it raised the 671b v5p-1024 step's
-    # memory (benchmarks/results/aot_async.md, README).
-    # No effect on CPU and GPU.
-    tpu_async_collectives: bool = False
-    steps: int = 10
-    learning_rate: float = 3e-3
-    warmup_steps_fraction: float = 0.1
-    cosine_final_lr_fraction: float = 0.1
-    adam_b1: float = 0.9
-    adam_b2: float = 0.95
-    adam_eps: float = 1e-8
-    adam_weight_decay: float = 0.1
-    gradient_clipping_threshold: float = 1.0
-    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """The training data: what is read, how it is tokenized, batch and sequence size."""
+
+    per_device_batch_size: float = _key(1.0, "sequences per device per microbatch")
+    max_target_length: int = _key(32, "sequence length in tokens")
     # Data (input_pipeline.py, text_data.py, hf_data.py): synthetic; text: .txt/.jsonl
     # files (a directory or glob); hf: local parquet files. Byte tokens unless
     # tokenizer_path names a tokenizer.json.
-    dataset_type: Literal["synthetic", "text", "hf"] = "synthetic"
-    dataset_path: str = ""
-    jsonl_field: str = "text"
-    tokenizer_path: str = ""
+    dataset_type: Literal["synthetic", "text", "hf"] = _key(
+        "synthetic", "synthetic tokens, text (.txt/.jsonl) files, or hf (local parquet)"
+    )
+    dataset_path: str = _key("", "text: a directory or glob of .txt/.jsonl files")
+    jsonl_field: str = _key("text", "text: the .jsonl field holding the document")
+    tokenizer_path: str = _key("", "a tokenizer.json ('': byte tokens)")
     # dataset_type=hf, under MaxText's names: hf_train_files / hf_eval_files are parquet
     # files (a glob, a file, or a directory of *.parquet); train_data_columns /
     # eval_data_columns (empty: the train column) the one column read, `text` or
     # MaxText's `['text']`: text (tokenized with the run's tokenizer, end-of-document
     # appended) or token ids (a list of integers, taken as they are). hf_path: MaxText's
     # loader name, "parquet" or empty (no Hub streaming here).
-    hf_path: str = ""
-    hf_train_files: str = ""
-    hf_eval_files: str = ""
-    train_data_columns: str = "text"
-    eval_data_columns: str = ""
-    # Start from a Hugging Face directory (trainer.hf, docs/hf.md): the architecture
-    # from its config.json (explicit keys still win), the initial weights from its
-    # safetensors, the tokenizer from its tokenizer.json unless tokenizer_path is set.
-    # A restarted run resumes from its own checkpoints, never from these weights.
-    hf_model_path: str = ""
-    # Initial parameters (and routing biases) only, from another run's checkpoint:
-    # its checkpoints directory (the newest step) or one step's directory (MaxText's key).
-    load_parameters_path: str = ""
+    hf_path: str = _key("", "hf: MaxText's loader name, 'parquet' or empty (no Hub streaming)")
+    hf_train_files: str = _key("", "hf: training parquet files (glob, file or directory)")
+    hf_eval_files: str = _key("", "hf: evaluation parquet files (glob, file or directory)")
+    train_data_columns: str = _key("text", "hf: the column read (text or token ids)")
+    eval_data_columns: str = _key("", "hf: the eval column ('': train_data_columns)")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvaluationConfig:
+    """The held-out loss: how often, over what."""
+
     # Evaluation (eval_data.py, evaluate.py), under MaxText's names: a held-out loss
     # every eval_interval steps and at the end (<= 0: never), over the first eval_steps
     # batches of the eval set (<= 0: all of it, text and hf only) of
@@ -243,38 +331,105 @@ class Config:
     # runs read eval_dataset_path (MaxText names it per data type: grain_eval_files,
     # hf_eval_files), hf runs hf_eval_files; synthetic runs get a held-out stream drawn
     # from the same seed.
-    eval_interval: int = -1
-    eval_steps: int = -1
-    eval_per_device_batch_size: float = 0.0
-    eval_dataset_path: str = ""
+    eval_interval: int = _key(
+        -1, "held-out loss every this many steps and at the end (<= 0: never)"
+    )
+    eval_steps: int = _key(-1, "eval batches per evaluation (<= 0: the whole eval set)")
+    eval_per_device_batch_size: float = _key(0.0, "eval sequences per device (0: training's)")
+    eval_dataset_path: str = _key("", "text: the eval files (directory or glob)")
+    # mtp_eval_target_module=k > 0: evaluation reports depth k's top-1 acceptance.
+    mtp_eval_target_module: int = _key(0, "report MTP depth k's top-1 acceptance (0: off)")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointingConfig:
+    """Saving and restoring the training state, and starting from other weights."""
+
     # Checkpoints (checkpoint.py): on when base_output_directory is set; they go to
     # run_dir/checkpoints, every checkpoint_period steps (0: only at the end) and at
     # the end, async; a restart resumes from the newest complete one.
-    enable_checkpointing: bool = True
-    async_checkpointing: bool = True
-    checkpoint_period: int = 100
-    max_checkpoints_to_keep: int = 3
-    # Output and reporting.
-    run_name: str = ""
-    base_output_directory: str = ""
-    log_period: int = 1
-    device_peak_tflops: float = 0.0
+    enable_checkpointing: bool = _key(True, "save checkpoints (when base_output_directory is set)")
+    async_checkpointing: bool = _key(True, "save in the background while training goes on")
+    checkpoint_period: int = _key(100, "save every this many steps (0: only at the end)")
+    max_checkpoints_to_keep: int = _key(3, "newest checkpoints kept")
+    # Initial parameters (and routing biases) only, from another run's checkpoint:
+    # its checkpoints directory (the newest step) or one step's directory (MaxText's key).
+    load_parameters_path: str = _key("", "initial parameters from another run's checkpoint")
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputConfig:
+    """Where a run writes, and what it logs, measures and profiles."""
+
+    run_name: str = _key("", "run directory name ('': model_name)")
+    base_output_directory: str = _key("", "parent of the run directory ('': outputs)")
+    log_period: int = _key(1, "log metrics every this many steps")
+    device_peak_tflops: float = _key(0.0, "peak TFLOP/s per device for MFU (0: from the device)")
     # Metrics (metrics.py): JSONL and TensorBoard event files under run_dir.
-    enable_tensorboard: bool = True
+    enable_tensorboard: bool = _key(True, "also write TensorBoard event files")
     # Profiling (profiling.py): jax.profiler traces under run_dir/tensorboard.
-    profiler: Literal["", "xplane"] = ""
-    profiler_start_step: int = 2
-    profiler_steps: int = 3
-    # AOT (aot.py): compile the step for a TPU topology on this host, do not train.
-    compile_topology: str = ""
-    compile_topology_num_slices: int = 1
-    # The platform to run on, under MaxText's key: "" = JAX's default (an accelerator
-    # where there is one), cpu (the CPU backend with --num_cpu_devices virtual
-    # devices, even beside an accelerator), tpu, gpu (gpu_multiprocess: the same).
-    hardware: Literal["", "cpu", "tpu", "gpu", "gpu_multiprocess"] = ""
-    # Never join a process group (MaxText's key): one process even on a detected
-    # cluster or with JAX_COORDINATOR_ADDRESS set (distributed.py).
-    skip_jax_distributed_system: bool = False
+    profiler: Literal["", "xplane"] = _key("", "xplane: jax.profiler traces ('': off)")
+    profiler_start_step: int = _key(2, "first profiled step")
+    profiler_steps: int = _key(3, "profiled steps")
+
+
+# Group name -> its dataclass, in the order docs/config.md lists them.
+GROUPS: dict[str, type] = {
+    "model": ModelConfig,
+    "parallelism": ParallelismConfig,
+    "training": TrainingConfig,
+    "accumulation": AccumulationConfig,
+    "data": DataConfig,
+    "evaluation": EvaluationConfig,
+    "checkpointing": CheckpointingConfig,
+    "output": OutputConfig,
+}
+
+
+Group = typing.TypeVar("Group")
+
+
+class _GroupView(typing.Generic[Group]):
+    """`config.<group>`: the config's keys of one group, as that group's dataclass.
+    (A class attribute without an annotation: no dataclass field.)"""
+
+    def __init__(self, group: type[Group]):
+        self.group = group
+
+    def __get__(self, config: Any, owner: type | None = None) -> Group:
+        return self.group(
+            **{f.name: getattr(config, f.name) for f in dataclasses.fields(self.group)}
+        )
+
+
+# Bases last to first: dataclass fields follow the reversed MRO, so keys keep the
+# group order of GROUPS.
+@dataclasses.dataclass(frozen=True)
+class Config(
+    OutputConfig,
+    CheckpointingConfig,
+    EvaluationConfig,
+    DataConfig,
+    AccumulationConfig,
+    TrainingConfig,
+    ParallelismConfig,
+    ModelConfig,
+):
+    """Everything a run needs. Build with `make_config(overrides)`, never by hand.
+
+    Every key is a flat attribute (`config.steps`); `config.<group>` (model,
+    parallelism, training, accumulation, data, evaluation, checkpointing, output)
+    is one group's keys as its own frozen dataclass, for a module that reads only those.
+    """
+
+    model = _GroupView(ModelConfig)
+    parallelism = _GroupView(ParallelismConfig)
+    training = _GroupView(TrainingConfig)
+    accumulation = _GroupView(AccumulationConfig)
+    data = _GroupView(DataConfig)
+    evaluation = _GroupView(EvaluationConfig)
+    checkpointing = _GroupView(CheckpointingConfig)
+    output = _GroupView(OutputConfig)
 
     @property
     def emb_dim(self) -> int:
@@ -299,13 +454,15 @@ class Config:
             self.base_output_directory or "outputs", self.run_name or self.model_name
         )
 
-    def parallelism(self) -> dict[str, int]:
+    def ici_parallelism(self) -> dict[str, int]:
         """Requested size per in-slice mesh axis (before -1 is filled)."""
         return {axis: getattr(self, f"ici_{axis}_parallelism") for axis in ICI_AXES}
 
     def dcn_parallelism(self) -> dict[str, int]:
         """Requested size per cross-slice mesh axis (before -1 is filled)."""
-        return {axis: getattr(self, f"{axis}_parallelism") for axis in DCN_AXES}
+        return {
+            axis: getattr(self, f"dcn_{axis.removeprefix('dcn_')}_parallelism") for axis in DCN_AXES
+        }
 
 
 # MaxText's DeepSeek-V3 test shapes, under MaxText's names (configs/models/*.yml), so a
@@ -676,5 +833,5 @@ def mesh_shape(config: Config, num_devices: int, num_slices: int = 1) -> dict[st
         )
     dcn = _fill(config.dcn_parallelism(), num_slices, "dcn_", "slices")
     per_slice = "devices" if num_slices == 1 else "devices per slice"
-    ici = _fill(config.parallelism(), num_devices // num_slices, "ici_", per_slice)
+    ici = _fill(config.ici_parallelism(), num_devices // num_slices, "ici_", per_slice)
     return {**dcn, **ici}

@@ -24,21 +24,21 @@ import math
 import numpy as np
 
 from trainer import hf_data, text_data
-from trainer.config import Config, ConfigError
+from trainer.config import Config, ConfigError, EvaluationConfig
 from trainer.input_pipeline import Source, SyntheticSource
 from trainer.validate import batch_shard_count
 
 EVAL_STREAM = 1
 
 
-def enabled(config: Config) -> bool:
+def enabled(evaluation: EvaluationConfig) -> bool:
     """Evaluation is on when `eval_interval` is positive (MaxText: -1 = never)."""
-    return config.eval_interval > 0
+    return evaluation.eval_interval > 0
 
 
 def due(config: Config, step: int) -> bool:
     """Evaluate after `step`: every `eval_interval` steps and after the last one."""
-    return enabled(config) and (step % config.eval_interval == 0 or step == config.steps)
+    return enabled(config.evaluation) and (step % config.eval_interval == 0 or step == config.steps)
 
 
 def eval_batch_size(config: Config, num_devices: int, sizes: dict[str, int]) -> int:
@@ -106,7 +106,7 @@ class EvalSet:
 
 def make_eval_set(config: Config, num_devices: int, sizes: dict[str, int]) -> EvalSet | None:
     """Check the eval keys and open the eval data (before anything compiles); None when off."""
-    if not enabled(config):
+    if not enabled(config.evaluation):
         return None
     batch = eval_batch_size(config, num_devices, sizes)
     if config.dataset_type == "synthetic":
@@ -119,7 +119,7 @@ def make_eval_set(config: Config, num_devices: int, sizes: dict[str, int]) -> Ev
         note = f"synthetic, held-out stream {EVAL_STREAM} of seed {config.seed}"
         return EvalSet(source, config.eval_steps, batch, note)
     if config.dataset_type == "hf":
-        column = hf_data.open_column(config, "hf_eval_files", hf_data.eval_columns_key(config))
+        column = hf_data.open_column(config, "hf_eval_files", hf_data.eval_columns_key(config.data))
         text = hf_data.load_packed(config, column)
         source = TextEvalSource(text, batch, hf_data.describe_kind(column))
     else:

@@ -65,7 +65,7 @@ class Evaluator:
                 lowered = self.step_fn.lower(
                     state["params"], state["router"], self.batch(0), self.zeros_fn()
                 )
-                options = xla_options.for_mesh(self.config, self.ctx.mesh)
+                options = xla_options.for_mesh(self.config.parallelism, self.ctx.mesh)
                 self.compiled = lowered.compile(compiler_options=options)
         return self.compiled
 

@@ -120,6 +120,6 @@ def setup_floor(config: Config, devices: list | None = None):
     # Before anything is built or allocated.
     check_floor_layout(config, validate(config, len(devices)))
     run = run_lib.setup(config, devices)
-    fns = make_floor_step(config, run.ctx, make_optimizer(config))
+    fns = make_floor_step(config, run.ctx, make_optimizer(config.training))
     run.step_fn = run_lib.jit_step(fns.step, run.state)
     return run

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from trainer import text_data
-from trainer.config import Config, ConfigError
+from trainer.config import Config, ConfigError, DataConfig
 
 # MaxText's hf_path names a `datasets` loader or a Hub dataset; only local parquet is read here.
 LOADERS = ("", "parquet")
@@ -52,11 +52,11 @@ class ParquetColumn:
     where: str  # the key=value that named the files, for messages
 
 
-def check_loader(config: Config) -> None:
+def check_loader(data: DataConfig) -> None:
     """hf_path (MaxText: a `datasets` loader or Hub dataset) must be empty or "parquet"."""
-    if config.hf_path not in LOADERS:
+    if data.hf_path not in LOADERS:
         raise ConfigError(
-            f"hf_path={config.hf_path!r}: only local parquet files are read (hf_path=parquet or "
+            f"hf_path={data.hf_path!r}: only local parquet files are read (hf_path=parquet or "
             "unset); download the dataset's parquet files and set hf_train_files=GLOB"
         )
 
@@ -185,9 +185,9 @@ def read_token_ids(source: ParquetColumn, vocab_size: int) -> list[np.ndarray]:
     return documents
 
 
-def eval_columns_key(config: Config) -> str:
+def eval_columns_key(data: DataConfig) -> str:
     """The key naming the eval column: eval_data_columns, or train_data_columns when unset."""
-    return "eval_data_columns" if config.eval_data_columns else "train_data_columns"
+    return "eval_data_columns" if data.eval_data_columns else "train_data_columns"
 
 
 def load_packed(config: Config, source: ParquetColumn) -> text_data.PackedText:
@@ -209,11 +209,11 @@ def describe_kind(source: ParquetColumn) -> str:
 def make_hf_source(config: Config, global_batch: int) -> text_data.TextSource:
     """The training stream over hf_train_files; the eval files' keys are checked first
     too (when evaluating), so every bad key stops the run before anything is read."""
-    check_loader(config)
+    check_loader(config.data)
     train = open_column(config, "hf_train_files", "train_data_columns")
     from trainer import eval_data  # here: eval_data imports this module
 
-    if eval_data.enabled(config):
-        open_column(config, "hf_eval_files", eval_columns_key(config))
+    if eval_data.enabled(config.evaluation):
+        open_column(config, "hf_eval_files", eval_columns_key(config.data))
     text = load_packed(config, train)
     return text_data.shuffled_source(text, config, global_batch, describe_kind(train))

@@ -4,38 +4,40 @@ from __future__ import annotations
 
 import optax
 
-from trainer.config import Config
+from trainer.config import TrainingConfig
 
 
-def learning_rate_schedule(config: Config) -> optax.Schedule:
+def learning_rate_schedule(training: TrainingConfig) -> optax.Schedule:
     """0 -> learning_rate over the warmup steps, then cosine down to the final fraction."""
-    warmup = int(round(config.warmup_steps_fraction * config.steps))
-    end_value = config.learning_rate * config.cosine_final_lr_fraction
+    warmup = int(round(training.warmup_steps_fraction * training.steps))
+    end_value = training.learning_rate * training.cosine_final_lr_fraction
     if warmup == 0:
         return optax.cosine_decay_schedule(
-            config.learning_rate, max(config.steps, 1), alpha=config.cosine_final_lr_fraction
+            training.learning_rate, max(training.steps, 1), alpha=training.cosine_final_lr_fraction
         )
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
-        peak_value=config.learning_rate,
+        peak_value=training.learning_rate,
         warmup_steps=warmup,
-        decay_steps=max(config.steps, warmup + 1),
+        decay_steps=max(training.steps, warmup + 1),
         end_value=end_value,
     )
 
 
-def make_optimizer(config: Config) -> optax.GradientTransformation:
-    """The optimizer chain; clipping first so the norm is of the raw gradient."""
+def make_optimizer(training: TrainingConfig) -> optax.GradientTransformation:
+    """The optimizer chain; clipping first so the norm is of the raw gradient.
+
+    Takes the training group (`config.training`; a whole Config also works)."""
     chain = []
-    if config.gradient_clipping_threshold > 0:
-        chain.append(optax.clip_by_global_norm(config.gradient_clipping_threshold))
+    if training.gradient_clipping_threshold > 0:
+        chain.append(optax.clip_by_global_norm(training.gradient_clipping_threshold))
     chain.append(
         optax.adamw(
-            learning_rate_schedule(config),
-            b1=config.adam_b1,
-            b2=config.adam_b2,
-            eps=config.adam_eps,
-            weight_decay=config.adam_weight_decay,
+            learning_rate_schedule(training),
+            b1=training.adam_b1,
+            b2=training.adam_b2,
+            eps=training.adam_eps,
+            weight_decay=training.adam_weight_decay,
         )
     )
     return optax.chain(*chain)

@@ -68,7 +68,7 @@ class Run:
 def setup(config: Config, devices: list | None = None) -> Run:
     """Validate (before compiling anything), build mesh and state, jit the step."""
     devices = devices if devices is not None else jax.devices()
-    num_slices = slices.num_slices(config, devices)
+    num_slices = slices.num_slices(config.parallelism, devices)
     devices = slices.slice_major(devices) if num_slices > 1 else devices
     sizes = validate(config, len(devices), num_slices)
     # Inputs and the output directory, before building or compiling anything.
@@ -140,7 +140,7 @@ def abstract_setup(config: Config, devices: list) -> Run:
     shardings: nothing is initialised or allocated, no data source is opened.
     For AOT compiles (aot.py), where `devices` are a TPU topology's
     compile-only devices; lower with `abstract_batch(run)`."""
-    num_slices = slices.num_slices(config, devices)
+    num_slices = slices.num_slices(config.parallelism, devices)
     sizes = validate(config, len(devices), num_slices)
     return _build(config, devices, sizes, global_batch_size(config, len(devices)), abstract=True)
 
@@ -173,7 +173,7 @@ def _build(
     if config.gradient_reduction_policy == "auto":
         config, choice = reduction_choice.resolve(config, ctx, params, devices)
     plan = reduction_plan(config, ctx, params)
-    tx = make_optimizer(config)
+    tx = make_optimizer(config.training)
     params, opt_shardings, zero1 = _optimizer_layout(config, mesh, tx, params)
     fns = make_step(config, ctx, model, tx, zero1, plan)
     with jax.set_mesh(mesh):
@@ -215,7 +215,7 @@ def compile_step(run: Run) -> Any:
             run.step_fn,
             run.state,
             batch_for(run, 0),
-            compiler_options=xla_options.for_mesh(run.config, run.ctx.mesh),
+            compiler_options=xla_options.for_mesh(run.config.parallelism, run.ctx.mesh),
         )
     if run.evaluator:
         run.evaluator.compile(run.state)

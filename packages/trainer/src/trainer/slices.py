@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from jax.experimental import mesh_utils
 
-from trainer.config import DCN_AXES, MESH_AXES, Config, ConfigError
+from trainer.config import DCN_AXES, MESH_AXES, ConfigError, ParallelismConfig
 
 
 def detected_slices(devices: Sequence[Any]) -> int:
@@ -29,24 +29,27 @@ def detected_slices(devices: Sequence[Any]) -> int:
     return max(len(indices), 1)
 
 
-def num_slices(config: Config, devices: Sequence[Any]) -> int:
+def num_slices(parallelism: ParallelismConfig, devices: Sequence[Any]) -> int:
     """The slice count this run's mesh is built for; ConfigError naming the key
     when `num_slices` contradicts the topology or the slices the devices report."""
-    if config.compile_topology:
-        wanted = config.compile_topology_num_slices
-        if config.num_slices not in (-1, wanted):
+    if parallelism.compile_topology:
+        wanted = parallelism.compile_topology_num_slices
+        if parallelism.num_slices not in (-1, wanted):
             raise ConfigError(
-                f"num_slices={config.num_slices} contradicts compile_topology_num_slices={wanted}"
+                f"num_slices={parallelism.num_slices} contradicts "
+                f"compile_topology_num_slices={wanted}"
             )
         return wanted
     found = detected_slices(devices)
-    if config.num_slices == -1:
+    if parallelism.num_slices == -1:
         return found
-    if config.num_slices < 1:
-        raise ConfigError(f"num_slices={config.num_slices} must be >= 1 (or -1: detect)")
-    if found > 1 and found != config.num_slices:
-        raise ConfigError(f"num_slices={config.num_slices} but the devices span {found} slices")
-    return config.num_slices
+    if parallelism.num_slices < 1:
+        raise ConfigError(f"num_slices={parallelism.num_slices} must be >= 1 (or -1: detect)")
+    if found > 1 and found != parallelism.num_slices:
+        raise ConfigError(
+            f"num_slices={parallelism.num_slices} but the devices span {found} slices"
+        )
+    return parallelism.num_slices
 
 
 def slice_major(devices: Sequence[Any]) -> list:

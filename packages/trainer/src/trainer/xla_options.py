@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainer.config import Config
+from trainer.config import ParallelismConfig
 
 # libtpu's flags, as compile options (string values, as XLA parses them). Only a
 # TPU compile knows them: a CPU or GPU compile rejects an unknown name
@@ -21,6 +21,9 @@ TPU_ASYNC_COLLECTIVES: dict[str, str] = {
     # make an all-reduce an asynchronous TPU collective fusion (a start and a
     # done) that the scheduler can spread over several steps, with compute
     # between, so a gradient reduction runs under the compute scheduled after it.
+    # All-reduces only: in a program whose gradient reductions are reduce-scatters
+    # or collective-permutes (ZeRO-1, ring_reduce_scatter) they only split the
+    # combined all-reduces (benchmarks/results/perf_keys.md).
     "xla_enable_async_all_reduce": "true",
     "xla_tpu_enable_async_collective_fusion": "true",
     "xla_tpu_enable_async_collective_fusion_fuse_all_reduce": "true",
@@ -39,13 +42,13 @@ TPU_ASYNC_COLLECTIVES: dict[str, str] = {
 }
 
 
-def compiler_options(config: Config, platform: str) -> dict[str, str]:
+def compiler_options(parallelism: ParallelismConfig, platform: str) -> dict[str, str]:
     """The compile options for a program compiled for `platform` ("tpu", "cpu", "gpu").
 
     TPU_ASYNC_COLLECTIVES on TPU when tpu_async_collectives is on; {} otherwise
     (CPU and GPU compiles get no option: these names are TPU-only).
     """
-    if platform == "tpu" and config.tpu_async_collectives:
+    if platform == "tpu" and parallelism.tpu_async_collectives:
         return dict(TPU_ASYNC_COLLECTIVES)
     return {}
 
@@ -58,7 +61,7 @@ def platform_of(mesh: Any) -> str:
     return platforms.pop()
 
 
-def for_mesh(config: Config, mesh: Any) -> dict[str, str]:
+def for_mesh(parallelism: ParallelismConfig, mesh: Any) -> dict[str, str]:
     """`compiler_options` for a program compiled for `mesh`'s devices: what every
     trainer compile (run.compile_step, Evaluator.compile, aot.compile_for_topology) passes."""
-    return compiler_options(config, platform_of(mesh))
+    return compiler_options(parallelism, platform_of(mesh))
