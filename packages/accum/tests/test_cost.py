@@ -113,9 +113,13 @@ def test_hardware_table_refuses_unknown_and_incomplete_entries():
     assert hardware("v5p-16") is HARDWARE["v5p"]
     with pytest.raises(HardwareError, match=r"no hardware table entry for 'tpu7'; known: v4, v5e"):
         hardware("tpu7")
-    # v4: no public page gives its per-chip ICI and DCN bandwidth.
+    # Every chip of the table has every figure (each one's source: docs/cost_model.md).
+    assert all(not hardware(chip).missing() for chip in HARDWARE)
+    unlinked = {
+        "v4": dataclasses.replace(HARDWARE["v4"], ici_bytes_per_s=None, dcn_bytes_per_s=None)
+    }
     with pytest.raises(HardwareError, match=r"'v4' lacks ici_bytes_per_s, dcn_bytes_per_s"):
-        hardware("v4")
+        hardware("v4", unlinked)
     partial = {"x": dataclasses.replace(HARDWARE["v5e"], name="x", peak_flops=None)}
     with pytest.raises(HardwareError, match=r"'x' lacks peak_flops .*HARDWARE\['x'\]"):
         hardware("x", partial)
