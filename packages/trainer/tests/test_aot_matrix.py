@@ -206,8 +206,9 @@ def test_v5e8_per_microbatch_data_reduction_is_detected():
     case = compile_case("v5e-8", "data+fsdp", "explicit", defer=False)
     assert case.data_grad_in_loop
     # Per microbatch the prediction bounds the in-loop bytes from above: XLA moves the
-    # reductions of gradients it only sums over microbatches (embedding, head: outside
-    # the fused layer scan) after the loop, once per step (packages/accum/README.md).
+    # reductions of gradients the loop only sums (the leaves outside the layer scans,
+    # and here the one-layer dense stack) after the loop, once per step, in ways its
+    # fusion decides (docs/cost_model.md, "What XLA moves").
     (pred_in, pred_out), (got_in, got_out) = case.predicted_bytes, case.counted_bytes
     assert 0.9 * pred_in["data"] <= got_in["data"] <= pred_in["data"] and pred_out["data"] == 0
     assert got_out["data"] > 0
