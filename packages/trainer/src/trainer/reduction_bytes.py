@@ -75,8 +75,8 @@ def _writes_into_zeros(module: hlo_tools.HloModule, instr: Instruction | None) -
     base = _producer(module, root)
     if base is None or base.opcode != "parameter":
         return False
-    outer = _producer(module, instr, int(base.literal.strip()))
-    return outer is not None and _logical_source(module, outer).opcode == "broadcast"
+    outer = _logical_source(module, _producer(module, instr, int(base.literal.strip())))
+    return outer is not None and outer.opcode == "broadcast"
 
 
 def _instruction(module: hlo_tools.HloModule, c: hlo_tools.Collective) -> Instruction:
