@@ -79,6 +79,25 @@ def test_bytes_per_axis_per_policy():
     assert deferred.accumulator_bytes == per_mb.accumulator_bytes == 4 * (W + FSDP_W + 8)
 
 
+def test_gradient_dtypes_and_small_cross_slice_shards():
+    # A leaf the model uses uncast (here w, in f32) reduces an f32 cotangent per
+    # microbatch: twice the bf16 bytes; None keeps the compute dtype.
+    mixed = _predict(
+        "per_microbatch", gradient_dtypes={"w": "float32", "fsdp_w": None, "bias": None}
+    )
+    plain = _predict("per_microbatch")
+    assert mixed.bytes_in_loop["fsdp"] == 2 * plain.bytes_in_loop["fsdp"] == GA * 4 * W
+    # A 32-element f32 leaf over data and dcn_data: 16 elements cross the slices, 8
+    # with data=4; at 8 hlo_tools' filter drops the array, and so does the model.
+    sizes = {"dcn_data": 2, "data": 4}
+    event = cost.Event(("dcn_data", "data"), 32 * 4, 1, False, False, 4)
+    inside, outside = cost.bytes_per_axis([event], tuple(sizes), sizes, ("dcn_data",))
+    assert outside == {"dcn_data": 0, "data": 32 * 4}
+    sizes["data"] = 2
+    inside, outside = cost.bytes_per_axis([event], tuple(sizes), sizes, ("dcn_data",))
+    assert outside == {"dcn_data": 16 * 4, "data": 32 * 4}
+
+
 def test_time_model_formulas():
     hw = hardware("v5p")
     c = _predict("deferred", hw)
