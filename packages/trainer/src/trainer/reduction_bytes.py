@@ -5,8 +5,8 @@ Per reduction (all-reduce, reduce-scatter) whose replica groups span a batch
 axis, the floating-point arrays of more than 8 elements are counted at their
 operand size, times the loop trip counts around it. The operand is read as the
 array the program computed, before XLA:TPU reshaped it into a transfer buffer:
-through bitcasts, copies and `ZeroCrop` (which pads an array to whole (8, 128)
-tiles for a megascale send), so tile padding is not counted and a scalar packed
+through bitcasts, copies, pads and `ZeroCrop` (which pads an array to whole (8, 128)
+tiles for a megascale send), so padding is not counted and a scalar packed
 into a 128-lane buffer stays a scalar. Two things that compile to reductions are
 not gradient reductions and are left out: an all-reduce whose every operand is a
 `dynamic-update-slice` into a broadcast (XLA:TPU's form of a small all-gather,
@@ -27,8 +27,10 @@ from hlo_tools.module import Instruction
 from hlo_tools.shapes import leaf_arrays
 
 # Ops that hand an array on unchanged in content (a reshape of the same buffer, a
-# copy, an async copy's halves) on its way into a collective.
-_PASS_THROUGH = ("bitcast", "copy", "copy-start", "copy-done", "reshape")
+# copy, an async copy's halves, a pad whose filler is no gradient: XLA pads an operand
+# to a size it divides, e.g. deepseek3-small's embedding to 33,152 rows) on its way
+# into a collective; each passes on its operand 0.
+_PASS_THROUGH = ("bitcast", "copy", "copy-start", "copy-done", "reshape", "pad")
 
 
 def _producer(module: hlo_tools.HloModule, instr: Instruction, index: int = 0):
@@ -103,8 +105,8 @@ def _float_bytes(arrays) -> int:
 
 def _operand_bytes(module: hlo_tools.HloModule, c: hlo_tools.Collective) -> int:
     """Gradient operand bytes of one reduction (module docstring). Where an operand
-    does not trace to a local array (a TPU async collective fusion's parameter),
-    the result stands for it: an all-reduce's, a reduce-scatter's times its group."""
+    has no local definition, the result stands for it: an all-reduce's, a
+    reduce-scatter's times its group."""
     instr = _instruction(module, c)
     operands = range(1 if c.cross_slice else len(instr.operands))  # a send: value, token
     sources = [_parts(module, _producer(module, instr, i)) for i in operands]
@@ -116,9 +118,11 @@ def _operand_bytes(module: hlo_tools.HloModule, c: hlo_tools.Collective) -> int:
 def _parts(module: hlo_tools.HloModule, instr: Instruction | None) -> list:
     """The arrays behind an operand: its logical source, or, where XLA concatenated
     several arrays into one buffer (hierarchical's cross-slice sends), each of them.
-    None marks a source that is not a local array (a fusion parameter)."""
+    A parameter of the computation the reduction sits in (a fusion's, a wrapper's)
+    is the array handed in, before any pad inside; None marks an operand with no
+    local definition."""
     source = _logical_source(module, instr)
-    if source is None or source.opcode == "parameter":
+    if source is None:
         return [None]
     if source.opcode == "concatenate":
         return [
