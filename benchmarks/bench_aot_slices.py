@@ -10,7 +10,8 @@ the deferred single-slice compile (v5e-8, data=8), the number aot_scale.md repor
 
 Per-device memory (compiled.memory_analysis()) and collective bytes per step
 (trip-count weighted), split into cross-slice (the megascale DCN transfers of the
-per-slice TPU program) and in-slice, in and after the loops.
+per-slice TPU program) and in-slice, in and after the loops; and accum.cost's
+predicted gradient bytes beside hlo_tools' count of them (trainer.reduction_bytes).
 
 Writes benchmarks/results/aot_slices.md and .csv. Needs libtpu (the `tpu` extra):
 
@@ -93,13 +94,6 @@ def compile_variant(name: str, variant: dict, reuse: bool) -> dict:
         "params": sum(x.size for x in jax.tree.leaves(result.run.state["params"])),
         "data": dict(result.run.ctx.mesh.shape)["data"],
     }
-    if result.run.config.shard_mode == "explicit" and result.num_slices > 1:
-        from trainer import reduction_bytes
-
-        # accum.cost's cross-slice gradient bytes (docs/cost_model.md), to set beside
-        # hlo_tools' count of the megascale reductions.
-        pred_in, pred_out = reduction_bytes.predicted(result.run)
-        meta["predicted_cross_slice"] = [pred_in["dcn_data"], pred_out["dcn_data"]]
     with open(meta_path, "w") as f:
         json.dump(meta, f)
     return meta
@@ -132,23 +126,41 @@ def measure(name: str, variant: dict, reuse: bool) -> dict:
         "cross_slice_grad_bytes": sum(c.bytes * (c.multiplier or 1) for c in across),
         "grad_shard_bytes": shard_bytes,
         "exact": split["exact"],
-        **_predicted_columns(meta, module),
+        **_predicted_columns(variant, module),
     }
 
 
-def _predicted_columns(meta: dict, module) -> dict:
-    """Predicted vs counted cross-slice gradient operand bytes (in loop, after)."""
-    if "predicted_cross_slice" not in meta:
+def _predicted_columns(variant: dict, module) -> dict:
+    """accum.cost's gradient operand bytes per step beside hlo_tools' count
+    (docs/cost_model.md, "Which bytes are exact"), for explicit variants: across
+    slices (dcn_data) and inside them ('data'), with the part of the in-loop
+    prediction XLA moves after the loop (reduction_bytes.hoisted). The plan comes
+    from an abstract setup of the same config (no compile)."""
+    if variant.get("shard_mode") == "auto":
         return {}
-    from trainer import reduction_bytes
+    from trainer import aot, reduction_bytes
+    from trainer import run as run_lib
+    from trainer.config import make_config
 
-    counted = reduction_bytes.counted_cross_slice(module)
-    return {
-        "predicted_cross_slice_in_loop": meta["predicted_cross_slice"][0],
-        "predicted_cross_slice_outside": meta["predicted_cross_slice"][1],
-        "counted_cross_slice_in_loop": counted[0],
-        "counted_cross_slice_outside": counted[1],
+    config = make_config({**COMMON, **variant, "base_output_directory": tempfile.mkdtemp()})
+    devices = aot.devices_for(aot.resolve(config), config.compile_topology_num_slices)
+    run = run_lib.abstract_setup(config, devices)
+    pred_in, pred_out = reduction_bytes.predicted(run)
+    moved_in, moved_out = reduction_bytes.hoisted(run)
+    got_in, got_out = reduction_bytes.counted(module, dict(run.ctx.mesh.shape), ["data"])
+    out = {
+        "predicted_in_slice": [pred_in["data"], pred_out["data"]],
+        "moved_in_slice": [moved_in["data"], moved_out["data"]],
+        "counted_in_slice": [got_in["data"], got_out["data"]],
     }
+    if "dcn_data" in pred_in:
+        out["predicted_cross_slice"] = [pred_in["dcn_data"], pred_out["dcn_data"]]
+        out["counted_cross_slice"] = list(reduction_bytes.counted_cross_slice(module))
+    return out
+
+
+def _pair(figures) -> str:
+    return " / ".join(f"{n:,}" for n in figures)
 
 
 def main() -> int:
@@ -210,22 +222,24 @@ def main() -> int:
     )
     lines += [
         "",
-        "Cross-slice gradient operand bytes per step, accum.cost's prediction vs hlo_tools' count "
-        "(docs/cost_model.md, 'Which bytes are exact'):",
+        "Gradient operand bytes per device per step, accum.cost's prediction vs hlo_tools' "
+        "count (docs/cost_model.md, 'Which bytes are exact'); 'moved' = the part of the "
+        "in-loop prediction XLA moves after the loop as one f32 reduction "
+        "(reduction_bytes.hoisted: the leaves outside the layer scans), modelled for "
+        "hierarchical; per_microbatch is a bound (XLA moves more there).",
         "",
     ]
     lines += bl.table(
-        ["schedule", "predicted in loop", "counted in loop", "predicted after", "counted after"],
+        ["schedule", "axis", "predicted in loop / after", "moved in / after", "counted in / after"],
         [
-            [
-                r["variant"],
-                f"{r['predicted_cross_slice_in_loop']:,}",
-                f"{r['counted_cross_slice_in_loop']:,}",
-                f"{r['predicted_cross_slice_outside']:,}",
-                f"{r['counted_cross_slice_outside']:,}",
-            ]
+            [r["variant"], axis, _pair(r[f"predicted_{key}"]), moved, _pair(r[f"counted_{key}"])]
             for r in rows
-            if "predicted_cross_slice_in_loop" in r
+            if "predicted_in_slice" in r
+            for axis, key, moved in (
+                ("dcn_data", "cross_slice", "-"),
+                ("data", "in_slice", _pair(r["moved_in_slice"])),
+            )
+            if f"predicted_{key}" in r
         ],
     )
     lines += [

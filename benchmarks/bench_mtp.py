@@ -129,15 +129,11 @@ def aot_rows() -> list[dict]:
 
 def share_671b() -> dict:
     """deepseek3-671b with one depth: parameters (abstract, nothing allocated)."""
-    from trainer import model as model_lib
+    from trainer import abstract_model
     from trainer.config import make_config
-    from trainer.sharding import ShardCtx, logical_rules, make_mesh
-    from trainer.validate import validate
 
     config = make_config({"model_name": "deepseek3-671b", "mtp_num_layers": "1"})
-    ctx = ShardCtx(make_mesh(validate(config, 8), "explicit"), logical_rules(config), "explicit")
-    params, _ = model_lib.abstract_state(model_lib.define(config, ctx), ctx)
-    total, own = _params(params)
+    total, own = _params(abstract_model.parameters(config).params)
     plain = make_config({"model_name": "deepseek3-671b"})
     return {
         "part": "deepseek3-671b",

@@ -79,6 +79,25 @@ def test_bytes_per_axis_per_policy():
     assert deferred.accumulator_bytes == per_mb.accumulator_bytes == 4 * (W + FSDP_W + 8)
 
 
+def test_gradient_dtypes_and_small_cross_slice_shards():
+    # A leaf the model uses uncast (here w, in f32) reduces an f32 cotangent per
+    # microbatch: twice the bf16 bytes; None keeps the compute dtype.
+    mixed = _predict(
+        "per_microbatch", gradient_dtypes={"w": "float32", "fsdp_w": None, "bias": None}
+    )
+    plain = _predict("per_microbatch")
+    assert mixed.bytes_in_loop["fsdp"] == 2 * plain.bytes_in_loop["fsdp"] == GA * 4 * W
+    # A 32-element f32 leaf over data and dcn_data: 16 elements cross the slices, 8
+    # with data=4; at 8 hlo_tools' filter drops the array, and so does the model.
+    sizes = {"dcn_data": 2, "data": 4}
+    event = cost.Event(("dcn_data", "data"), 32 * 4, 1, False, False, 4)
+    inside, outside = cost.bytes_per_axis([event], tuple(sizes), sizes, ("dcn_data",))
+    assert outside == {"dcn_data": 0, "data": 32 * 4}
+    sizes["data"] = 2
+    inside, outside = cost.bytes_per_axis([event], tuple(sizes), sizes, ("dcn_data",))
+    assert outside == {"dcn_data": 16 * 4, "data": 32 * 4}
+
+
 def test_time_model_formulas():
     hw = hardware("v5p")
     c = _predict("deferred", hw)
@@ -113,9 +132,13 @@ def test_hardware_table_refuses_unknown_and_incomplete_entries():
     assert hardware("v5p-16") is HARDWARE["v5p"]
     with pytest.raises(HardwareError, match=r"no hardware table entry for 'tpu7'; known: v4, v5e"):
         hardware("tpu7")
-    # v4: no public page gives its per-chip ICI and DCN bandwidth.
+    # Every chip of the table has every figure (each one's source: docs/cost_model.md).
+    assert all(not hardware(chip).missing() for chip in HARDWARE)
+    unlinked = {
+        "v4": dataclasses.replace(HARDWARE["v4"], ici_bytes_per_s=None, dcn_bytes_per_s=None)
+    }
     with pytest.raises(HardwareError, match=r"'v4' lacks ici_bytes_per_s, dcn_bytes_per_s"):
-        hardware("v4")
+        hardware("v4", unlinked)
     partial = {"x": dataclasses.replace(HARDWARE["v5e"], name="x", peak_flops=None)}
     with pytest.raises(HardwareError, match=r"'x' lacks peak_flops .*HARDWARE\['x'\]"):
         hardware("x", partial)

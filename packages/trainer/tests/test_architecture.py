@@ -16,6 +16,7 @@ import pytest
 from trainer import flops
 from trainer import model as model_lib
 from trainer.config import PRESETS, ConfigError, make_config
+from trainer.hf import config_map
 from trainer.model import rope as rope_lib
 from trainer.sharding import ShardCtx, logical_rules, make_mesh
 from trainer.validate import check_architecture, validate
@@ -257,43 +258,9 @@ def test_unknown_choices_are_refused_at_parse_time():
 # --- presets against the published config.json files (tests/fixtures/hf_configs) ----
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf_configs"
+
+
 # Hugging Face key -> trainer key, for the keys the presets carry.
-HF_TO_TRAINER = {
-    "vocab_size": "vocab_size",
-    "hidden_size": "base_emb_dim",
-    "intermediate_size": "base_mlp_dim",
-    "moe_intermediate_size": "base_moe_mlp_dim",
-    "num_hidden_layers": "base_num_decoder_layers",
-    "first_k_dense_replace": "first_num_dense_layers",
-    "num_attention_heads": "base_num_query_heads",
-    "n_routed_experts": "num_experts",
-    "n_shared_experts": "shared_experts",
-    "num_experts_per_tok": "num_experts_per_tok",
-    "n_group": "n_routing_groups",
-    "topk_group": "topk_routing_group",
-    "topk_method": "routed_topk_method",
-    "scoring_func": "routed_score_func",
-    "norm_topk_prob": "norm_topk_prob",
-    "routed_scaling_factor": "routed_scaling_factor",
-    "q_lora_rank": "q_lora_rank",
-    "kv_lora_rank": "kv_lora_rank",
-    "qk_nope_head_dim": "qk_nope_head_dim",
-    "qk_rope_head_dim": "qk_rope_head_dim",
-    "v_head_dim": "v_head_dim",
-    "rope_theta": "rope_max_timescale",
-    "max_position_embeddings": "max_position_embeddings",
-    "rms_norm_eps": "normalization_layer_epsilon",
-}
-ROPE_SCALING_TO_TRAINER = {
-    "factor": "rope_factor",
-    "original_max_position_embeddings": "original_max_position_embeddings",
-    "beta_fast": "beta_fast",
-    "beta_slow": "beta_slow",
-    "mscale": "mscale",
-    "mscale_all_dim": "mscale_all_dim",
-}
-
-
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_preset_passes_the_architecture_checks(name):
     check_architecture(make_config({"model_name": name}))
@@ -305,14 +272,22 @@ def test_every_preset_passes_the_architecture_checks(name):
 def test_presets_take_the_published_config_values(preset, fixture):
     published = json.loads((FIXTURES / f"{fixture}.json").read_text())
     config = make_config({"model_name": preset})
-    for hf_key, key in HF_TO_TRAINER.items():
-        want = published[hf_key]
-        want = 0 if want is None else want  # q_lora_rank null: the plain query projection
-        assert getattr(config, key) == want, (hf_key, key)
+    # Every key the importer carries over unchanged (config_map.DIRECT) is stated by
+    # the published file, rope_interleave aside (below), and the preset holds its value.
+    stated = [k for k in config_map.DIRECT if k in published]
+    assert set(config_map.DIRECT) - set(stated) == {"rope_interleave"}
+    for hf_key in stated:
+        assert getattr(config, config_map.DIRECT[hf_key]) == published[hf_key], hf_key
+    # The converted ones: q_lora_rank null is the plain query projection (0).
+    assert config.q_lora_rank == (published["q_lora_rank"] or 0)
+    assert config.rope_max_timescale == published["rope_theta"]
     scaling = published["rope_scaling"]
     assert scaling["type"] == config.rope_type == "yarn"
-    for hf_key, key in ROPE_SCALING_TO_TRAINER.items():
-        assert getattr(config, key) == scaling[hf_key], (hf_key, key)
+    # YaRN: the importer's keys (truncate: absent from both files) and the two mscales.
+    assert set(config_map.YARN_KEYS) - set(scaling) == {"truncate"}
+    for hf_key in set(config_map.YARN_KEYS) & set(scaling):
+        assert getattr(config, config_map.YARN_KEYS[hf_key]) == scaling[hf_key], hf_key
+    assert (config.mscale, config.mscale_all_dim) == (scaling["mscale"], scaling["mscale_all_dim"])
     # Neither file carries rope_interleave: DeepSeek's rope weights are interleaved
     # (V3's default, every V2). Logits are untied from the embedding, as here.
     assert "rope_interleave" not in published and config.rope_interleave

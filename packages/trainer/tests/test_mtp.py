@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import hlo_tools
-from trainer import flops
+from trainer import abstract_model, flops
 from trainer import model as model_lib
 from trainer.config import ConfigError, make_config
 from trainer.model.mtp import depth_targets
@@ -75,8 +75,8 @@ def test_depth_targets_stop_at_documents_and_the_sequence_end():
 
 def test_mtp_parameters_share_the_embedding_and_head():
     config = make_config({"model_name": "tagtrain-tiny", "mtp_num_layers": "2"})
-    ctx = _ctx(config)
-    params, router = model_lib.abstract_state(model_lib.define(config, ctx), ctx)
+    abstract = abstract_model.parameters(config)
+    params, router = abstract.params, abstract.router
     # One embedding table and one output matrix in the whole tree: no copies.
     vocab_sized = [
         jax.tree_util.keystr(path)
@@ -96,7 +96,7 @@ def test_mtp_parameters_share_the_embedding_and_head():
     assert router["mtp"]["block"]["ffn"]["bias"].shape == (2, config.num_experts)
     # Counting: MTP's share named apart; the rest is what the model had without it.
     plain = make_config({"model_name": "tagtrain-tiny"})
-    plain_params, _ = model_lib.abstract_state(model_lib.define(plain, ctx), ctx)
+    plain_params = abstract_model.parameters(plain).params
     total, own = flops.count_params(params), flops.mtp_param_count(params)
     assert own == flops.count_params(mtp) > 0
     assert total - own == flops.count_params(plain_params)

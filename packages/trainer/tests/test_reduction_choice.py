@@ -2,10 +2,13 @@
 rules, the refusals, and the planner's table on abstract meshes (nothing compiles;
 the compiled-memory fallback runs in the aot tier's compiles)."""
 
+import dataclasses
+
 import jax
 import pytest
 
 from accum import cost as cost_lib
+from accum.hardware import HARDWARE
 from trainer import plan_reduction, reduction_choice
 from trainer.config import ConfigError, make_config
 
@@ -79,7 +82,14 @@ def test_no_policy_fits_is_one_line_naming_what_to_change():
     assert "lower per_device_batch_size" in message
 
 
-def test_hardware_for_names_the_assumption_and_refuses_incomplete_entries():
+def _unlink_v4(monkeypatch):
+    """The table with v4's link figures missing (an entry no source completes)."""
+    v4 = dataclasses.replace(HARDWARE["v4"], ici_bytes_per_s=None, dcn_bytes_per_s=None)
+    monkeypatch.setitem(HARDWARE, "v4", v4)
+
+
+def test_hardware_for_names_the_assumption_and_refuses_incomplete_entries(monkeypatch):
+    _unlink_v4(monkeypatch)
     hw, note = reduction_choice.hardware_for(make_config({}), jax.devices())
     assert hw.name == "v5e" and "no hardware table entry for 'cpu': assumed v5e" in note
     with pytest.raises(ConfigError, match=r"'v4' lacks ici_bytes_per_s.*reduction_hardware="):
@@ -88,7 +98,8 @@ def test_hardware_for_names_the_assumption_and_refuses_incomplete_entries():
     assert hw.name == "v6e" and "compile_topology=v6e-8" in note
 
 
-def test_planner_prints_the_table_and_refuses_bad_input(capsys):
+def test_planner_prints_the_table_and_refuses_bad_input(capsys, monkeypatch):
+    _unlink_v4(monkeypatch)
     args = ["model_name=tagtrain-test", "compile_topology=v5p-16", "num_slices=2"]
     assert plan_reduction.main([*args, "gradient_accumulation_steps=8"]) == 0
     out = capsys.readouterr().out

@@ -1,7 +1,7 @@
 """What a reduction plan costs: gradient bytes per mesh axis, link time, memory, step time.
 
 Pure Python over a `ReductionPlan` and the parameters' shapes (no compile). The
-formulas and their assumptions are in packages/accum/README.md ("Cost model");
+formulas and their assumptions are in docs/cost_model.md;
 which byte figure equals what hlo_tools counts on the compiled program, exactly,
 is stated there too.
 
@@ -9,8 +9,9 @@ Per leaf, the plan says when each batch axis is reduced. Each such *event*
 reduces one local array over a set of axes:
 
 - `PER_MICROBATCH`: the leaf's local gradient, in the compute dtype (autodiff
-  reduces it in the backward pass), GA times per step;
-- `SCATTER`: the leaf's local gradient, in the compute dtype (the scatter runs on
+  reduces it in the backward pass; a leaf the model uses uncast, in its own f32,
+  has an f32 cotangent: `gradient_dtypes`), GA times per step;
+- `SCATTER`: the leaf's local gradient, in the same dtype (the scatter runs on
   the backward pass's cotangent), reduce-scattered over the in-slice axes, GA
   times per step;
 - `PER_STEP`: the accumulator (the leaf's layout, or the scattered one under
@@ -53,6 +54,7 @@ class Event:
     times: int
     scatter: bool  # a reduce-scatter (half a ring all-reduce's wire bytes)
     in_loop: bool
+    itemsize: int = 4  # bytes per element of the reduced array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,20 +94,23 @@ def leaf_events(
     compute_bytes: int,
     accum_bytes: int,
 ) -> list[Event]:
-    """The reductions the plan places for one leaf (module docstring)."""
+    """The reductions the plan places for one leaf (module docstring); `compute_bytes`:
+    the item size of the leaf's gradient in the backward pass (its dtype at use)."""
     param_elements = local_elements(shape, leaf.param_spec, mesh_shape)
     events = []
     if param_elements < MIN_ELEMENTS:
         return events
     per_mb = leaf.axes(PER_MICROBATCH)
     if per_mb:
-        events.append(Event(per_mb, param_elements * compute_bytes, num_microbatches, False, True))
+        nbytes = param_elements * compute_bytes
+        events.append(Event(per_mb, nbytes, num_microbatches, False, True, compute_bytes))
     if leaf.scatter:
         nbytes = param_elements * compute_bytes
-        events.append(Event(leaf.scatter, nbytes, num_microbatches, True, True))
+        events.append(Event(leaf.scatter, nbytes, num_microbatches, True, True, compute_bytes))
     if leaf.per_step:
         acc_elements = local_elements(shape, leaf.accumulator_spec, mesh_shape)
-        events.append(Event(leaf.per_step, acc_elements * accum_bytes, 1, False, False))
+        nbytes = acc_elements * accum_bytes
+        events.append(Event(leaf.per_step, nbytes, 1, False, False, accum_bytes))
     return events
 
 
@@ -116,21 +121,31 @@ def plan_events(
     num_microbatches: int,
     compute_dtype: Any,
     accum_dtype: Any,
+    gradient_dtypes: Any = None,
 ) -> list[Event]:
-    """Every reduction event of the step (`params`: arrays or ShapeDtypeStructs)."""
+    """Every reduction event of the step (`params`: arrays or ShapeDtypeStructs).
+
+    `gradient_dtypes`: None, or a tree like `params` of the dtype each leaf's
+    gradient has in the backward pass where it differs from `compute_dtype` (a
+    parameter used in its own f32, like a norm scale or the embedding table, has an
+    f32 cotangent); a leaf that is None there takes `compute_dtype`."""
     sizes = dict(plan.mesh_shape)
-    compute_bytes = np.dtype(compute_dtype).itemsize
     accum_bytes = np.dtype(accum_dtype).itemsize
     leaves = jax.tree.leaves(plan.leaves, is_leaf=_is_leaf_plan)
     shapes = [tuple(x.shape) for x in jax.tree.leaves(params)]
+    if gradient_dtypes is None:
+        dtypes = [compute_dtype] * len(shapes)
+    else:
+        dtypes = jax.tree.leaves(gradient_dtypes, is_leaf=lambda x: x is None)
+        dtypes = [compute_dtype if d is None else d for d in dtypes]
     events = []
-    for leaf, shape in zip(leaves, shapes, strict=True):
+    for leaf, shape, dtype in zip(leaves, shapes, dtypes, strict=True):
         events += leaf_events(
             leaf,
             shape,
             sizes,
             num_microbatches=num_microbatches,
-            compute_bytes=compute_bytes,
+            compute_bytes=np.dtype(dtype).itemsize,
             accum_bytes=accum_bytes,
         )
     return events
@@ -147,7 +162,9 @@ def bytes_per_axis(
     An event over several axes counts toward each (as a collective whose replica
     groups span them all does in hlo_tools). A cross-slice axis of an event that also
     spans in-slice axes counts the in-slice shard (operand / their size): XLA reduces
-    across slices after reduce-scattering inside the slice, so that is what crosses."""
+    across slices after reduce-scattering inside the slice, so that is what crosses;
+    a shard of fewer than MIN_ELEMENTS elements is left out, as hlo_tools' filter
+    leaves out the array that carries it."""
     sliced = set(slice_axes)
     inside = {a: 0 for a in batch_axes}
     outside = dict(inside)
@@ -155,6 +172,8 @@ def bytes_per_axis(
         g = math.prod(mesh_shape[a] for a in e.axes if a not in sliced) if sliced else 1
         for a in e.axes:
             nbytes = e.nbytes // g if a in sliced else e.nbytes
+            if nbytes < MIN_ELEMENTS * e.itemsize:
+                continue
             (inside if e.in_loop else outside)[a] += nbytes * e.times
     return inside, outside
 
@@ -188,13 +207,14 @@ def predict(
     compute_dtype: Any = "bfloat16",
     accum_dtype: Any = "float32",
     overlapped_after_loop: bool = False,
+    gradient_dtypes: Any = None,
 ) -> Cost:
-    """The plan's predicted cost (formulas: packages/accum/README.md, "Cost model").
+    """The plan's predicted cost (formulas: docs/cost_model.md, "Time model").
 
     `step_flops_per_chip`: the optimizer step's training FLOPs on one chip
     (trainer.flops); `overlapped_after_loop`: the after-loop reductions run inside
     the last microbatch's backward pass (schedule 'overlapped_ring': rings are async), so
-    they hide under it up to its length.
+    they hide under it up to its length; `gradient_dtypes`: as in `plan_events`.
     """
     sizes = dict(plan.mesh_shape)
     events = plan_events(
@@ -203,6 +223,7 @@ def predict(
         num_microbatches=num_microbatches,
         compute_dtype=compute_dtype,
         accum_dtype=accum_dtype,
+        gradient_dtypes=gradient_dtypes,
     )
     inside, outside = bytes_per_axis(events, plan.batch_axes, sizes, plan.slice_axes)
     links = {ICI: 0.0, DCN: 0.0}

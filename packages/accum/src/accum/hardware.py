@@ -3,7 +3,7 @@
 Each entry: peak dense bf16 FLOP/s, HBM bytes, and the per-chip bandwidth of the
 two links a gradient reduction can cross: ICI (inside a slice / NVLink domain)
 and DCN (between slices / nodes), both in bytes per second in one direction.
-Where each figure comes from is in packages/accum/README.md ("Hardware table");
+Where each figure comes from is in docs/cost_model.md ("Hardware table");
 a figure no public page states is None, and `hardware()` refuses to model with it.
 """
 
@@ -35,9 +35,12 @@ class Hardware:
         return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is None]
 
 
-# Sources and the arithmetic behind each figure: packages/accum/README.md, "Hardware table".
+# Each figure's public source and the arithmetic behind it: docs/cost_model.md,
+# "Hardware table" (GPU DCN: one 400 Gb/s ConnectX-7 per GPU, NVIDIA's DGX H100/H200).
 HARDWARE = {
-    "v4": Hardware("v4", 275e12, 32 * GIB, None, None),
+    # ICI: the v4 page's all-reduce bandwidth per pod over its 4096 chips; DCN: the
+    # scaling book's typical 2.5e10 B/s per host over a v4 host's 4 chips.
+    "v4": Hardware("v4", 275e12, 32 * GIB, 1.1e15 / 4096, 2.5e10 / 4),
     "v5e": Hardware("v5e", 197e12, 16 * GIB, 400 / 2 * GB_PER_S, 2 * 100 / 8 * GBIT_PER_S),
     "v5p": Hardware("v5p", 459e12, 95 * GIB, 1200 / 2 * GB_PER_S, 50 * GBIT_PER_S),
     "v6e": Hardware("v6e", 918e12, 32 * GIB, 800 / 2 * GB_PER_S, 4 * 200 / 8 * GBIT_PER_S),

@@ -32,36 +32,24 @@ def config_of(args: list[str]) -> Config:
     return config
 
 
-def abstract_params(config: Config) -> tuple[Any, Any]:
+def abstract_params(config: Config) -> tuple[Any, Any, Any]:
     """(ShardCtx on an abstract mesh of the topology, the compute-layout parameters
-    as ShapeDtypeStructs): no device is touched."""
-    import jax
-    from jax.sharding import AbstractMesh, AxisType
-
-    from trainer import aot
-    from trainer import model as model_lib
-    from trainer.config import MESH_AXES
-    from trainer.sharding import ShardCtx, logical_rules
-    from trainer.validate import validate
+    as ShapeDtypeStructs, their gradient dtypes): no device is touched."""
+    from trainer import abstract_model, aot
+    from trainer.reduction_choice import gradient_dtypes
 
     topo = aot.resolve(config)  # ConfigError for an unknown topology or a bad mesh
     slices = config.compile_topology_num_slices
-    sizes = validate(config, topo.chips * slices, slices)
-    kind = AxisType.Explicit if config.shard_mode == "explicit" else AxisType.Auto
-    shape = tuple(sizes.get(a, 1) for a in MESH_AXES)
-    mesh = AbstractMesh(shape, MESH_AXES, axis_types=(kind,) * len(MESH_AXES))
-    ctx = ShardCtx(mesh, logical_rules(config), config.shard_mode)
-    with jax.sharding.use_abstract_mesh(mesh):
-        params, _ = model_lib.abstract_state(model_lib.define(config, ctx), ctx)
-    return ctx, params
+    m = abstract_model.parameters(config, topo.chips * slices, slices)
+    return m.ctx, m.params, gradient_dtypes(m.model, m.params)
 
 
 def choice_for(config: Config):
     """reduction_choice.Choice over every applicable policy (the auto decision's table)."""
     from trainer import reduction_choice
 
-    ctx, params = abstract_params(config)
-    return reduction_choice.choose(config, ctx, params, []), ctx, params
+    ctx, params, grad_dtypes = abstract_params(config)
+    return reduction_choice.choose(config, ctx, params, [], grad_dtypes), ctx, params
 
 
 def compiled_lines(config: Config, choice: Any, ctx: Any) -> list[str]:

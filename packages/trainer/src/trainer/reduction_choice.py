@@ -20,6 +20,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import jax
+
 import accum
 from accum import cost as cost_lib
 from accum.hardware import HARDWARE, Hardware, HardwareError, hardware
@@ -109,10 +111,26 @@ def plans(config: Config, ctx: Any, params: Any) -> dict[str, accum.ReductionPla
     return out
 
 
+def gradient_dtypes(model: Any, params: Any) -> Any:
+    """Per parameter leaf, the dtype of its gradient in the backward pass where it is
+    not the compute dtype (None there): a parameter the model uses in its own dtype
+    (params.CAST_AT_USE false: norm scales, the embedding table) has a cotangent of
+    that dtype, which is what its per-microbatch reductions carry."""
+    return jax.tree.map(
+        lambda cast, x: None if cast else x.dtype,
+        model.param_cast_at_use,
+        params,
+    )
+
+
 def predict_all(
-    config: Config, candidates: dict[str, accum.ReductionPlan], params: Any, hw: Hardware
+    config: Config,
+    candidates: dict[str, accum.ReductionPlan],
+    params: Any,
+    hw: Hardware,
+    grad_dtypes: Any = None,
 ) -> dict[str, cost_lib.Cost]:
-    """accum.cost.predict for each candidate plan."""
+    """accum.cost.predict for each candidate plan (`grad_dtypes`: `gradient_dtypes`)."""
     return {
         policy: cost_lib.predict(
             plan,
@@ -124,6 +142,7 @@ def predict_all(
             accum_dtype=config.accum_dtype,
             # Only rings run async under the last backward (aot_async.md).
             overlapped_after_loop=config.gradient_accumulation_schedule == "overlapped_ring",
+            gradient_dtypes=grad_dtypes,
         )
         for policy, plan in candidates.items()
     }
@@ -139,13 +158,14 @@ def rank(costs: dict[str, cost_lib.Cost], across_slices: bool) -> tuple[str, ...
     return tuple(order)
 
 
-def choose(config: Config, ctx: Any, params: Any, devices: list) -> Choice:
-    """The auto decision for `params` (compute layout) on `ctx`'s mesh."""
+def choose(config: Config, ctx: Any, params: Any, devices: list, grad_dtypes: Any = None) -> Choice:
+    """The auto decision for `params` (compute layout) on `ctx`'s mesh
+    (`grad_dtypes`: `gradient_dtypes` of the model)."""
     if config.shard_mode != "explicit":
         return Choice(("deferred",), {}, None, "shard_mode=auto: XLA places every reduction")
     hw, note = hardware_for(config, devices)
     candidates = plans(config, ctx, params)
-    costs = predict_all(config, candidates, params, hw)
+    costs = predict_all(config, candidates, params, hw, grad_dtypes)
     order = auto_order(costs, candidates, config.gradient_accumulation_steps)
     if config.gradient_accumulation_steps == 1:
         note += "; one microbatch: deferred (nothing to accumulate, whatever the figures)"
@@ -162,11 +182,13 @@ def auto_order(
     return order
 
 
-def resolve(config: Config, ctx: Any, params: Any, devices: list) -> tuple[Config, Choice | None]:
+def resolve(
+    config: Config, ctx: Any, params: Any, devices: list, grad_dtypes: Any = None
+) -> tuple[Config, Choice | None]:
     """(config with a concrete gradient_reduction_policy, the Choice or None when explicit)."""
     if config.gradient_reduction_policy != "auto":
         return config, None
-    choice = choose(config, ctx, params, devices)
+    choice = choose(config, ctx, params, devices, grad_dtypes)
     return with_policy(config, choice.policy), choice
 
 

@@ -171,7 +171,8 @@ def _build(
         params, router = model_lib.init(config, ctx, model)
     choice = None
     if config.gradient_reduction_policy == "auto":
-        config, choice = reduction_choice.resolve(config, ctx, params, devices)
+        grad_dtypes = reduction_choice.gradient_dtypes(model, params)
+        config, choice = reduction_choice.resolve(config, ctx, params, devices, grad_dtypes)
     plan = reduction_plan(config, ctx, params)
     tx = make_optimizer(config.training)
     params, opt_shardings, zero1 = _optimizer_layout(config, mesh, tx, params)

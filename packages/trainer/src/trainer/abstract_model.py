@@ -1,0 +1,48 @@
+"""The model's parameters as shapes on an abstract mesh: counting, planning and
+predicting without a device, a compile or an allocation.
+
+`plan-reduction` lays them out on a TPU topology's mesh; tests and benchmarks count
+parameters on the 8-device mesh of the CPU tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from trainer.config import Config
+
+
+@dataclasses.dataclass(frozen=True)
+class AbstractModel:
+    """The model on an abstract mesh: nothing allocated."""
+
+    ctx: Any  # ShardCtx on the AbstractMesh
+    model: Any  # model.ModelDef
+    params: Any  # ShapeDtypeStructs in the compute layout
+    router: Any
+
+
+def parameters(config: Config, num_devices: int = 8, num_slices: int = 1) -> AbstractModel:
+    """The model of `config` on an abstract mesh of `num_devices` laid out by its
+    parallelism keys, parameters and router state as ShapeDtypeStructs.
+
+    Raises ConfigError (trainer.validate) when the parallelism does not fit the
+    device count; no device is touched."""
+    import jax
+    from jax.sharding import AbstractMesh, AxisType
+
+    from trainer import model as model_lib
+    from trainer.config import MESH_AXES
+    from trainer.sharding import ShardCtx, logical_rules
+    from trainer.validate import validate
+
+    sizes = validate(config, num_devices, num_slices)
+    kind = AxisType.Explicit if config.shard_mode == "explicit" else AxisType.Auto
+    shape = tuple(sizes.get(a, 1) for a in MESH_AXES)
+    mesh = AbstractMesh(shape, MESH_AXES, axis_types=(kind,) * len(MESH_AXES))
+    ctx = ShardCtx(mesh, logical_rules(config), config.shard_mode)
+    with jax.sharding.use_abstract_mesh(mesh):
+        model = model_lib.define(config, ctx)
+        params, router = model_lib.abstract_state(model, ctx)
+    return AbstractModel(ctx, model, params, router)
