@@ -6,12 +6,14 @@ import math
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 
 from trainer import aot, distributed, metrics, plots, profiling
 from trainer.config import ConfigError, make_config
+from trainer.run import data_lines
 
 BIN = Path(sys.executable).parent
 REQUIRED = (
@@ -257,3 +259,19 @@ def test_binary_writes_eval_records_and_scalars_and_plots_them(run_output, event
     assert plots.main([str(run_dir), "--output_dir", str(tmp_path)]) == 0
     png = (tmp_path / "loss.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 5000
+
+
+@pytest.mark.parametrize("saving", [True, False])
+def test_startup_says_checkpoints_off_only_when_nothing_is_saved(saving):
+    # Regression: "checkpoints: off" used to follow the checkpoint directory's own
+    # line whenever the run did not start from load_parameters_path.
+    checkpoints = types.SimpleNamespace(describe=lambda: "checkpoints: DIR (every 100 steps)")
+    run = types.SimpleNamespace(
+        source=None,
+        evaluator=None,
+        checkpoints=checkpoints if saving else None,
+        restored_from=None,
+        initialized_from="",
+    )
+    lines = data_lines(run)
+    assert [line.startswith("checkpoints: off") for line in lines] == [not saving]

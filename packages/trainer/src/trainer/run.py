@@ -363,8 +363,8 @@ def data_lines(run: Run) -> list[str]:
         lines.append(run.checkpoints.describe())
         if run.restored_from:
             lines.append(f"resumed from {run.restored_from} at step {run.start_step}")
-    if run.initialized_from:
-        lines.append(f"initial weights: {run.initialized_from}")
     else:
         lines.append("checkpoints: off (set base_output_directory=DIR to save and resume)")
+    if run.initialized_from:
+        lines.append(f"initial weights: {run.initialized_from}")
     return lines
