@@ -10,6 +10,7 @@ import pytest
 import hlo_tools
 from trainer import abstract_model, aot, reduction_bytes
 from trainer.config import make_config
+from trainer.layouts import DEEPSEEK3_671B_LAYOUT
 
 pytestmark = pytest.mark.aot
 pytest.importorskip("libtpu", reason="needs the tpu extra (libtpu): uv run --extra tpu")
@@ -171,13 +172,8 @@ def test_671b_on_v5p_compiles_and_fits(tmp_path, capsys):
     # Measured 80.7 GiB of 95 GiB per device (about 2 minutes to compile here).
     config = _config(
         tmp_path,
-        model_name="deepseek3-671b",
+        **DEEPSEEK3_671B_LAYOUT,
         compile_topology="v5p-1024",
-        ici_data_parallelism="1",
-        ici_expert_parallelism="64",
-        ici_fsdp_parallelism="-1",
-        capacity_factor="1.25",
-        weight_dtype="bfloat16",
         per_device_batch_size="1",
     )
     assert aot.main(config) == 0

@@ -20,12 +20,12 @@ where in the step's program that happens. Every schedule gives the same numbers.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from accum.plan import ReductionPlan
 
 Schedule = Literal["plain", "fused", "overlapped", "overlapped_ring"]
-SCHEDULES: tuple[str, ...] = ("plain", "fused", "overlapped", "overlapped_ring")
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
 # The schedules that reduce inside the last microbatch's backward pass.
 OVERLAPPED = ("overlapped", "overlapped_ring")
 

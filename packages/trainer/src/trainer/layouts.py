@@ -29,3 +29,16 @@ EIGHT_DEVICE_LAYOUTS = {
     "data+zero1": dict(ici_data_parallelism="8", shard_optimizer_over_data="true"),
     "data+fsdp": dict(ici_data_parallelism="4", ici_fsdp_parallelism="2"),
 }
+
+# DeepSeek-V3 671B on one TPU slice: the routed experts over 64-way expert
+# parallelism, everything else FSDP over the rest of the slice, bf16 weights and
+# capped all-to-all blocks. The aot tier compiles it on v5p-1024 and the
+# reduction study (benchmarks/bench_reduction_study.py) predicts it.
+DEEPSEEK3_671B_LAYOUT = dict(
+    model_name="deepseek3-671b",
+    ici_data_parallelism="1",
+    ici_expert_parallelism="64",
+    ici_fsdp_parallelism="-1",
+    capacity_factor="1.25",
+    weight_dtype="bfloat16",
+)
