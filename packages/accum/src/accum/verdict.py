@@ -247,10 +247,7 @@ def _blame(finding: Finding, record: TraceRecord | None) -> str:
     if record is None:
         return "(no trace record: compile with accum.compile_checked to name it)"
     c = finding.collective
-    dims = {tuple(sorted(a.dims)) for a in c.arrays if a.elements > MAX_ELEMENTS}
-    by_shape = sorted(
-        p for p, shapes in record.shapes.items() if any(_slice_shapes(s) & dims for s in shapes)
-    )
+    by_shape = _params_shaped_like(c, record)
     key, prims = _user_key(finding.frames), _primitives(c.op_name)
 
     def flows_through(path: str) -> bool:
@@ -282,8 +279,18 @@ def could_carry_a_gradient(finding: Finding, record: TraceRecord | None) -> bool
     """
     if record is None or not record.shapes:
         return True
-    dims = {tuple(sorted(a.dims)) for a in finding.collective.arrays if a.elements > MAX_ELEMENTS}
-    return any(_slice_shapes(s) & dims for shapes in record.shapes.values() for s in shapes)
+    return bool(_params_shaped_like(finding.collective, record))
+
+
+def _params_shaped_like(c: hlo_tools.Collective, record: TraceRecord) -> list[str]:
+    """The parameters (sorted paths) whose per-device or global gradient, or one
+    layer of it, has the shape of one of `c`'s arrays of more than MAX_ELEMENTS
+    elements, in any dimension order (XLA may reduce a dot's output before its
+    transpose)."""
+    dims = {tuple(sorted(a.dims)) for a in c.arrays if a.elements > MAX_ELEMENTS}
+    return sorted(
+        p for p, shapes in record.shapes.items() if any(_slice_shapes(s) & dims for s in shapes)
+    )
 
 
 def _primitives(op_name: str) -> set[str]:
