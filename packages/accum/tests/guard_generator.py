@@ -6,7 +6,8 @@ and a loss, each from the idioms a JAX user writes under explicit sharding
 on replicated, tensor-, FSDP- (a 'data' x 'fsdp' mesh: weights at rest over
 'fsdp', gathered per use) or data-sharded weights, plus how it is accumulated
 (plain, fused, ZeRO-1, start/add/finish, hierarchical). `oracle_reduces(text,
-...)` counts the all-reduces and reduce-scatters of more than 8 elements over
+...)` counts the all-reduces and reduce-scatters of more than 8 elements that
+the backward pass makes (a forward psum is the model's own communication) over
 the watched axis (none when a weight is sharded over it at rest: that weight
 reduces it per use by design) inside the microbatch loop by reading the HLO
 text directly (regular expressions over while loops, their trip counts,
@@ -488,6 +489,20 @@ def _spans(group: list[int], sizes: dict[str, int], axis: str) -> bool:
     return len({(d // stride) % sizes[axis] for d in group}) > 1
 
 
+def _backward_line(line: str) -> bool:
+    """Whether an HLO line's op_name names a backward op: a gradient is made by
+    a transposed op (`transpose(...)` in JAX's name stack), not by a forward op
+    nor by a forward op recomputed for the backward pass (`rematted_computation`).
+    A line without an op_name counts."""
+    m = re.search(r'op_name="([^"]*)"', line)
+    if m is None:
+        return True
+    return any(
+        re.search(r"transpose\(", part) and not re.search(r"/rematted_computation/", part)
+        for part in m.group(1).split(":")
+    )
+
+
 def oracle_reduces(text: str, sizes: dict[str, int], axis: str | None, whole_program: bool) -> bool:
     """Whether an all-reduce / reduce-scatter with an array of more than 8
     elements spans `axis` inside the microbatch loop: the ENTRY computation's
@@ -520,7 +535,7 @@ def oracle_reduces(text: str, sizes: dict[str, int], axis: str | None, whole_pro
                 ),
                 default=0,
             )
-            if largest <= MAX_ELEMENTS:
+            if largest <= MAX_ELEMENTS or not _backward_line(line):
                 continue
             if any(_spans(g, sizes, axis) for g in _groups(line, sizes)):
                 return True

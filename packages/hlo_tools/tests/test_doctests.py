@@ -9,8 +9,8 @@ import pytest
 import hlo_tools
 
 # By module name: `hlo_tools.collectives` and `hlo_tools.traffic` are also functions.
-MODULES = ("parser", "collectives", "traffic", "assertions")
-ENTRY_POINTS = ("parse", "collectives", "traffic", "in_loop_reductions")
+MODULES = ("parser", "collectives", "traffic", "assertions", "dataflow")
+ENTRY_POINTS = ("parse", "collectives", "traffic", "in_loop_reductions", "reaches_root")
 
 
 def test_package_docstring_setup_parses(api_docs):

@@ -14,7 +14,10 @@ mesh's axis sizes, so the compiled text alone says what to look for:
 compiled HLO (hlo_tools: call graph, while loops, trip counts, replica groups
 as mesh axes) for an all-reduce or reduce-scatter (async forms included) of more
 than `MAX_ELEMENTS` elements in one array, spanning one of those axes, under such
-a mark. `check_compiled` raises `TagLostError` (or warns) naming the HLO
+a mark, made by the backward pass and flowing into the accumulator: a
+gradient's reduction (`in_backward`, `accumulates`; a forward psum of
+activations is the model's own, an activation cotangent's feeds backward
+compute instead). `check_compiled` raises `TagLostError` (or warns) naming the HLO
 instruction, the source line XLA kept for it, the bytes per step and the
 parameters whose gradient it carries; `compile_checked` compiles a user's step
 and hands back the executable it checked.
@@ -159,22 +162,74 @@ def _largest_array(c: hlo_tools.Collective) -> int:
     return max((a.elements for a in c.arrays), default=0)
 
 
-def _mark_for(c: hlo_tools.Collective) -> tuple[str, tuple, dict] | None:
-    """("loop"|"add", axes, mesh shape) when `c` runs under a mark, else None."""
+def _mark_for(c: hlo_tools.Collective) -> tuple[str, tuple, dict, str | None] | None:
+    """("loop"|"add", axes, mesh shape, the marked loop's while instruction or
+    None for `accum.add`) when `c` runs under a mark, else None."""
     for loop in reversed(c.loops):
         mark = _mark_of(loop.op_name, LOOP_SCOPE)
         if mark is not None:
-            return ("loop", *mark)
+            return ("loop", *mark, loop)
     mark = _mark_of(c.op_name, ADD_SCOPE)
-    return None if mark is None else ("add", *mark)
+    return None if mark is None else ("add", *mark, None)
+
+
+def _carry(module: Any, loop: hlo_tools.Loop | None) -> str:
+    """The computation whose ROOT holds the accumulator: the marked loop's body
+    (its carry), or ENTRY for an `accum.add` body (the program's output)."""
+    if loop is None:
+        return module.entry_name
+    while_instr = module.computations[loop.computation].by_name[loop.name]
+    return while_instr.attributes["body"].lstrip("%")
+
+
+def in_backward(op_name: str) -> bool:
+    """Whether an op_name is of the backward pass, where gradients are made: JAX
+    names transposed ops `transpose(...)`, and forward ops recomputed for the
+    backward pass (remat) `.../rematted_computation/...`, which are forward ops.
+    A forward reduction (a psum of activations, a Gram matrix over the batch) is
+    the model's own communication: the loss needs its value, no deferral moves it.
+    XLA joins merged ops' names with ':'; a collective without a name (one XLA
+    made) counts as backward."""
+    if not op_name:
+        return True
+    return any(
+        "transpose(" in part and "rematted_computation" not in part for part in op_name.split(":")
+    )
+
+
+def accumulates(module: Any, c: hlo_tools.Collective, carry: str) -> bool:
+    """Whether an array (of more than MAX_ELEMENTS elements) that `c` reduces flows
+    into the accumulator: to `carry`'s ROOT through moves, converts, scales and
+    adds, never through a contraction (hlo_tools.reaches_root).
+
+    That is what a gradient's reduction does. An activation cotangent's feeds the
+    backward dots (weight and input gradients) or a norm's sums instead:
+    context parallelism's attention reduces the cotangents of its all-gathered
+    keys and values over 'context' every microbatch, by construction, in
+    explicit and auto mode alike, and deferral has nothing to move there. Read
+    from the program, not from shapes: an activation may have a weight's shape
+    (on a small model it does), and XLA may pad or concatenate gradients.
+    """
+    instr = module.computations[c.computation].by_name[c.name]
+    elements = hlo_tools.dataflow.tuple_elements(instr)
+    if elements != len(c.arrays):  # an array, or a -start tuple with more than outputs
+        indices = [None] if _largest_array(c) > MAX_ELEMENTS else []
+    else:
+        indices = [i for i, a in enumerate(c.arrays) if a.elements > MAX_ELEMENTS]
+    return any(
+        hlo_tools.reaches_root(module, c.computation, c.name, target=carry, index=i)
+        for i in indices
+    )
 
 
 def in_loop_reductions(text: str) -> list[Finding]:
-    """Reductions over a watched axis inside a marked loop or `accum.add` body.
+    """Gradient reductions over a watched axis inside a marked loop or `accum.add` body.
 
     Each all-reduce / reduce-scatter (start forms included; TPU async fusions
     counted once, by hlo_tools) with an array of more than `MAX_ELEMENTS`
-    elements, whose replica groups span a watched axis of its mark.
+    elements, whose replica groups span a watched axis of its mark, made by the
+    backward pass (`in_backward`) and whose result the loop accumulates
+    (`accumulates`): a gradient's reduction, not an activation's.
 
     Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
 
@@ -203,9 +258,9 @@ def in_loop_reductions(text: str) -> list[Finding]:
         mark = _mark_for(c)
         if mark is None:
             continue
-        where, axes, mesh_shape = mark
+        where, axes, mesh_shape, loop = mark
         spanned = tuple(a for a in axes if hlo_tools.spans_mesh_axis(c, mesh_shape, a))
-        if spanned:
+        if spanned and in_backward(c.op_name) and accumulates(module, c, _carry(module, loop)):
             found.append(Finding(c, spanned, where, ()))
     if not found:
         return found
@@ -265,21 +320,6 @@ def _blame(finding: Finding, record: TraceRecord | None) -> str:
         if names:
             return f"{', '.join(map(_display, names))} ({why})"
     return "no parameter of this shape (a value computed from the parameters)"
-
-
-def could_carry_a_gradient(finding: Finding, record: TraceRecord | None) -> bool:
-    """Whether one of the collective's arrays has the shape of a parameter's
-    gradient (global, per device, or one layer of a stack, in any dimension order).
-
-    A reduction of no such shape carries activations: context parallelism's
-    attention reduces the cotangents of its all-gathered keys and values over
-    'context' every microbatch, by construction, in explicit and auto mode alike;
-    deferral has nothing to move there. Without a record (text checked on its own)
-    every reduction counts.
-    """
-    if record is None or not record.shapes:
-        return True
-    return bool(_params_shaped_like(finding.collective, record))
 
 
 def _params_shaped_like(c: hlo_tools.Collective, record: TraceRecord) -> list[str]:
@@ -353,8 +393,9 @@ def message(findings: list[Finding], record: TraceRecord | None) -> str:
 def check_compiled(text: str, on_tag_lost: str = "raise", record: TraceRecord | None = None):
     """Raise `TagLostError` (warn: `RuntimeWarning`; ignore: nothing) when the
     compiled HLO `text` reduces a deferred axis inside accum's microbatch loop or
-    an `accum.add` body. With a trace `record`, only a reduction of an array shaped
-    like a parameter's gradient counts (`could_carry_a_gradient`). Returns the findings.
+    an `accum.add` body: a reduction whose result the loop accumulates (a
+    gradient's; `accumulates`). The trace `record` names the parameters in the
+    message. Returns the findings.
 
     Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
 
@@ -375,7 +416,7 @@ def check_compiled(text: str, on_tag_lost: str = "raise", record: TraceRecord | 
     check_option(on_tag_lost)
     if on_tag_lost == "ignore":
         return []
-    findings = [f for f in in_loop_reductions(text) if could_carry_a_gradient(f, record)]
+    findings = in_loop_reductions(text)
     if findings:
         text = message(findings, record)
         if on_tag_lost == "warn":
@@ -397,8 +438,8 @@ def compile_checked(
     `fn` is a `jax.jit`-ed function (or a plain one, jitted here) whose body
     calls `accumulate_gradients` (train_step, zero1_step...) or `accum.add`.
     Lowers and compiles once, then raises `TagLostError` if and only if the
-    compiled program runs a reduction of a gradient-shaped array over a deferred
-    axis inside the microbatch loop (`check_compiled`). Call the returned executable: it is the
+    compiled program runs a gradient's reduction over a deferred axis inside the
+    microbatch loop (`check_compiled`). Call the returned executable: it is the
     program that was checked (no second compile), with the dynamic arguments
     only (static ones are compiled in). The trace-time analysis runs
     during lowering only to name the parameters in the message.

@@ -56,6 +56,7 @@ from hlo_tools.assertions import (
 from hlo_tools.buffers import Allocation, BufferValue, loop_buffers, parse_buffer_assignment
 from hlo_tools.callgraph import Context, Loop
 from hlo_tools.collectives import KINDS, REDUCTION_KINDS, Collective, collectives
+from hlo_tools.dataflow import contracts, reaches_root
 from hlo_tools.errors import HloParseError
 from hlo_tools.jitted import (
     assert_jitted_reduced_once_per_step,
@@ -112,6 +113,7 @@ __all__ = [
     "collectives",
     "compile_with_buffers",
     "compiled_text",
+    "contracts",
     "cross_replica_all_reduce_sizes",
     "crosses_slices",
     "format_slice_traffic",
@@ -129,6 +131,7 @@ __all__ = [
     "parse",
     "parse_buffer_assignment",
     "parse_instruction",
+    "reaches_root",
     "report_jitted",
     "slice_traffic",
     "spanned_axes",

@@ -156,6 +156,20 @@ class HloModule:
 
         return CallGraph(self)
 
+    @cached_property
+    def users(self):
+        """(computation, instruction) -> [(user instruction, operand position)]."""
+        from hlo_tools.dataflow import users
+
+        return users(self)
+
+    @cached_property
+    def callers(self):
+        """computation -> the instructions that pass it their operands."""
+        from hlo_tools.dataflow import callers
+
+        return callers(self)
+
     def contexts_of(self, instruction: Instruction):
         """Every calling context (enclosing loops, call path) the instruction runs in."""
         return self.call_graph.contexts.get(instruction.computation, [])
