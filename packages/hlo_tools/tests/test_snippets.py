@@ -336,6 +336,11 @@ def test_verdict_over_mesh_axes():
     assert "over fsdp only, allowed" in judged["message"]
     strict = ht.verdict(ht.parse(text), mesh_shape=mesh, over=["fsdp"])
     assert strict["status"] == "FAIL" and "over fsdp inside loops" in strict["message"]
+    # The caller knows this one carries activations (accum's verdict reads it): allowed.
+    module = ht.parse(text)
+    known = [c for c in ht.in_loop_reductions(module) if c.name == "r"]
+    told = ht.verdict(module, mesh_shape=mesh, over=["fsdp"], activations=known)
+    assert told["status"] == "OK" and "1 of them carrying activations" in told["message"]
     with pytest.raises(ValueError, match="needs mesh_shape"):
         ht.verdict(ht.parse(text), over=["data"])
     with pytest.raises(ValueError, match=r"\['tensor'\]"):

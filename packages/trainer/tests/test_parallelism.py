@@ -10,6 +10,8 @@ import re
 import pytest
 
 import hlo_tools
+from trainer.config import make_config
+from trainer.report import collective_summary
 
 # The layouts whose only batch axis is 'data' run at GA=4 (the same 32 sequences per
 # step as the single-device reference): one compile per layout serves both the
@@ -51,6 +53,11 @@ def test_context_parallel_ga4_matches_single_device_and_is_no_tag_loss(
     ]
     assert per_microbatch, "the attention cotangents' 'context' reductions are gone"
     assert all("transpose(" in c.op_name for c in per_microbatch)  # backward ones
+    # The startup summary reads the same verdict: no FAIL for them.
+    config = make_config({**layouts["fsdp+context"], **GA4})
+    head = collective_summary(text, config, sizes, ("context",))[0]
+    assert "OK: no gradient reduction > 8 elements over context inside loops" in head, head
+    assert f"{len(per_microbatch)} of them carrying activations" in head, head
 
 
 def _groups_span_data(collective, data_size: int, devices: int = 8) -> bool:

@@ -23,13 +23,16 @@ def verdict(
     max_in_loop_elements: int = 8,
     mesh_shape: Mapping[str, int] | None = None,
     over: Sequence[str] = (),
+    activations: Sequence[Collective] = (),
 ) -> dict:
     """``{"status": "OK"|"FAIL"|"VACUOUS", "message": str, ...}`` on in-loop reductions.
 
     With `mesh_shape` (the mesh's ordered axis -> size) and `over`, only in-loop
     reductions whose replica groups span one of the `over` axes fail; the others
     (FSDP's per-iteration reduce-scatters over its own axis, say) are counted as
-    allowed and named by the axes they span.
+    allowed and named by the axes they span. `activations`: in-loop reductions
+    the caller knows carry activations, not gradients (accum's verdict reads it
+    from the program: context parallelism's key/value cotangents); allowed too.
     """
     inside = in_loop_reductions(module, max_in_loop_elements)
     outside = gradient_reductions_outside(module, max_in_loop_elements)
@@ -42,6 +45,7 @@ def verdict(
         offenders = [c for c in inside if any(spans_mesh_axis(c, mesh_shape, a) for a in over)]
     else:
         offenders = inside
+    offenders = [c for c in offenders if c not in activations]
     allowed = [c for c in inside if c not in offenders]
     limit = f"> {max_in_loop_elements} elements"
     over_text = f" over {', '.join(over)}" if over else ""
@@ -59,9 +63,12 @@ def verdict(
         also = ""
         if allowed:
             axes = ", ".join(spanned_axes(allowed, mesh_shape))
-            also = f" ({len(allowed)} per iteration over {axes} only, allowed)"
+            carried = sum(c in activations for c in allowed)
+            which = f", {carried} of them carrying activations" if carried else " only"
+            also = f" ({len(allowed)} per iteration over {axes}{which}, allowed)"
+        what = "gradient reduction" if activations else "reduction"
         message = (
-            f"OK: no reduction {limit}{over_text} inside loops{also}; "
+            f"OK: no {what} {limit}{over_text} inside loops{also}; "
             f"{len(outside)} gradient-sized reduction(s) outside"
         )
     else:

@@ -102,7 +102,7 @@ def collective_summary(
         f"collectives per step (GA={config.gradient_accumulation_steps}, "
         f"gradient_reduction_policy={config.gradient_reduction_policy}): "
         f"{len(outside)} gradient reductions after the loops ({outside_mib:.3f} MiB{during}); "
-        + _verdict(module, inside, mesh_shape, strict_axes)
+        + _verdict(text, module, inside, mesh_shape, strict_axes)
     )
     return [head, *lines]
 
@@ -115,13 +115,37 @@ def slice_split_line(module, mesh_shape: dict[str, int], slice_axes: tuple[str, 
     return "  " + hlo_tools.format_slice_traffic(split)
 
 
-def _verdict(module, inside, mesh_shape, strict_axes) -> str:
+def _activations(text: str, inside: list, mesh_shape: dict, strict_axes: tuple) -> list:
+    """The in-loop reductions over a strict axis that accum's verdict does not
+    take for a gradient's (context parallelism's keys' and values' cotangents);
+    none when no loop is marked (nothing deferred: the verdict judged nothing)."""
+    if accum.verdict.LOOP_SCOPE not in text:
+        return []
+    found = accum.in_loop_reductions(text)
+    gradients = {(f.collective.computation, f.collective.name) for f in found}
+    return [
+        c
+        for c in inside
+        if (c.computation, c.name) not in gradients
+        and any(hlo_tools.spans_mesh_axis(c, mesh_shape, a) for a in strict_axes)
+    ]
+
+
+def _verdict(text, module, inside, mesh_shape, strict_axes) -> str:
     if not inside:
         return "OK: every gradient reduced once per step"
     if mesh_shape and strict_axes:
         # hlo_tools judges by the replica groups: FAIL only for reductions
-        # across an axis whose deferral covers every parameter.
-        return hlo_tools.verdict(module, mesh_shape=mesh_shape, over=strict_axes)["message"]
+        # across an axis whose deferral covers every parameter, and only for those
+        # accum's compiled verdict (the one the step was checked with) takes for a
+        # gradient's: the others carry activations (context parallelism's keys and
+        # values) by construction.
+        return hlo_tools.verdict(
+            module,
+            mesh_shape=mesh_shape,
+            over=strict_axes,
+            activations=_activations(text, inside, mesh_shape, strict_axes),
+        )["message"]
     mib = sum(c.bytes_per_step or c.bytes for c in inside) / MIB
     over = f" over {', '.join(hlo_tools.spanned_axes(inside, mesh_shape))}" if mesh_shape else ""
     return f"{len(inside)} gradient-sized reductions per loop iteration{over} ({mib:.3f} MiB/step)"
