@@ -263,7 +263,8 @@ FIXTURES = Path(__file__).parent / "fixtures" / "hf_configs"
 # Hugging Face key -> trainer key, for the keys the presets carry.
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_preset_passes_the_architecture_checks(name):
-    check_architecture(make_config({"model_name": name}))
+    config = make_config({"model_name": name})
+    check_architecture(config.model, config.data)
 
 
 @pytest.mark.parametrize(

@@ -167,6 +167,21 @@ class ModelConfig:
     mtp_num_layers: int = _key(0, "multi-token prediction depths (0: off)")
     mtp_loss_scaling_factor: float = _key(0.1, "weight of the MTP loss")
 
+    @property
+    def emb_dim(self) -> int:
+        """The model width (base_emb_dim)."""
+        return self.base_emb_dim
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Decoder layers with an MoE MLP."""
+        return self.base_num_decoder_layers - self.first_num_dense_layers
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Per-head query/key dims, RoPE and non-RoPE together."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
 
 @dataclasses.dataclass(frozen=True)
 class ParallelismConfig:
@@ -430,18 +445,6 @@ class Config(
     evaluation = _GroupView(EvaluationConfig)
     checkpointing = _GroupView(CheckpointingConfig)
     output = _GroupView(OutputConfig)
-
-    @property
-    def emb_dim(self) -> int:
-        return self.base_emb_dim
-
-    @property
-    def num_moe_layers(self) -> int:
-        return self.base_num_decoder_layers - self.first_num_dense_layers
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
     def run_dir(self) -> str:

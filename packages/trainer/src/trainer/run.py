@@ -72,7 +72,7 @@ def setup(config: Config, devices: list | None = None) -> Run:
     devices = slices.slice_major(devices) if num_slices > 1 else devices
     sizes = validate(config, len(devices), num_slices)
     # Inputs and the output directory, before building or compiling anything.
-    batch = global_batch_size(config, len(devices))
+    batch = global_batch_size(config.accumulation, config.data, len(devices))
     source = input_pipeline.make_source(config, batch)
     eval_set = eval_data.make_eval_set(config, len(devices), sizes)
     checkpoints = checkpoint.open_checkpointer(config, batch)
@@ -142,7 +142,8 @@ def abstract_setup(config: Config, devices: list) -> Run:
     compile-only devices; lower with `abstract_batch(run)`."""
     num_slices = slices.num_slices(config.parallelism, devices)
     sizes = validate(config, len(devices), num_slices)
-    return _build(config, devices, sizes, global_batch_size(config, len(devices)), abstract=True)
+    batch = global_batch_size(config.accumulation, config.data, len(devices))
+    return _build(config, devices, sizes, batch, abstract=True)
 
 
 def _build(
@@ -253,7 +254,7 @@ def train(
     checkpoints = run.checkpoints
 
     def maybe_evaluate(step: int) -> None:
-        if run.evaluator and eval_data.due(config, step):
+        if run.evaluator and eval_data.due(config.training, config.evaluation, step):
             result = run.evaluator.evaluate(run.state)
             run.evals.append((step, result))
             if on_eval:
