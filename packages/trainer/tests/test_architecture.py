@@ -147,7 +147,7 @@ def _forward(overrides: dict):
     config = make_config({**TINY, **overrides})
     sizes = validate(config, 1)
     mesh = make_mesh(sizes, config.shard_mode, jax.devices()[:1])
-    ctx = ShardCtx(mesh, logical_rules(config), config.shard_mode)
+    ctx = ShardCtx(mesh, logical_rules(config.parallelism), config.shard_mode)
     model = model_lib.define(config, ctx)
     params, router = model_lib.init(config, ctx, model)
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (2, 16)), jnp.int32)

@@ -78,10 +78,12 @@ def setup(config: Config, devices: list | None = None) -> Run:
     checkpoints = checkpoint.open_checkpointer(config, batch)
     # A run with checkpoints of its own resumes from them: never from its initial weights.
     resuming = bool(checkpoints and checkpoints.manager.latest_step() is not None)
-    weights = None if resuming else initial_weights.source(config)
+    weights = None if resuming else initial_weights.source(config.model, config.checkpointing)
     run = _build(config, devices, sizes, batch, abstract=False, weights=weights)
     run.source, run.checkpoints = source, checkpoints
-    run.evaluator = evaluate.make_evaluator(config, run.ctx, run.model, eval_set)
+    run.evaluator = evaluate.make_evaluator(
+        config.parallelism, config.data, config.evaluation, run.ctx, run.model, eval_set
+    )
     restored = None
     if checkpoints:
         checkpoints.check_space(run.state)
@@ -162,7 +164,7 @@ def _build(
     given (a HF directory, another run's checkpoint), drawn at random otherwise.
     """
     mesh = make_mesh(sizes, config.shard_mode, devices)
-    ctx = ShardCtx(mesh, logical_rules(config), config.shard_mode)
+    ctx = ShardCtx(mesh, logical_rules(config.parallelism), config.shard_mode)
     model = model_lib.define(config, ctx)
     if abstract:
         params, router = model_lib.abstract_state(model, ctx)
@@ -174,10 +176,10 @@ def _build(
     if config.gradient_reduction_policy == "auto":
         grad_dtypes = reduction_choice.gradient_dtypes(model, params)
         config, choice = reduction_choice.resolve(config, ctx, params, devices, grad_dtypes)
-    plan = reduction_plan(config, ctx, params)
+    plan = reduction_plan(config.parallelism, config.accumulation, ctx, params)
     tx = make_optimizer(config.training)
     params, opt_shardings, zero1 = _optimizer_layout(config, mesh, tx, params)
-    fns = make_step(config, ctx, model, tx, zero1, plan)
+    fns = make_step(config.model, config.training, config.accumulation, ctx, model, tx, zero1, plan)
     with jax.set_mesh(mesh):
         init = jax.jit(fns.init_opt_state, out_shardings=opt_shardings)
         opt_state = jax.eval_shape(init, params) if abstract else init(params)
@@ -248,8 +250,8 @@ def train(
     config = run.config
     compiled = run.compiled or compile_step(run)
     tokens_per_step = run.batch_size * config.max_target_length
-    flops_per_step = flops.training_flops_per_token(config) * tokens_per_step
-    peak = flops.peak_tflops(config, jax.devices()[0].device_kind)
+    flops_per_step = flops.training_flops_per_token(config.model, config.data) * tokens_per_step
+    peak = flops.peak_tflops(config.output, jax.devices()[0].device_kind)
     history = []
     checkpoints = run.checkpoints
 
@@ -327,14 +329,15 @@ def startup_lines(run: Run) -> list[str]:
     sizes = dict(run.ctx.mesh.shape)
     lines = [
         report.mesh_line(sizes, config.shard_mode),
-        report.params_line_of(config, run.state["params"]),
-        report.batch_line(config, run.batch_size),
+        report.params_line_of(config.model, run.state["params"]),
+        report.batch_line(config.accumulation, config.data, run.batch_size),
     ]
     if run.reduction_choice:
         lines += reduction_choice.startup_lines(run.reduction_choice)
-    lines += report.plan_lines(config, run.plan)
+    lines += report.plan_lines(config.accumulation, run.plan)
     lines += data_lines(run)
-    return lines + report.collective_summary(run.compiled.as_text(), config, *summary_axes(run))
+    text = run.compiled.as_text()
+    return lines + report.collective_summary(text, config.accumulation, *summary_axes(run))
 
 
 def summary_axes(run: Run) -> tuple[dict[str, int], tuple[str, ...], tuple[str, ...]]:

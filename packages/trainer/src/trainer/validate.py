@@ -73,7 +73,7 @@ def validate(config: Config, num_devices: int, num_slices: int | None = None) ->
     """
     if num_slices is None:
         num_slices = config.num_slices if config.num_slices > 0 else 1
-    sizes = mesh_shape(config, num_devices, num_slices)
+    sizes = mesh_shape(config.parallelism, num_devices, num_slices)
     _check_training(config)
     _check_model(config)
     model, parallelism, data = config.model, config.parallelism, config.data
