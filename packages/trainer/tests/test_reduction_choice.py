@@ -93,8 +93,8 @@ def test_hardware_for_names_the_assumption_and_refuses_incomplete_entries(monkey
     config = make_config({})
     hw, note = reduction_choice.hardware_for(config.parallelism, config.accumulation, jax.devices())
     assert hw.name == "v5e" and "no hardware table entry for 'cpu': assumed v5e" in note
+    config = make_config({"reduction_hardware": "v4"})
     with pytest.raises(ConfigError, match=r"'v4' lacks ici_bytes_per_s.*reduction_hardware="):
-        config = make_config({"reduction_hardware": "v4"})
         reduction_choice.hardware_for(config.parallelism, config.accumulation, [])
     config = make_config({"compile_topology": "v6e-8"})
     hw, note = reduction_choice.hardware_for(config.parallelism, config.accumulation, [])

@@ -122,12 +122,8 @@ def make_eval_set(config: Config, num_devices: int, sizes: dict[str, int]) -> Ev
 
     Takes the Config: the eval set reads the model, parallelism, training, data and
     evaluation groups."""
-    model, training, data, evaluation = (
-        config.model,
-        config.training,
-        config.data,
-        config.evaluation,
-    )
+    model, training, data = config.model, config.training, config.data
+    evaluation = config.evaluation
     if not enabled(evaluation):
         return None
     batch = eval_batch_size(config.parallelism, data, evaluation, num_devices, sizes)

@@ -1,4 +1,7 @@
-"""A whole run: validate, build mesh and model, compile once, train, report."""
+"""A whole run: validate, build mesh and model, compile once, train, report.
+
+Takes the whole Config: it is the wiring that hands each module the groups it reads.
+"""
 
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ from trainer import (
 )
 from trainer import metrics as metrics_lib
 from trainer import model as model_lib
-from trainer.config import Config
+from trainer.config import Config, ParallelismConfig
 from trainer.optimizer import make_optimizer
 from trainer.sharding import ShardCtx, logical_rules, make_mesh, reduction_plan
 from trainer.train_step import make_step
@@ -95,10 +98,10 @@ def setup(config: Config, devices: list | None = None) -> Run:
     return run
 
 
-def _optimizer_layout(config: Config, mesh, tx, params) -> tuple[Any, Any, Any]:
+def _optimizer_layout(parallelism: ParallelismConfig, mesh, tx, params) -> tuple[Any, Any, Any]:
     """(params, optimizer-state shardings, zero1) for `make_step`; `params` may be
     arrays or ShapeDtypeStructs (abstract_setup). Without ZeRO-1 nothing moves."""
-    if not config.shard_optimizer_over_data:
+    if not parallelism.shard_optimizer_over_data:
         # Adam's moments laid out like the parameters. Explicit mode infers this
         # from the types; auto mode would otherwise let XLA pick, and it
         # replicated them under FSDP (4x the state memory on fsdp=8).
@@ -178,7 +181,7 @@ def _build(
         config, choice = reduction_choice.resolve(config, ctx, params, devices, grad_dtypes)
     plan = reduction_plan(config.parallelism, config.accumulation, ctx, params)
     tx = make_optimizer(config.training)
-    params, opt_shardings, zero1 = _optimizer_layout(config, mesh, tx, params)
+    params, opt_shardings, zero1 = _optimizer_layout(config.parallelism, mesh, tx, params)
     fns = make_step(config.model, config.training, config.accumulation, ctx, model, tx, zero1, plan)
     with jax.set_mesh(mesh):
         init = jax.jit(fns.init_opt_state, out_shardings=opt_shardings)
