@@ -143,7 +143,7 @@ def _predicted_columns(variant: dict, module) -> dict:
     from trainer.config import make_config
 
     config = make_config({**COMMON, **variant, "base_output_directory": tempfile.mkdtemp()})
-    devices = aot.devices_for(aot.resolve(config), config.compile_topology_num_slices)
+    devices = aot.devices_for(aot.resolve(config.parallelism), config.compile_topology_num_slices)
     run = run_lib.abstract_setup(config, devices)
     pred_in, pred_out = reduction_bytes.predicted(run)
     moved_in, moved_out = reduction_bytes.hoisted(run)

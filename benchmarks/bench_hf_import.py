@@ -119,7 +119,7 @@ def child(directory: str, layout_name: str) -> None:
 
     config = _config(LAYOUTS[layout_name])
     mesh = make_mesh(mesh_shape(config, 8), config.shard_mode, jax.devices()[:8])
-    ctx = ShardCtx(mesh, logical_rules(config), config.shard_mode)
+    ctx = ShardCtx(mesh, logical_rules(config.parallelism), config.shard_mode)
     model = model_lib.define(config, ctx)
 
     def rss() -> int:

@@ -140,8 +140,8 @@ def share_671b() -> dict:
         "mtp_num_layers": 1,
         "params": total,
         "mtp_params": own,
-        "flops_over_off": flops.training_flops_per_token(config)
-        / flops.training_flops_per_token(plain),
+        "flops_over_off": flops.training_flops_per_token(config.model, config.data)
+        / flops.training_flops_per_token(plain.model, plain.data),
     }
 
 

@@ -55,11 +55,13 @@ def predict_grid() -> list[dict]:
                 + [f"compile_topology_num_slices={slices}", f"dcn_data_parallelism={slices}"]
             )
             ctx, params, grad_dtypes = plan_reduction.abstract_params(config)
-            plans = reduction_choice.plans(config, ctx, params)
+            plans = reduction_choice.plans(config.parallelism, config.accumulation, ctx, params)
             for ga in GAS:
                 at_ga = dataclasses.replace(config, gradient_accumulation_steps=ga)
-                hw, _ = reduction_choice.hardware_for(at_ga, [])
-                costs = reduction_choice.predict_all(at_ga, plans, params, hw, grad_dtypes)
+                hw, _ = reduction_choice.hardware_for(at_ga.parallelism, at_ga.accumulation, [])
+                costs = reduction_choice.predict_all(
+                    at_ga.model, at_ga.accumulation, at_ga.data, plans, params, hw, grad_dtypes
+                )
                 chosen = reduction_choice.auto_order(costs, plans, ga)[0]
                 for policy, c in costs.items():
                     rows.append(

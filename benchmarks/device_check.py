@@ -100,7 +100,7 @@ def child(spec: dict) -> dict:
     config = step.config
     seconds = statistics.median(times[1:] or times)
     tokens_per_s = step.run.batch_size * config.max_target_length / seconds
-    peak = flops.peak_tflops(config, device.device_kind)
+    peak = flops.peak_tflops(config.output, device.device_kind)
     stats = device.memory_stats() or {}
     overlap = ht.overlap_report(step.module)["gradient_reductions"]["share"]
     return {
@@ -111,7 +111,7 @@ def child(spec: dict) -> dict:
         "tokens_per_step": step.run.batch_size * config.max_target_length,
         "step_ms": 1e3 * seconds,
         "tokens_per_s": tokens_per_s,
-        "mfu": flops.training_flops_per_token(config)
+        "mfu": flops.training_flops_per_token(config.model, config.data)
         * tokens_per_s
         / (peak * 1e12 * out["devices"])
         if peak

@@ -194,7 +194,7 @@ def test_deepseek2_lite_has_the_model_cards_counts():
     config = make_config({"model_name": "deepseek2-lite"})
     params = abstract_model.parameters(config).params
     assert 15_650e6 <= flops.count_params(params) < 15_750e6
-    assert 2_400e6 <= flops.active_matmul_params(config) < 2_500e6
+    assert 2_400e6 <= flops.active_matmul_params(config.model) < 2_500e6
 
 
 @pytest.mark.slow  # about 5 minutes of compile on an idle 2-core host: `nox -s slow_aot`
@@ -230,7 +230,7 @@ def test_671b_with_mtp_counts_its_depth_apart_and_matches_the_model_card():
     assert 11.5e9 < mtp < 11.7e9  # one MoE block of the 671b shape, eh_proj, 3 norms
     copies = 2 * config.vocab_size * config.emb_dim  # layer 61's embed_tokens, shared_head.head
     assert abs(total + copies - 685e9) / 685e9 < 0.002
-    line = report.params_line_of(config, params)
+    line = report.params_line_of(config.model, params)
     assert f"multi-token prediction: {mtp / 1e6:.3f}M in 1 depth" in line
     # FLOPs / MFU: per token, one more projection, MoE block (top-8 + shared expert)
     # and head pass, and one more layer of attention products.
@@ -245,8 +245,10 @@ def test_671b_with_mtp_counts_its_depth_apart_and_matches_the_model_card():
     )
     moe = d * c.num_experts + 3 * d * c.base_moe_mlp_dim * (c.num_experts_per_tok + 1)
     added = 2 * d * d + attention + moe + d * c.vocab_size
-    assert flops.active_matmul_params(c) - flops.active_matmul_params(plain) == added
-    extra_flops = flops.training_flops_per_token(c) - flops.training_flops_per_token(plain)
+    assert flops.active_matmul_params(c.model) - flops.active_matmul_params(plain.model) == added
+    extra_flops = flops.training_flops_per_token(c.model, c.data) - flops.training_flops_per_token(
+        plain.model, plain.data
+    )
     assert extra_flops == 6 * added + 6 * c.max_target_length * h * (c.qk_head_dim + v)
 
 

@@ -147,7 +147,7 @@ def _forward(overrides: dict):
     config = make_config({**TINY, **overrides})
     sizes = validate(config, 1)
     mesh = make_mesh(sizes, config.shard_mode, jax.devices()[:1])
-    ctx = ShardCtx(mesh, logical_rules(config), config.shard_mode)
+    ctx = ShardCtx(mesh, logical_rules(config.parallelism), config.shard_mode)
     model = model_lib.define(config, ctx)
     params, router = model_lib.init(config, ctx, model)
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (2, 16)), jnp.int32)
@@ -263,7 +263,8 @@ FIXTURES = Path(__file__).parent / "fixtures" / "hf_configs"
 # Hugging Face key -> trainer key, for the keys the presets carry.
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_preset_passes_the_architecture_checks(name):
-    check_architecture(make_config({"model_name": name}))
+    config = make_config({"model_name": name})
+    check_architecture(config.model, config.data)
 
 
 @pytest.mark.parametrize(

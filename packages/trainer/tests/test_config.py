@@ -244,7 +244,7 @@ def test_global_batch_is_per_device_batch_times_devices_times_ga():
     from trainer.validate import global_batch_size
 
     config = make_config({"per_device_batch_size": "2", "gradient_accumulation_steps": "4"})
-    assert global_batch_size(config, 8) == 2 * 8 * 4
+    assert global_batch_size(config.accumulation, config.data, 8) == 2 * 8 * 4
     assert validate(config, 8)["data"] == 8
 
 

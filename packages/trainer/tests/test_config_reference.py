@@ -70,3 +70,24 @@ def test_docs_config_md_is_up_to_date():
         on_disk = f.read()
     if on_disk != config_reference.render():
         pytest.fail(f"docs/config.md is out of date: run `{config_reference.COMMAND}`")
+
+
+GROUP_SOURCE = """
+def f(model, data, parallelism):
+    a = model.num_moe_layers          # ModelConfig's property: the two layer counts
+    b = data.num_moe_layers           # no DataConfig property: no read
+    c = parallelism.ici_parallelism() # ParallelismConfig's method: every ici_ key
+    return open_column(data, "hf_eval_files")  # a key named beside a group view
+"""
+
+
+def test_the_scan_follows_a_groups_own_properties_and_arguments():
+    keys = frozenset(FIELDS)
+    with open(config_reference.config_lib.__file__) as f:
+        derived = config_reference._derived_reads(ast.parse(f.read()), keys)
+    found = config_reference.keys_named(
+        ast.parse(GROUP_SOURCE), keys, derived, config_reference.CONFIG_NAMES
+    )
+    ici = {k for k in FIELDS if k.startswith("ici_")}
+    layers = {"base_num_decoder_layers", "first_num_dense_layers"}
+    assert found == layers | ici | {"hf_eval_files"}

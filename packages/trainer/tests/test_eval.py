@@ -273,7 +273,9 @@ def test_synthetic_runs_evaluate_a_held_out_stream():
     held_out = eval_set.source.rows(0, 0, 8)["inputs"]
     assert np.array_equal(held_out, eval_set.source.rows(0, 0, 8)["inputs"])  # fixed batches
     for step in range(50):  # none of the first 50 training batches
-        assert not np.array_equal(held_out, synthetic_batch(config, 8, step)["inputs"])
+        assert not np.array_equal(
+            held_out, synthetic_batch(config.model, config.training, config.data, 8, step)["inputs"]
+        )
 
 
 @pytest.mark.parametrize(
@@ -312,7 +314,7 @@ def test_bad_eval_input_stops_before_building_the_model(
 def test_evaluation_off_needs_no_eval_data(corpus):
     config = _config(corpus, eval_interval="0", eval_dataset_path="")
     assert eval_data.make_eval_set(config, 8, {"data": 8, "fsdp": 1, "expert": 1}) is None
-    assert not eval_data.due(config, config.steps)
+    assert not eval_data.due(config.training, config.evaluation, config.steps)
 
 
 def test_plot_draws_the_eval_curve_beside_the_training_loss(tmp_path):

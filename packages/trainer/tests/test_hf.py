@@ -90,7 +90,7 @@ def test_streamed_onto_8_devices_equals_one_device(loaded):
         config, ici_fsdp_parallelism=2, ici_expert_parallelism=4, ici_data_parallelism=1
     )
     mesh = make_mesh(mesh_shape(config, 8), config.shard_mode, jax.devices()[:8])
-    ctx = ShardCtx(mesh, logical_rules(config), config.shard_mode)
+    ctx = ShardCtx(mesh, logical_rules(config.parallelism), config.shard_mode)
     sharded = hf.import_params(str(FIXTURES / "v3_fp8"), config, ctx, progress=False)
     wi = sharded["params"]["moe_layers"]["ffn"]["wi_0"]
     assert len({str(s.index) for s in wi.addressable_shards}) > 1  # really split

@@ -134,8 +134,9 @@ def test_eval_set_reads_hf_eval_files_in_order(corpus):
         per_device_batch_size="1",
     )
     eval_set = eval_data.make_eval_set(config, 2, mesh_shape(config, 2))
+    text = _text(corpus)
     text_eval = eval_data.TextEvalSource(
-        text_data.load_packed(_text(corpus), str(corpus / "docs.jsonl")), 2
+        text_data.load_packed(text.model, text.data, str(corpus / "docs.jsonl")), 2
     )
     # The whole set once, in order, the last batch padded: as the text eval set.
     assert eval_set.steps == text_eval.num_batches == 11  # 21 packed rows, 2 per batch

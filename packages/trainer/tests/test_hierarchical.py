@@ -85,7 +85,7 @@ def test_startup_lines_name_the_plan(runner):
     config = make_config({"model_name": "tagtrain-tiny", **SLICES, "print_reduction_plan": "true"})
     run = run_lib.abstract_setup(config, jax.devices())
     assert run.plan.strict_axes == ("dcn_data",) and run.plan.slice_axes == ("dcn_data",)
-    lines = run_lib.report.plan_lines(config, run.plan)
+    lines = run_lib.report.plan_lines(config.accumulation, run.plan)
     assert lines[0].startswith("gradient reduction: hierarchical: once per step over ('dcn_data',)")
     assert lines[2].split() == ["parameters", "dcn_data", "data"]
 

@@ -48,7 +48,7 @@ def test_bad_mtp_keys_are_one_line_config_errors(overrides, message):
 
 def _ctx(config):
     sizes = validate(config, 8)
-    return ShardCtx(make_mesh(sizes, "explicit"), logical_rules(config), "explicit")
+    return ShardCtx(make_mesh(sizes, "explicit"), logical_rules(config.parallelism), "explicit")
 
 
 def test_depth_targets_stop_at_documents_and_the_sequence_end():
@@ -218,7 +218,9 @@ def test_no_counted_mtp_prediction_sees_the_next_document():
     config = make_config({"model_name": "tagtrain-tiny", "mtp_num_layers": "2"})
     sizes = validate(config, 1)
     ctx = ShardCtx(
-        make_mesh(sizes, "explicit", jax.devices()[:1]), logical_rules(config), "explicit"
+        make_mesh(sizes, "explicit", jax.devices()[:1]),
+        logical_rules(config.parallelism),
+        "explicit",
     )
     model = model_lib.define(config, ctx)
     params, router = model_lib.init(config, ctx, model)
@@ -282,7 +284,14 @@ def test_eval_reports_the_target_depths_top1_acceptance():
     run = run_lib.setup(make_config({**values, "mtp_eval_target_module": "2"}))
     result = run.evaluator.evaluate(run.state)
     plain_config = make_config({**values, "mtp_eval_target_module": "0"})
-    plain = make_evaluator(plain_config, run.ctx, run.model, run.evaluator.eval_set)
+    plain = make_evaluator(
+        plain_config.parallelism,
+        plain_config.data,
+        plain_config.evaluation,
+        run.ctx,
+        run.model,
+        run.evaluator.eval_set,
+    )
     assert "eval_mtp_acceptance_2" not in plain.evaluate(run.state)
     np.testing.assert_allclose(result["eval_loss"], plain.evaluate(run.state)["eval_loss"], 1e-6)
 

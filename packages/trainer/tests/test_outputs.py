@@ -176,9 +176,9 @@ def test_restart_keeps_earlier_steps_and_replaces_later_ones(tmp_path):
 def test_bad_keys_are_named(overrides, match):
     with pytest.raises(ConfigError, match=match):
         config = make_config(overrides)
-        profiling.check(config)
+        profiling.check(config.training, config.output)
         if config.compile_topology:
-            aot.resolve(config)
+            aot.resolve(config.parallelism)
 
 
 def test_topology_names_and_chip_counts():

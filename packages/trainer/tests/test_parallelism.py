@@ -95,7 +95,7 @@ def test_startup_summary_tells_fsdp_reductions_from_lost_deferral(runner):
     config = make_config(DATA_FSDP)
     mesh_shape = {"data": 4, "fsdp": 2}
     _, text = runner(1, **DATA_FSDP)
-    head = collective_summary(text, config, mesh_shape, ("data",))[0]
+    head = collective_summary(text, config.accumulation, mesh_shape, ("data",))[0]
     want = (
         "OK: no reduction > 8 elements over data inside loops (9 per iteration over fsdp "
         "only, allowed); 4 gradient-sized reduction(s) outside"
@@ -103,7 +103,7 @@ def test_startup_summary_tells_fsdp_reductions_from_lost_deferral(runner):
     assert head.endswith(want), head
     # Deferral off: the 'data' reductions are in the loop, and a strict summary says so.
     _, per_microbatch = runner(1, **DATA_FSDP, gradient_reduction_policy="per_microbatch")
-    head = collective_summary(per_microbatch, config, mesh_shape, ("data",))[0]
+    head = collective_summary(per_microbatch, config.accumulation, mesh_shape, ("data",))[0]
     assert (
         head.split("; ")[-1].startswith("FAIL: ") and "> 8 elements over data inside loops" in head
     )

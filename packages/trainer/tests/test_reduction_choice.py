@@ -90,11 +90,14 @@ def _unlink_v4(monkeypatch):
 
 def test_hardware_for_names_the_assumption_and_refuses_incomplete_entries(monkeypatch):
     _unlink_v4(monkeypatch)
-    hw, note = reduction_choice.hardware_for(make_config({}), jax.devices())
+    config = make_config({})
+    hw, note = reduction_choice.hardware_for(config.parallelism, config.accumulation, jax.devices())
     assert hw.name == "v5e" and "no hardware table entry for 'cpu': assumed v5e" in note
+    config = make_config({"reduction_hardware": "v4"})
     with pytest.raises(ConfigError, match=r"'v4' lacks ici_bytes_per_s.*reduction_hardware="):
-        reduction_choice.hardware_for(make_config({"reduction_hardware": "v4"}), [])
-    hw, note = reduction_choice.hardware_for(make_config({"compile_topology": "v6e-8"}), [])
+        reduction_choice.hardware_for(config.parallelism, config.accumulation, [])
+    config = make_config({"compile_topology": "v6e-8"})
+    hw, note = reduction_choice.hardware_for(config.parallelism, config.accumulation, [])
     assert hw.name == "v6e" and "compile_topology=v6e-8" in note
 
 

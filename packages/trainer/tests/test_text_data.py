@@ -190,7 +190,7 @@ def test_put_rows_places_the_global_batch_on_the_mesh(corpus):
         "explicit",
         jax.devices()[:8],
     )
-    ctx = ShardCtx(mesh, logical_rules(config), "explicit")
+    ctx = ShardCtx(mesh, logical_rules(config.parallelism), "explicit")
     placed = put_rows(source, 5, ctx, LENGTH)
     want = source.rows(5, 0, 8)
     for key in text_data.KEYS:

@@ -28,7 +28,8 @@ def parameters(config: Config, num_devices: int = 8, num_slices: int = 1) -> Abs
     parallelism keys, parameters and router state as ShapeDtypeStructs.
 
     Raises ConfigError (trainer.validate) when the parallelism does not fit the
-    device count; no device is touched."""
+    device count; no device is touched. Takes the Config: validate and the model
+    definition read all of it."""
     import jax
     from jax.sharding import AbstractMesh, AxisType
 
@@ -41,7 +42,7 @@ def parameters(config: Config, num_devices: int = 8, num_slices: int = 1) -> Abs
     kind = AxisType.Explicit if config.shard_mode == "explicit" else AxisType.Auto
     shape = tuple(sizes.get(a, 1) for a in MESH_AXES)
     mesh = AbstractMesh(shape, MESH_AXES, axis_types=(kind,) * len(MESH_AXES))
-    ctx = ShardCtx(mesh, logical_rules(config), config.shard_mode)
+    ctx = ShardCtx(mesh, logical_rules(config.parallelism), config.shard_mode)
     with jax.sharding.use_abstract_mesh(mesh):
         model = model_lib.define(config, ctx)
         params, router = model_lib.abstract_state(model, ctx)

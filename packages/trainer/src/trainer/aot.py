@@ -12,6 +12,9 @@ TensorCores (two per chip) for v5p. `compile_topology_num_slices=N` compiles
 for N such slices joined over DCN: the mesh's dcn_ axes (dcn_data_parallelism,
 default -1: all the slices) span them, the ici_ axes one slice.
 Needs libtpu: `uv run --extra tpu train compile_topology=v5e-8 ...`.
+
+`compile_for_topology` and `main` take the whole Config: they build the run
+(`run.abstract_setup`) and write under run_dir; `resolve` takes the parallelism group.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import dataclasses
 import os
 from typing import Any
 
-from trainer.config import Config, ConfigError, mesh_shape
+from trainer.config import Config, ConfigError, ParallelismConfig, mesh_shape
 
 GIB = 1024**3
 
@@ -72,23 +75,23 @@ def _known() -> dict[str, Topology]:
 TOPOLOGIES = _known()
 
 
-def resolve(config: Config) -> Topology:
+def resolve(parallelism: ParallelismConfig) -> Topology:
     """The topology named by compile_topology, and checks on the mesh it implies.
 
     Raises ConfigError naming the key (unknown names list the known ones); cheap,
     so it runs before libtpu loads or anything compiles.
     """
-    topo = TOPOLOGIES.get(config.compile_topology)
+    topo = TOPOLOGIES.get(parallelism.compile_topology)
     if topo is None:
         raise ConfigError(
-            f"compile_topology={config.compile_topology!r} is not a known TPU topology; "
+            f"compile_topology={parallelism.compile_topology!r} is not a known TPU topology; "
             f"known: {', '.join(TOPOLOGIES)}"
         )
-    slices = config.compile_topology_num_slices
+    slices = parallelism.compile_topology_num_slices
     if slices < 1:
         raise ConfigError(f"compile_topology_num_slices={slices} must be >= 1")
     # The dcn_ keys must fill the slices, the ici_ keys one slice (ConfigError otherwise).
-    mesh_shape(config, topo.chips * slices, slices)
+    mesh_shape(parallelism, topo.chips * slices, slices)
     return topo
 
 
@@ -150,7 +153,7 @@ def compile_for_topology(config: Config, hlo_path: str | None = None) -> AotResu
     from trainer import reduction_choice, xla_options
     from trainer import run as run_lib
 
-    topo = resolve(config)
+    topo = resolve(config.parallelism)
     slices = config.compile_topology_num_slices
     devices = devices_for(topo, slices)
     run = run_lib.abstract_setup(config, devices)
@@ -162,7 +165,7 @@ def compile_for_topology(config: Config, hlo_path: str | None = None) -> AotResu
             lowered = run.step_fn.lower(run.state, run_lib.abstract_batch(run))
         with jax.set_mesh(run.ctx.mesh):
             # The mesh holds the topology's devices, so this is the TPU option set.
-            options = xla_options.for_mesh(run.config, run.ctx.mesh)
+            options = xla_options.for_mesh(run.config.parallelism, run.ctx.mesh)
             compiled = lowered.compile(compiler_options=options)
         records[id(compiled)] = record
         return compiled
@@ -201,10 +204,10 @@ def report_lines(result: AotResult) -> list[str]:
         f"topology: {topo.name}{slices} ({topo.libtpu_name}, {devices} chips, "
         f"{topo.hbm_gib:g} GiB HBM each); compiled on this host, not run",
         report.mesh_line(dict(run.ctx.mesh.shape), config.shard_mode),
-        report.params_line_of(config, run.state["params"]),
-        report.batch_line(config, run.batch_size),
+        report.params_line_of(config.model, run.state["params"]),
+        report.batch_line(config.accumulation, config.data, run.batch_size),
         *(reduction_choice.startup_lines(run.reduction_choice) if run.reduction_choice else []),
-        *report.plan_lines(config, run.plan),
+        *report.plan_lines(config.accumulation, run.plan),
         "memory per device (compiled.memory_analysis()):",
     ]
     for key in ("argument", "output", "alias", "temp", "code"):
@@ -220,7 +223,7 @@ def report_lines(result: AotResult) -> list[str]:
         f"({share * 100:.1f}%, {fits})"
     )
     text = result.compiled.as_text()
-    lines += report.collective_summary(text, config, *run_lib.summary_axes(run))
+    lines += report.collective_summary(text, config.accumulation, *run_lib.summary_axes(run))
     # The table without hlo_tools' generic verdict: the summary above knows which
     # mesh axes may reduce per iteration (FSDP's) and which may not.
     lines += hlo_tools.format_table(hlo_tools.parse(text), verdict_line=False).splitlines()
@@ -233,7 +236,7 @@ def main(config: Config, hlo_path: str | None = None) -> int:
     """`train compile_topology=...`: compile, print the report; 1 when it does not fit."""
     import jax
 
-    topo = resolve(config)  # ConfigError before libtpu loads
+    topo = resolve(config.parallelism)  # ConfigError before libtpu loads
     print(f"model: {config.model_name}", flush=True)
     try:
         result = compile_for_topology(config, hlo_path)

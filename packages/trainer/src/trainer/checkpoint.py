@@ -6,6 +6,9 @@ and `meta` (JSON: step, rows of data consumed, the config). The data position
 and every random stream follow from (seed, step), so restoring the state
 restores the run exactly.
 
+This module takes the whole Config: a checkpoint saves all of it, a restart compares
+it with the saved one, and the checkpoint directory follows run_dir (output and model).
+
 Orbax writes each save to a temporary directory and renames it only once
 complete. Then, in the save's background thread, the run records our own
 checksums (trainer.checksums: one per array, taken from memory at the save, and

@@ -167,6 +167,21 @@ class ModelConfig:
     mtp_num_layers: int = _key(0, "multi-token prediction depths (0: off)")
     mtp_loss_scaling_factor: float = _key(0.1, "weight of the MTP loss")
 
+    @property
+    def emb_dim(self) -> int:
+        """The model width (base_emb_dim)."""
+        return self.base_emb_dim
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Decoder layers with an MoE MLP."""
+        return self.base_num_decoder_layers - self.first_num_dense_layers
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Per-head query/key dims, RoPE and non-RoPE together."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
 
 @dataclasses.dataclass(frozen=True)
 class ParallelismConfig:
@@ -232,6 +247,16 @@ class ParallelismConfig:
     # AOT (aot.py): compile the step for a TPU topology on this host, do not train.
     compile_topology: str = _key("", "AOT: compile for this TPU topology (e.g. v5e-8), no training")
     compile_topology_num_slices: int = _key(1, "AOT: slices of compile_topology")
+
+    def ici_parallelism(self) -> dict[str, int]:
+        """Requested size per in-slice mesh axis (before -1 is filled)."""
+        return {axis: getattr(self, f"ici_{axis}_parallelism") for axis in ICI_AXES}
+
+    def dcn_parallelism(self) -> dict[str, int]:
+        """Requested size per cross-slice mesh axis (before -1 is filled)."""
+        return {
+            axis: getattr(self, f"dcn_{axis.removeprefix('dcn_')}_parallelism") for axis in DCN_AXES
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -432,18 +457,6 @@ class Config(
     output = _GroupView(OutputConfig)
 
     @property
-    def emb_dim(self) -> int:
-        return self.base_emb_dim
-
-    @property
-    def num_moe_layers(self) -> int:
-        return self.base_num_decoder_layers - self.first_num_dense_layers
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
     def run_dir(self) -> str:
         """base_output_directory/run_name: metrics, traces, checkpoints and HLO go here.
 
@@ -453,16 +466,6 @@ class Config(
         return os.path.join(
             self.base_output_directory or "outputs", self.run_name or self.model_name
         )
-
-    def ici_parallelism(self) -> dict[str, int]:
-        """Requested size per in-slice mesh axis (before -1 is filled)."""
-        return {axis: getattr(self, f"ici_{axis}_parallelism") for axis in ICI_AXES}
-
-    def dcn_parallelism(self) -> dict[str, int]:
-        """Requested size per cross-slice mesh axis (before -1 is filled)."""
-        return {
-            axis: getattr(self, f"dcn_{axis.removeprefix('dcn_')}_parallelism") for axis in DCN_AXES
-        }
 
 
 # MaxText's DeepSeek-V3 test shapes, under MaxText's names (configs/models/*.yml), so a
@@ -810,10 +813,10 @@ def _fill(sizes: dict[str, int], total: int, prefix: str, what: str) -> dict[str
     return sizes
 
 
-def _check_other_dcn_keys(config: Config) -> None:
+def _check_other_dcn_keys(parallelism: ParallelismConfig) -> None:
     """ConfigError naming the first of OTHER_DCN_KEYS not left at 1."""
     for key in OTHER_DCN_KEYS:
-        value = getattr(config, key)
+        value = getattr(parallelism, key)
         if value != 1:
             raise ConfigError(
                 f"{key}={value} is not supported: only dcn_data_parallelism and "
@@ -822,16 +825,18 @@ def _check_other_dcn_keys(config: Config) -> None:
             )
 
 
-def mesh_shape(config: Config, num_devices: int, num_slices: int = 1) -> dict[str, int]:
+def mesh_shape(
+    parallelism: ParallelismConfig, num_devices: int, num_slices: int = 1
+) -> dict[str, int]:
     """Mesh axis sizes (MESH_AXES order): the dcn_ axes fill `num_slices`, the ici_
     axes the devices of one slice; a -1 fills what the others leave. MaxText's other
-    dcn_ keys (OTHER_DCN_KEYS) must be 1."""
-    _check_other_dcn_keys(config)
+    dcn_ keys (OTHER_DCN_KEYS) must be 1. (A whole Config is a ParallelismConfig too.)"""
+    _check_other_dcn_keys(parallelism)
     if num_slices < 1 or num_devices % num_slices:
         raise ConfigError(
             f"num_slices={num_slices} does not divide the {num_devices} devices into equal slices"
         )
-    dcn = _fill(config.dcn_parallelism(), num_slices, "dcn_", "slices")
+    dcn = _fill(parallelism.dcn_parallelism(), num_slices, "dcn_", "slices")
     per_slice = "devices" if num_slices == 1 else "devices per slice"
-    ici = _fill(config.ici_parallelism(), num_devices // num_slices, "ici_", per_slice)
+    ici = _fill(parallelism.ici_parallelism(), num_devices // num_slices, "ici_", per_slice)
     return {**dcn, **ici}

@@ -9,10 +9,10 @@ so the page cannot go stale (test_config_reference regenerates it and compares):
 
 A module reads a key when it has `<config>.<key>` (the config under one of the names
 in CONFIG_NAMES, or a group view under its group's name with one of that group's
-keys), calls a Config property or method that reads it (`config.run_dir`,
-`config.ici_parallelism()`), or names it in a string where a key name is expected
-(`getattr(config, "hf_train_files")`, a tuple of key names: `_key_mentions`) or an
-f-string pattern (`f"ici_{axis}_parallelism"`).
+keys), calls a property or method of Config or of a group that reads it
+(`config.run_dir`, `config.ici_parallelism()`, `model.emb_dim`), or names it in a
+string where a key name is expected (`getattr(config, "hf_train_files")`, a tuple of
+key names: `_key_mentions`) or an f-string pattern (`f"ici_{axis}_parallelism"`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import functools
 import os
 import re
 import sys
+import types
 from collections.abc import Iterable
 
 from trainer import config as config_lib
@@ -42,6 +43,17 @@ GROUP_KEYS = {
     name: frozenset(f.name for f in dataclasses.fields(group))
     for name, group in config_lib.GROUPS.items()
 }
+# A group's own properties and methods (ModelConfig.emb_dim), by the group's name.
+GROUP_DERIVED = {
+    name: frozenset(
+        attr
+        for attr, value in vars(group).items()
+        if not attr.startswith("_") and isinstance(value, property | types.FunctionType)
+    )
+    for name, group in config_lib.GROUPS.items()
+}
+# Names a key's holder goes by: the whole config's or a group view's.
+HOLDER_NAMES = CONFIG_NAMES | frozenset(config_lib.GROUPS)
 
 
 def _holder(node: ast.expr) -> str:
@@ -76,8 +88,8 @@ def _key_mentions(nodes: list[ast.AST]) -> list[ast.Constant]:
     key's name (`metrics["learning_rate"]`)."""
     out = []
     for node in nodes:
-        if isinstance(node, ast.Call) and any(_holder(a) in CONFIG_NAMES for a in node.args):
-            out += node.args  # getattr(config, "key"), open_column(config, "key", ...)
+        if isinstance(node, ast.Call) and any(_holder(a) in HOLDER_NAMES for a in node.args):
+            out += node.args  # getattr(config, "key"), open_column(data, ..., "key", ...)
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             if node.func.attr == "get" and _holder(node.func.value) in OVERRIDE_NAMES:
                 out += node.args[:1]
@@ -112,20 +124,25 @@ def keys_named(
             _holder(node.value), ()
         ):
             found.add(node.attr)  # a group view: config.data.dataset_path, data.dataset_path
+        elif isinstance(node, ast.Attribute) and node.attr in GROUP_DERIVED.get(
+            _holder(node.value), ()
+        ):
+            found |= derived.get(node.attr, set())  # a group's property: model.emb_dim
         elif isinstance(node, ast.JoinedStr):
             found |= _pattern_keys(node, keys)
     return found
 
 
 def _derived_reads(tree: ast.Module, keys: frozenset[str]) -> dict[str, set[str]]:
-    """Config's own properties and methods -> the keys each reads."""
-    config_class = next(
-        node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Config"
-    )
+    """Config's and its groups' own properties and methods -> the keys each reads
+    (`emb_dim` is ModelConfig's, so `config.emb_dim` and `model.emb_dim` both read it)."""
+    classes = {"Config", *(group.__name__ for group in config_lib.GROUPS.values())}
     out = {}
-    for node in config_class.body:
-        if isinstance(node, ast.FunctionDef) and node.name not in config_lib.GROUPS:
-            out[node.name] = keys_named(node, keys, {}, frozenset({"self"}))
+    for owner in tree.body:
+        if isinstance(owner, ast.ClassDef) and owner.name in classes:
+            for node in owner.body:
+                if isinstance(node, ast.FunctionDef) and node.name not in config_lib.GROUPS:
+                    out[node.name] = keys_named(node, keys, {}, frozenset({"self"}))
     return out
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from trainer.config import Config
+from trainer.config import DataConfig, ModelConfig, TrainingConfig
 from trainer.sharding import ShardCtx
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segments", "weights")
@@ -12,7 +12,12 @@ TOKENS = ("activation_batch", "activation_length")
 
 
 def synthetic_batch(
-    config: Config, batch_size: int, step: int, stream: int = 0
+    model: ModelConfig,
+    training: TrainingConfig,
+    data: DataConfig,
+    batch_size: int,
+    step: int,
+    stream: int = 0,
 ) -> dict[str, np.ndarray]:
     """Learnable synthetic text: each row counts up from a random start by a random stride.
 
@@ -20,10 +25,11 @@ def synthetic_batch(
     the loss falls quickly and a broken train step shows. Deterministic in
     (seed, step): a resumed run sees the same stream. `stream` > 0 draws another,
     independent stream from the same seed (the held-out eval stream); stream 0 is
-    the training stream, unchanged.
+    the training stream, unchanged. Reads vocab_size, seed and max_target_length.
     """
-    rng = np.random.default_rng([config.seed, step, stream] if stream else [config.seed, step])
-    length, vocab = config.max_target_length, config.vocab_size
+    seed = training.seed
+    rng = np.random.default_rng([seed, step, stream] if stream else [seed, step])
+    length, vocab = data.max_target_length, model.vocab_size
     start_Bx1 = rng.integers(0, vocab, size=(batch_size, 1))
     stride_Bx1 = rng.integers(1, 4, size=(batch_size, 1))
     # (B, S + 1): inputs and targets are its two shifted views.

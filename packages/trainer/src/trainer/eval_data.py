@@ -24,7 +24,14 @@ import math
 import numpy as np
 
 from trainer import hf_data, text_data
-from trainer.config import Config, ConfigError, EvaluationConfig
+from trainer.config import (
+    Config,
+    ConfigError,
+    DataConfig,
+    EvaluationConfig,
+    ParallelismConfig,
+    TrainingConfig,
+)
 from trainer.input_pipeline import Source, SyntheticSource
 from trainer.validate import batch_shard_count
 
@@ -36,28 +43,34 @@ def enabled(evaluation: EvaluationConfig) -> bool:
     return evaluation.eval_interval > 0
 
 
-def due(config: Config, step: int) -> bool:
+def due(training: TrainingConfig, evaluation: EvaluationConfig, step: int) -> bool:
     """Evaluate after `step`: every `eval_interval` steps and after the last one."""
-    return enabled(config.evaluation) and (step % config.eval_interval == 0 or step == config.steps)
+    return enabled(evaluation) and (step % evaluation.eval_interval == 0 or step == training.steps)
 
 
-def eval_batch_size(config: Config, num_devices: int, sizes: dict[str, int]) -> int:
+def eval_batch_size(
+    parallelism: ParallelismConfig,
+    data: DataConfig,
+    evaluation: EvaluationConfig,
+    num_devices: int,
+    sizes: dict[str, int],
+) -> int:
     """Sequences per eval batch: eval_per_device_batch_size (0: per_device_batch_size)
     x devices; a whole number that splits over the batch shards, as a microbatch must."""
-    per_device = config.eval_per_device_batch_size
+    per_device = evaluation.eval_per_device_batch_size
     if per_device < 0:
         raise ConfigError(
             f"eval_per_device_batch_size={per_device} must be >= 0 (0: per_device_batch_size)"
         )
     key = "eval_per_device_batch_size" if per_device else "per_device_batch_size"
-    per_device = per_device or config.per_device_batch_size
+    per_device = per_device or data.per_device_batch_size
     total = per_device * num_devices
     if total < 1 or total != int(total):
         raise ConfigError(
             f"{key}={per_device} x {num_devices} devices = {total} is not a whole, positive "
             "number of sequences per eval batch"
         )
-    shards = batch_shard_count(config, sizes)
+    shards = batch_shard_count(parallelism, sizes)
     if int(total) % shards:
         raise ConfigError(
             f"eval batch of {int(total)} sequences ({key}={per_device} x {num_devices} devices) "
@@ -105,35 +118,44 @@ class EvalSet:
 
 
 def make_eval_set(config: Config, num_devices: int, sizes: dict[str, int]) -> EvalSet | None:
-    """Check the eval keys and open the eval data (before anything compiles); None when off."""
-    if not enabled(config.evaluation):
+    """Check the eval keys and open the eval data (before anything compiles); None when off.
+
+    Takes the Config: the eval set reads the model, parallelism, training, data and
+    evaluation groups."""
+    model, training, data = config.model, config.training, config.data
+    evaluation = config.evaluation
+    if not enabled(evaluation):
         return None
-    batch = eval_batch_size(config, num_devices, sizes)
-    if config.dataset_type == "synthetic":
-        if config.eval_steps <= 0:
+    batch = eval_batch_size(config.parallelism, data, evaluation, num_devices, sizes)
+    if data.dataset_type == "synthetic":
+        if evaluation.eval_steps <= 0:
             raise ConfigError(
-                f"eval_steps={config.eval_steps} means the whole eval set, but the synthetic "
+                f"eval_steps={evaluation.eval_steps} means the whole eval set, but the synthetic "
                 "eval stream has no end; set eval_steps=N (batches per evaluation)"
             )
-        source = SyntheticSource(config, batch, stream=EVAL_STREAM)
-        note = f"synthetic, held-out stream {EVAL_STREAM} of seed {config.seed}"
-        return EvalSet(source, config.eval_steps, batch, note)
-    if config.dataset_type == "hf":
-        column = hf_data.open_column(config, "hf_eval_files", hf_data.eval_columns_key(config.data))
-        text = hf_data.load_packed(config, column)
+        source = SyntheticSource(model, training, data, batch, stream=EVAL_STREAM)
+        note = f"synthetic, held-out stream {EVAL_STREAM} of seed {training.seed}"
+        return EvalSet(source, evaluation.eval_steps, batch, note)
+    if data.dataset_type == "hf":
+        column = hf_data.open_column(
+            data, evaluation, "hf_eval_files", hf_data.eval_columns_key(data)
+        )
+        text = hf_data.load_packed(model, data, column)
         source = TextEvalSource(text, batch, hf_data.describe_kind(column))
     else:
-        if not config.eval_dataset_path:
+        if not evaluation.eval_dataset_path:
             raise ConfigError(
-                f"eval_interval={config.eval_interval} with dataset_type=text needs "
+                f"eval_interval={evaluation.eval_interval} with dataset_type=text needs "
                 "eval_dataset_path=DIR_OR_GLOB (.txt / .jsonl files held out from training)"
             )
-        text = text_data.load_packed(config, config.eval_dataset_path, key="eval_dataset_path")
+        text = text_data.load_packed(
+            model, data, evaluation.eval_dataset_path, key="eval_dataset_path"
+        )
         source = TextEvalSource(text, batch)
     steps = source.num_batches
     note = source.describe()
-    if 0 < config.eval_steps < steps:
-        steps = config.eval_steps
-    elif config.eval_steps > steps:
-        note += f"; eval_steps={config.eval_steps} capped to the set's {steps} batches"
+    if 0 < evaluation.eval_steps < steps:
+        steps = evaluation.eval_steps
+    elif evaluation.eval_steps > steps:
+        note += f"; eval_steps={evaluation.eval_steps} capped to the set's {steps} batches"
     return EvalSet(source, steps, batch, note)

@@ -32,9 +32,10 @@ import jax
 import jax.numpy as jnp
 
 import accum
-from trainer import data, input_pipeline, xla_options
+from trainer import data as data_lib
+from trainer import input_pipeline, xla_options
 from trainer import model as model_lib
-from trainer.config import Config
+from trainer.config import DataConfig, EvaluationConfig, ParallelismConfig
 from trainer.eval_data import EvalSet
 from trainer.loss import token_cross_entropy, top1_hits
 from trainer.metrics import EVAL_MTP_ACCEPTANCE
@@ -45,7 +46,9 @@ from trainer.sharding import ShardCtx
 class Evaluator:
     """One run's eval step (compiled once) and the eval batches it reads."""
 
-    config: Config
+    parallelism: ParallelismConfig
+    data: DataConfig
+    evaluation: EvaluationConfig
     ctx: ShardCtx
     eval_set: EvalSet
     step_fn: Any  # jitted (params, router, batch, acc) -> acc
@@ -55,7 +58,7 @@ class Evaluator:
 
     def batch(self, index: int) -> dict:
         """Eval batch `index` on the mesh, each process building only its rows."""
-        length = self.config.max_target_length
+        length = self.data.max_target_length
         return input_pipeline.put_rows(self.eval_set.source, index, self.ctx, length)
 
     def compile(self, state: dict) -> Any:
@@ -65,7 +68,7 @@ class Evaluator:
                 lowered = self.step_fn.lower(
                     state["params"], state["router"], self.batch(0), self.zeros_fn()
                 )
-                options = xla_options.for_mesh(self.config.parallelism, self.ctx.mesh)
+                options = xla_options.for_mesh(self.parallelism, self.ctx.mesh)
                 self.compiled = lowered.compile(compiler_options=options)
         return self.compiled
 
@@ -85,7 +88,7 @@ class Evaluator:
             "eval_perplexity": math.exp(loss) if loss < 700 else math.inf,
             "eval_tokens": int(tokens),
         }
-        target = self.config.mtp_eval_target_module
+        target = self.evaluation.mtp_eval_target_module
         if target:
             share = float(sums["mtp_hits"]) / max(float(sums["mtp_weight"]), 1.0)
             result[f"{EVAL_MTP_ACCEPTANCE}{target}"] = share
@@ -94,31 +97,36 @@ class Evaluator:
 
     def describe(self) -> str:
         """The startup line: when, how much, from where."""
-        config, steps = self.config, self.eval_set.steps
-        tokens = steps * self.eval_set.batch_size * config.max_target_length
+        steps = self.eval_set.steps
+        tokens = steps * self.eval_set.batch_size * self.data.max_target_length
         return (
-            f"eval: every {config.eval_interval} steps and at the end, {steps} batches of "
+            f"eval: every {self.evaluation.eval_interval} steps and at the end, {steps} batches of "
             f"{self.eval_set.batch_size} sequences (<= {tokens:,} tokens) from "
             f"{self.eval_set.note}"
         )
 
 
 def make_evaluator(
-    config: Config, ctx: ShardCtx, model: model_lib.ModelDef, eval_set: EvalSet | None
+    parallelism: ParallelismConfig,
+    data: DataConfig,
+    evaluation: EvaluationConfig,
+    ctx: ShardCtx,
+    model: model_lib.ModelDef,
+    eval_set: EvalSet | None,
 ) -> Evaluator | None:
     """The jitted eval step for this run's model and mesh (None when evaluation is off)."""
     if eval_set is None:
         return None
-    shape = (eval_set.batch_size, config.max_target_length)
-    token_sharding = data.batch_shardings(ctx, *shape)["weights"]
-    target = config.mtp_eval_target_module
+    shape = (eval_set.batch_size, data.max_target_length)
+    token_sharding = data_lib.batch_shardings(ctx, *shape)["weights"]
+    target = evaluation.mtp_eval_target_module
     keys = ("loss", "weight", "mtp_hits", "mtp_weight") if target else ("loss", "weight")
     acc_shardings = {key: token_sharding for key in keys}
     # ZeRO-1 keeps the master parameters sharded over 'data': the forward runs on
     # them gathered to the layout the train step computes with (the parameters'
     # own logical shardings), as the train step gathers them before its loop.
     compute = None
-    if config.shard_optimizer_over_data:
+    if parallelism.shard_optimizer_over_data:
         params_abstract, _ = model_lib.abstract_state(model, ctx)
         compute = jax.tree.map(lambda p: p.sharding.spec, params_abstract)
 
@@ -131,8 +139,8 @@ def make_evaluator(
                 model, params, router, batch, lambda lg, t, w: (top1_hits(lg, t), w), target
             )
             hits, mtp_weights = depths[target - 1]
-            new["mtp_hits"] = acc["mtp_hits"] + ctx.act(hits * mtp_weights, data.TOKENS)
-            new["mtp_weight"] = acc["mtp_weight"] + ctx.act(mtp_weights, data.TOKENS)
+            new["mtp_hits"] = acc["mtp_hits"] + ctx.act(hits * mtp_weights, data_lib.TOKENS)
+            new["mtp_weight"] = acc["mtp_weight"] + ctx.act(mtp_weights, data_lib.TOKENS)
         else:
             logits, _ = model_lib.apply(
                 model, params, router, batch["inputs"], batch["positions"], batch["segments"]
@@ -140,7 +148,7 @@ def make_evaluator(
         weights = batch["weights"].astype(jnp.float32)
         nll = token_cross_entropy(logits, batch["targets"]) * weights
         # Laid out like the tokens, so adding into the accumulators is elementwise.
-        nll = ctx.act(nll, data.TOKENS)
+        nll = ctx.act(nll, data_lib.TOKENS)
         return {"loss": acc["loss"] + nll, "weight": acc["weight"] + weights, **new}
 
     def finalize(acc: dict) -> dict:
@@ -156,7 +164,7 @@ def make_evaluator(
     replicated = jax.sharding.NamedSharding(ctx.mesh, jax.sharding.PartitionSpec())
     finalize_fn = jax.jit(finalize, out_shardings={key: replicated for key in keys})
     zeros_fn = jax.jit(zeros, out_shardings=acc_shardings)
-    return Evaluator(config, ctx, eval_set, step_fn, finalize_fn, zeros_fn)
+    return Evaluator(parallelism, data, evaluation, ctx, eval_set, step_fn, finalize_fn, zeros_fn)
 
 
 def eval_line(step: int, result: dict) -> str:

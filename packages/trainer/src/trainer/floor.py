@@ -26,23 +26,25 @@ from jax.sharding import PartitionSpec as P
 import accum
 import pspec_tags as pt
 from trainer import model as model_lib
-from trainer.config import Config
+from trainer.config import Config, ModelConfig, ParallelismConfig
 from trainer.sharding import ShardCtx
 from trainer.train_step import StepFns, apply_gradients, make_loss_fn
 
 AXIS = "data"
 
 
-def check_floor_layout(config: Config, mesh_sizes: dict[str, int]) -> None:
+def check_floor_layout(
+    model: ModelConfig, parallelism: ParallelismConfig, mesh_sizes: dict[str, int]
+) -> None:
     """ValueError naming the setting that makes the layout more than data parallel."""
     others = {a: n for a, n in mesh_sizes.items() if a != AXIS and n > 1}
     if others:
         names = ", ".join(f"ici_{a}_parallelism={n}" for a, n in sorted(others.items()))
         raise ValueError(f"the floor step is pure data parallel; this mesh also has {names}")
-    if config.shard_optimizer_over_data:
+    if parallelism.shard_optimizer_over_data:
         raise ValueError("the floor step keeps the optimizer replicated: set "
                          "shard_optimizer_over_data=false")  # fmt: skip
-    if config.mtp_num_layers:
+    if model.mtp_num_layers:
         # Its MTP loss weights need the whole batch's target counts (a collective
         # before the per-device loop); the floor is the plain model's yardstick.
         raise ValueError("the floor step has no multi-token prediction: set mtp_num_layers=0")
@@ -53,17 +55,20 @@ def _sum_dtype(dtype):
 
 
 def make_floor_step(config: Config, ctx: ShardCtx, tx: optax.GradientTransformation) -> StepFns:
-    """`step(state, batch)` with the trainer's contract, as one manual shard_map."""
-    check_floor_layout(config, dict(ctx.mesh.shape))
+    """`step(state, batch)` with the trainer's contract, as one manual shard_map.
+
+    Takes the Config: `model.define` builds the model from the whole of it."""
+    check_floor_layout(config.model, config.parallelism, dict(ctx.mesh.shape))
     # The model built for per-device code: no constraints, no out_shardings, the
     # MoE layer unsharded (its own shard_map cannot nest inside this one).
-    model = model_lib.define(config, dataclasses.replace(ctx, mode="manual"))
+    model_def = model_lib.define(config, dataclasses.replace(ctx, mode="manual"))
+    model, training, accumulation = config.model, config.training, config.accumulation
 
     def local_sums(state: dict, rows: dict) -> tuple[Any, dict, Any]:
         """This device's loss sum, aux sums and gradient sums over its microbatches."""
-        loss_fn = make_loss_fn(config, model, state["router"])
+        loss_fn = make_loss_fn(model, model_def, state["router"])
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        microbatches = accum.split_microbatches(rows, config.gradient_accumulation_steps)
+        microbatches = accum.split_microbatches(rows, accumulation.gradient_accumulation_steps)
         first = jax.tree.map(lambda x: x[0], microbatches)
         # Differentiate with respect to a varying copy of the (replicated)
         # parameters: the gradient of an invariant value is psummed on the spot
@@ -92,7 +97,7 @@ def make_floor_step(config: Config, ctx: ShardCtx, tx: optax.GradientTransformat
         loss_sum, aux, grads = lax.psum((loss_sum, aux, grads), AXIS)
         weight = jnp.maximum(aux["weight"], 1.0)
         grads = jax.tree.map(lambda g: g / weight, grads)
-        return apply_gradients(config, tx, state, loss_sum / weight, aux, grads)
+        return apply_gradients(model, training, tx, state, loss_sum / weight, aux, grads)
 
     # Batch rows are split over 'data'; everything else is replicated.
     batch_spec = ctx.spec(("activation_batch", "activation_length"))
@@ -118,7 +123,7 @@ def setup_floor(config: Config, devices: list | None = None):
 
     devices = devices if devices is not None else jax.devices()
     # Before anything is built or allocated.
-    check_floor_layout(config, validate(config, len(devices)))
+    check_floor_layout(config.model, config.parallelism, validate(config, len(devices)))
     run = run_lib.setup(config, devices)
     fns = make_floor_step(config, run.ctx, make_optimizer(config.training))
     run.step_fn = run_lib.jit_step(fns.step, run.state)

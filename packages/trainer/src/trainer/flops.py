@@ -18,7 +18,7 @@ import math
 
 import jax
 
-from trainer.config import Config
+from trainer.config import DataConfig, ModelConfig, OutputConfig
 
 # Peak dense bf16 TFLOP/s per chip, by `device_kind` prefix.
 PEAK_TFLOPS = {
@@ -39,12 +39,12 @@ def count_params(params) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(params))
 
 
-def _query_params(c: Config) -> int:
+def _query_params(model: ModelConfig) -> int:
     """Query projection weights: the low-rank pair, or the plain wq (q_lora_rank=0)."""
-    h = c.base_num_query_heads
-    if not c.q_lora_rank:
-        return c.emb_dim * h * c.qk_head_dim
-    return c.emb_dim * c.q_lora_rank + c.q_lora_rank * h * c.qk_head_dim
+    h = model.base_num_query_heads
+    if not model.q_lora_rank:
+        return model.emb_dim * h * model.qk_head_dim
+    return model.emb_dim * model.q_lora_rank + model.q_lora_rank * h * model.qk_head_dim
 
 
 def mtp_param_count(params) -> int:
@@ -53,43 +53,43 @@ def mtp_param_count(params) -> int:
     return count_params(params.get("mtp", {})) if isinstance(params, dict) else 0
 
 
-def _attention_params(c: Config) -> int:
-    h = c.base_num_query_heads
+def _attention_params(model: ModelConfig) -> int:
+    h = model.base_num_query_heads
     return (
-        _query_params(c)
-        + c.emb_dim * (c.kv_lora_rank + c.qk_rope_head_dim)
-        + c.kv_lora_rank * h * (c.qk_nope_head_dim + c.v_head_dim)
-        + h * c.v_head_dim * c.emb_dim
+        _query_params(model)
+        + model.emb_dim * (model.kv_lora_rank + model.qk_rope_head_dim)
+        + model.kv_lora_rank * h * (model.qk_nope_head_dim + model.v_head_dim)
+        + h * model.v_head_dim * model.emb_dim
     )
 
 
-def active_matmul_params(c: Config) -> int:
+def active_matmul_params(model: ModelConfig) -> int:
     """Weights one token multiplies through (routed experts: only its top-k)."""
-    d = c.emb_dim
-    dense_ffn = 3 * d * c.base_mlp_dim
-    moe_ffn = d * c.num_experts + 3 * d * c.base_moe_mlp_dim * (
-        c.num_experts_per_tok + c.shared_experts
+    d = model.emb_dim
+    dense_ffn = 3 * d * model.base_mlp_dim
+    moe_ffn = d * model.num_experts + 3 * d * model.base_moe_mlp_dim * (
+        model.num_experts_per_tok + model.shared_experts
     )
-    layers = c.base_num_decoder_layers * _attention_params(c)
-    layers += c.first_num_dense_layers * dense_ffn + c.num_moe_layers * moe_ffn
+    layers = model.base_num_decoder_layers * _attention_params(model)
+    layers += model.first_num_dense_layers * dense_ffn + model.num_moe_layers * moe_ffn
     # Each MTP depth: eh_proj, a block like the later layers, the shared head.
-    mtp_block = _attention_params(c) + (moe_ffn if c.num_moe_layers else dense_ffn)
-    mtp = c.mtp_num_layers * (2 * d * d + mtp_block + d * c.vocab_size)
-    return layers + d * c.vocab_size + mtp
+    mtp_block = _attention_params(model) + (moe_ffn if model.num_moe_layers else dense_ffn)
+    mtp = model.mtp_num_layers * (2 * d * d + mtp_block + d * model.vocab_size)
+    return layers + d * model.vocab_size + mtp
 
 
-def training_flops_per_token(c: Config) -> float:
+def training_flops_per_token(model: ModelConfig, data: DataConfig) -> float:
     """The formula in the module docstring."""
-    layers = c.base_num_decoder_layers + c.mtp_num_layers
-    attention = layers * c.max_target_length * c.base_num_query_heads
-    attention *= c.qk_head_dim + c.v_head_dim
-    return 6.0 * active_matmul_params(c) + 6.0 * attention
+    layers = model.base_num_decoder_layers + model.mtp_num_layers
+    attention = layers * data.max_target_length * model.base_num_query_heads
+    attention *= model.qk_head_dim + model.v_head_dim
+    return 6.0 * active_matmul_params(model) + 6.0 * attention
 
 
-def peak_tflops(config: Config, device_kind: str) -> float | None:
+def peak_tflops(output: OutputConfig, device_kind: str) -> float | None:
     """Per-chip peak: the config's `device_peak_tflops` if set, else the table."""
-    if config.device_peak_tflops > 0:
-        return config.device_peak_tflops
+    if output.device_peak_tflops > 0:
+        return output.device_peak_tflops
     for prefix, value in PEAK_TFLOPS.items():
         if device_kind.startswith(prefix):
             return value

@@ -34,7 +34,13 @@ from pathlib import Path
 import numpy as np
 
 from trainer import text_data
-from trainer.config import Config, ConfigError, DataConfig
+from trainer.config import (
+    ConfigError,
+    DataConfig,
+    EvaluationConfig,
+    ModelConfig,
+    TrainingConfig,
+)
 
 # MaxText's hf_path names a `datasets` loader or a Hub dataset; only local parquet is read here.
 LOADERS = ("", "parquet")
@@ -124,15 +130,17 @@ def _open(path: Path, key: str):
         raise ConfigError(f"{key}: {path} is not a readable parquet file: {error}") from None
 
 
-def open_column(config: Config, files_key: str, columns_key: str) -> ParquetColumn:
+def open_column(
+    data: DataConfig, evaluation: EvaluationConfig, files_key: str, columns_key: str
+) -> ParquetColumn:
     """Find the files and check the column in every file's schema (no rows read)."""
-    pattern = getattr(config, files_key)
+    pattern = getattr(data, files_key)
     if not pattern:
         evaluating = files_key == "hf_eval_files"
-        purpose = f" to evaluate (eval_interval={config.eval_interval})" if evaluating else ""
+        purpose = f" to evaluate (eval_interval={evaluation.eval_interval})" if evaluating else ""
         raise ConfigError(f"dataset_type=hf needs {files_key}=GLOB (local parquet files){purpose}")
     files = find_parquet_files(pattern, files_key)
-    column = column_name(getattr(config, columns_key), columns_key)
+    column = column_name(getattr(data, columns_key), columns_key)
     kinds = {
         path: _is_token_ids(path, _open(path, files_key).schema_arrow, column, columns_key)
         for path in files
@@ -190,15 +198,17 @@ def eval_columns_key(data: DataConfig) -> str:
     return "eval_data_columns" if data.eval_data_columns else "train_data_columns"
 
 
-def load_packed(config: Config, source: ParquetColumn) -> text_data.PackedText:
+def load_packed(
+    model: ModelConfig, data: DataConfig, source: ParquetColumn
+) -> text_data.PackedText:
     """Read `source`'s rows, tokenize text with the run's tokenizer, pack into rows of
     `max_target_length` as dataset_type=text does."""
     if source.token_ids:
-        documents, tokenizer = read_token_ids(source, config.vocab_size), None
+        documents, tokenizer = read_token_ids(source, model.vocab_size), None
     else:
-        tokenizer = text_data.run_tokenizer(config)
+        tokenizer = text_data.run_tokenizer(model, data)
         documents = text_data.tokenize(read_texts(source), tokenizer)
-    return text_data.packed_text(documents, config, tokenizer, source.files, source.where)
+    return text_data.packed_text(documents, data, tokenizer, source.files, source.where)
 
 
 def describe_kind(source: ParquetColumn) -> str:
@@ -206,14 +216,20 @@ def describe_kind(source: ParquetColumn) -> str:
     return f"hf, column {source.column!r}"
 
 
-def make_hf_source(config: Config, global_batch: int) -> text_data.TextSource:
+def make_hf_source(
+    model: ModelConfig,
+    training: TrainingConfig,
+    data: DataConfig,
+    evaluation: EvaluationConfig,
+    global_batch: int,
+) -> text_data.TextSource:
     """The training stream over hf_train_files; the eval files' keys are checked first
     too (when evaluating), so every bad key stops the run before anything is read."""
-    check_loader(config.data)
-    train = open_column(config, "hf_train_files", "train_data_columns")
+    check_loader(data)
+    train = open_column(data, evaluation, "hf_train_files", "train_data_columns")
     from trainer import eval_data  # here: eval_data imports this module
 
-    if eval_data.enabled(config.evaluation):
-        open_column(config, "hf_eval_files", eval_columns_key(config.data))
-    text = load_packed(config, train)
-    return text_data.shuffled_source(text, config, global_batch, describe_kind(train))
+    if eval_data.enabled(evaluation):
+        open_column(data, evaluation, "hf_eval_files", eval_columns_key(data))
+    text = load_packed(model, data, train)
+    return text_data.shuffled_source(text, training, global_batch, describe_kind(train))

@@ -12,7 +12,7 @@ import dataclasses
 import inspect
 import os
 
-from trainer.config import Config, ConfigError
+from trainer.config import CheckpointingConfig, Config, ConfigError, ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,21 +27,25 @@ class Source:
         return f"{what} {self.path}"
 
     def load(self, config: Config, ctx, model) -> tuple[dict, dict]:
+        """(params, router) on `ctx`'s mesh. Takes the Config: a Hugging Face import
+        maps the whole of it (trainer.hf)."""
         if self.kind == "hf":
             from trainer import hf
 
             trees = hf.import_params(self.path, config, ctx, model=model)
         else:
-            trees = restore_parameters(self.path, config, ctx, model)
+            trees = restore_parameters(self.path, ctx, model)
         return trees["params"], trees["router"]
 
 
-def source(config: Config) -> Source | None:
+def source(model: ModelConfig, checkpointing: CheckpointingConfig) -> Source | None:
     """The configured origin (ConfigError for both at once or a missing path)."""
-    if config.hf_model_path and config.load_parameters_path:
+    if model.hf_model_path and checkpointing.load_parameters_path:
         raise ConfigError("hf_model_path and load_parameters_path both set: choose one")
-    for key, kind in (("hf_model_path", "hf"), ("load_parameters_path", "checkpoint")):
-        path = getattr(config, key)
+    for key, kind, path in (
+        ("hf_model_path", "hf", model.hf_model_path),
+        ("load_parameters_path", "checkpoint", checkpointing.load_parameters_path),
+    ):
         if path:
             if not os.path.isdir(path):
                 raise ConfigError(f"{key}={path!r} is not a directory")
@@ -61,7 +65,7 @@ def step_directory(path: str) -> tuple[str, int]:
     return path, steps[-1]
 
 
-def restore_parameters(path: str, config: Config, ctx, model) -> dict[str, dict]:
+def restore_parameters(path: str, ctx, model) -> dict[str, dict]:
     """params and router of another run's checkpoint, in this run's shardings."""
     import orbax.checkpoint as ocp
 

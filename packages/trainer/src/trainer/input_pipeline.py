@@ -12,8 +12,8 @@ from typing import Protocol
 import jax
 import numpy as np
 
-from trainer import data
-from trainer.config import Config, ConfigError
+from trainer import data as data_lib
+from trainer.config import Config, ConfigError, DataConfig, ModelConfig, TrainingConfig
 from trainer.sharding import ShardCtx
 
 
@@ -28,15 +28,25 @@ class Source(Protocol):
 class SyntheticSource:
     """`data.synthetic_batch`, the whole global batch per step, sliced."""
 
-    def __init__(self, config: Config, global_batch: int, stream: int = 0):
-        self.config, self.global_batch, self.stream = config, global_batch, stream
+    def __init__(
+        self,
+        model: ModelConfig,
+        training: TrainingConfig,
+        data: DataConfig,
+        global_batch: int,
+        stream: int = 0,
+    ):
+        self.model, self.training, self.data = model, training, data
+        self.global_batch, self.stream = global_batch, stream
         self._step, self._batch = None, None
 
     def rows(self, step: int, start: int, stop: int) -> dict[str, np.ndarray]:
         if self._step != step:
             self._step, self._batch = (
                 step,
-                data.synthetic_batch(self.config, self.global_batch, step, self.stream),
+                data_lib.synthetic_batch(
+                    self.model, self.training, self.data, self.global_batch, step, self.stream
+                ),
             )
         return {key: value[start:stop] for key, value in self._batch.items()}
 
@@ -57,7 +67,8 @@ DATA_KEYS = {
 
 
 def check_data_keys(config: Config) -> None:
-    """Refuse a data key that the configured dataset_type would not read."""
+    """Refuse a data key that the configured dataset_type would not read (the keys are
+    the data group's but eval_dataset_path, the evaluation group's: takes the Config)."""
     for key, readers in DATA_KEYS.items():
         value = getattr(config, key)
         if value and config.dataset_type not in readers:
@@ -69,23 +80,26 @@ def check_data_keys(config: Config) -> None:
 
 
 def make_source(config: Config, global_batch: int) -> Source:
-    """Open the configured dataset; every input problem is a ConfigError, before compiling."""
+    """Open the configured dataset; every input problem is a ConfigError, before compiling.
+
+    Takes the Config: the sources read the model, training, data and evaluation groups."""
     check_data_keys(config)
-    if config.dataset_type == "text":
+    model, training, data = config.model, config.training, config.data
+    if data.dataset_type == "text":
         from trainer import text_data
 
-        return text_data.make_text_source(config, global_batch)
-    if config.dataset_type == "hf":
+        return text_data.make_text_source(model, training, data, global_batch)
+    if data.dataset_type == "hf":
         from trainer import hf_data
 
-        return hf_data.make_hf_source(config, global_batch)
-    return SyntheticSource(config, global_batch)
+        return hf_data.make_hf_source(model, training, data, config.evaluation, global_batch)
+    return SyntheticSource(model, training, data, global_batch)
 
 
 def put_rows(source: Source, step: int, ctx: ShardCtx, length: int) -> dict[str, jax.Array]:
     """The global batch of `step` on the mesh, each process building only its rows."""
     batch = source.global_batch
-    shardings = data.batch_shardings(ctx, batch, length)
+    shardings = data_lib.batch_shardings(ctx, batch, length)
     cache: dict[tuple[int, int], dict[str, np.ndarray]] = {}
 
     def block(key: str, index: tuple[slice, ...]) -> np.ndarray:

@@ -76,13 +76,15 @@ def _checked_config(argv: list[str]):
             checkpoint.check_writable(metrics_dir, key="--metrics_file")
         else:
             checkpoint.check_writable(config.run_dir, key="base_output_directory")
-        profiling.check(config)
+        profiling.check(config.training, config.output)
         if config.compile_topology:
-            aot.resolve(config)
+            aot.resolve(config.parallelism)
         if config.gradient_reduction_policy == "auto":
             from trainer import reduction_choice
 
-            reduction_choice.hardware_for(config, [])  # ConfigError: unknown or incomplete chip
+            reduction_choice.hardware_for(
+                config.parallelism, config.accumulation, []
+            )  # ConfigError: unknown or incomplete chip
         launch = distributed.resolve(
             FLAGS.coordinator_address,
             FLAGS.num_processes,
@@ -150,7 +152,7 @@ def main(argv: list[str]) -> int:
                 process_index=jax.process_index(),
             )
         )
-        profiler = profiling.Profiler(config)
+        profiler = profiling.Profiler(config.training, config.output, config.run_dir)
         stack.callback(profiler.stop)
         for line in metrics_lib.output_lines(writer, profiler):
             print(line, flush=True)

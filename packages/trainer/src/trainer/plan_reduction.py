@@ -9,6 +9,9 @@ gradient_reduction_policy=auto would take marked. The mesh is abstract (no
 device, no libtpu). `--compile` compiles each policy for the topology (trainer
 AOT, needs libtpu) and prints its compiled memory and the gradient bytes
 hlo_tools counts beside the predicted ones.
+
+Its functions take the whole Config: they build the abstract model, choose the
+policy and AOT-compile the step, each of which reads every group.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def abstract_params(config: Config) -> tuple[Any, Any, Any]:
     from trainer import abstract_model, aot
     from trainer.reduction_choice import gradient_dtypes
 
-    topo = aot.resolve(config)  # ConfigError for an unknown topology or a bad mesh
+    topo = aot.resolve(config.parallelism)  # ConfigError for an unknown topology or a bad mesh
     slices = config.compile_topology_num_slices
     m = abstract_model.parameters(config, topo.chips * slices, slices)
     return m.ctx, m.params, gradient_dtypes(m.model, m.params)

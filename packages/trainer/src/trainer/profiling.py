@@ -10,27 +10,28 @@ import os
 
 import jax
 
-from trainer.config import Config, ConfigError
+from trainer.config import ConfigError, OutputConfig, TrainingConfig
 from trainer.metrics import TENSORBOARD_DIR
 
 
-def check(config: Config) -> None:
+def check(training: TrainingConfig, output: OutputConfig) -> None:
     """ConfigError naming the key, before anything compiles."""
-    if not config.profiler:
+    if not output.profiler:
         return
-    if config.profiler_start_step < 1:
-        raise ConfigError(f"profiler_start_step={config.profiler_start_step} must be >= 1")
-    if config.profiler_steps < 1:
-        raise ConfigError(f"profiler_steps={config.profiler_steps} must be >= 1")
-    if config.profiler_start_step > config.steps:
+    if output.profiler_start_step < 1:
+        raise ConfigError(f"profiler_start_step={output.profiler_start_step} must be >= 1")
+    if output.profiler_steps < 1:
+        raise ConfigError(f"profiler_steps={output.profiler_steps} must be >= 1")
+    if output.profiler_start_step > training.steps:
         raise ConfigError(
-            f"profiler_start_step={config.profiler_start_step} is after the last step "
-            f"(steps={config.steps}); nothing would be profiled"
+            f"profiler_start_step={output.profiler_start_step} is after the last step "
+            f"(steps={training.steps}); nothing would be profiled"
         )
 
 
-def trace_dir(config: Config) -> str:
-    return os.path.join(config.run_dir, TENSORBOARD_DIR)
+def trace_dir(run_dir: str) -> str:
+    """Where the traces go: run_dir/tensorboard, beside the metrics' event files."""
+    return os.path.join(run_dir, TENSORBOARD_DIR)
 
 
 class Profiler:
@@ -40,11 +41,11 @@ class Profiler:
     (its outputs fetched); a no-op unless `profiler=xplane`.
     """
 
-    def __init__(self, config: Config):
-        self.enabled = config.profiler == "xplane"
-        self.first = config.profiler_start_step
-        self.last = min(config.profiler_start_step + config.profiler_steps - 1, config.steps)
-        self.log_dir = trace_dir(config)
+    def __init__(self, training: TrainingConfig, output: OutputConfig, run_dir: str):
+        self.enabled = output.profiler == "xplane"
+        self.first = output.profiler_start_step
+        self.last = min(output.profiler_start_step + output.profiler_steps - 1, training.steps)
+        self.log_dir = trace_dir(run_dir)
         self.active = False
 
     def before(self, step: int) -> None:

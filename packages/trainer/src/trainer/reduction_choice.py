@@ -26,7 +26,14 @@ import accum
 from accum import cost as cost_lib
 from accum.hardware import HARDWARE, Hardware, HardwareError, hardware
 from trainer import flops
-from trainer.config import Config, ConfigError
+from trainer.config import (
+    AccumulationConfig,
+    Config,
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    ParallelismConfig,
+)
 
 GIB = 1024**3
 # Device kinds (jax `device_kind` prefixes) -> hardware table entries.
@@ -60,16 +67,24 @@ class Choice:
         return self.order[0]
 
 
-def hardware_for(config: Config, devices: list) -> tuple[Hardware, str]:
+def hardware_for(
+    parallelism: ParallelismConfig, accumulation: AccumulationConfig, devices: list
+) -> tuple[Hardware, str]:
     """The table entry for this run and a note on where it came from.
 
     `reduction_hardware` wins, then the compile_topology's chip, then the
     devices' kind; CPU (no entry) assumes ASSUMED's figures. ConfigError, naming
     what to change, for an unknown or incomplete entry."""
-    if config.reduction_hardware:
-        name, source = config.reduction_hardware, f"reduction_hardware={config.reduction_hardware}"
-    elif config.compile_topology:
-        name, source = config.compile_topology, f"compile_topology={config.compile_topology}"
+    if accumulation.reduction_hardware:
+        name, source = (
+            accumulation.reduction_hardware,
+            f"reduction_hardware={accumulation.reduction_hardware}",
+        )
+    elif parallelism.compile_topology:
+        name, source = (
+            parallelism.compile_topology,
+            f"compile_topology={parallelism.compile_topology}",
+        )
     else:
         kind = getattr(devices[0], "device_kind", "") if devices else ""
         name = next((v for k, v in DEVICE_KINDS.items() if kind.startswith(k)), None)
@@ -89,13 +104,21 @@ def hardware_for(config: Config, devices: list) -> tuple[Hardware, str]:
         ) from error
 
 
-def step_flops_per_chip(config: Config) -> float:
+def step_flops_per_chip(
+    model: ModelConfig, accumulation: AccumulationConfig, data: DataConfig
+) -> float:
     """Training FLOPs of one optimizer step on one chip (trainer.flops' formula)."""
-    tokens = config.per_device_batch_size * config.max_target_length
-    return flops.training_flops_per_token(config) * tokens * config.gradient_accumulation_steps
+    tokens = data.per_device_batch_size * data.max_target_length
+    return (
+        flops.training_flops_per_token(model, data)
+        * tokens
+        * accumulation.gradient_accumulation_steps
+    )
 
 
-def plans(config: Config, ctx: Any, params: Any) -> dict[str, accum.ReductionPlan]:
+def plans(
+    parallelism: ParallelismConfig, accumulation: AccumulationConfig, ctx: Any, params: Any
+) -> dict[str, accum.ReductionPlan]:
     """A plan per policy that applies to this mesh (hierarchical needs a cross-slice
     axis) and to the schedule (overlapped_ring rings nothing under per_microbatch)."""
     from trainer.sharding import reduction_plan
@@ -103,8 +126,9 @@ def plans(config: Config, ctx: Any, params: Any) -> dict[str, accum.ReductionPla
     out = {}
     for policy in accum.POLICIES:
         try:
-            plan = reduction_plan(with_policy(config, policy), ctx, params)
-            accum.check_schedule(config.gradient_accumulation_schedule, plan)
+            candidate = dataclasses.replace(accumulation, gradient_reduction_policy=policy)
+            plan = reduction_plan(parallelism, candidate, ctx, params)
+            accum.check_schedule(accumulation.gradient_accumulation_schedule, plan)
         except ValueError:  # accum.PlanError is one
             continue
         out[policy] = plan
@@ -124,7 +148,9 @@ def gradient_dtypes(model: Any, params: Any) -> Any:
 
 
 def predict_all(
-    config: Config,
+    model: ModelConfig,
+    accumulation: AccumulationConfig,
+    data: DataConfig,
     candidates: dict[str, accum.ReductionPlan],
     params: Any,
     hw: Hardware,
@@ -135,13 +161,13 @@ def predict_all(
         policy: cost_lib.predict(
             plan,
             params,
-            num_microbatches=config.gradient_accumulation_steps,
+            num_microbatches=accumulation.gradient_accumulation_steps,
             hardware=hw,
-            step_flops_per_chip=step_flops_per_chip(config),
-            compute_dtype=config.dtype,
-            accum_dtype=config.accum_dtype,
+            step_flops_per_chip=step_flops_per_chip(model, accumulation, data),
+            compute_dtype=model.dtype,
+            accum_dtype=accumulation.accum_dtype,
             # Only rings run async under the last backward (aot_async.md).
-            overlapped_after_loop=config.gradient_accumulation_schedule == "overlapped_ring",
+            overlapped_after_loop=accumulation.gradient_accumulation_schedule == "overlapped_ring",
             gradient_dtypes=grad_dtypes,
         )
         for policy, plan in candidates.items()
@@ -160,12 +186,16 @@ def rank(costs: dict[str, cost_lib.Cost], across_slices: bool) -> tuple[str, ...
 
 def choose(config: Config, ctx: Any, params: Any, devices: list, grad_dtypes: Any = None) -> Choice:
     """The auto decision for `params` (compute layout) on `ctx`'s mesh
-    (`grad_dtypes`: `gradient_dtypes` of the model)."""
+    (`grad_dtypes`: `gradient_dtypes` of the model). Takes the Config: the cost
+    model reads the model, parallelism, accumulation and data groups."""
     if config.shard_mode != "explicit":
         return Choice(("deferred",), {}, None, "shard_mode=auto: XLA places every reduction")
-    hw, note = hardware_for(config, devices)
-    candidates = plans(config, ctx, params)
-    costs = predict_all(config, candidates, params, hw, grad_dtypes)
+    parallelism, accumulation = config.parallelism, config.accumulation
+    hw, note = hardware_for(parallelism, accumulation, devices)
+    candidates = plans(parallelism, accumulation, ctx, params)
+    costs = predict_all(
+        config.model, accumulation, config.data, candidates, params, hw, grad_dtypes
+    )
     order = auto_order(costs, candidates, config.gradient_accumulation_steps)
     if config.gradient_accumulation_steps == 1:
         note += "; one microbatch: deferred (nothing to accumulate, whatever the figures)"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import accum
 import hlo_tools
 from trainer import flops
-from trainer.config import Config
+from trainer.config import AccumulationConfig, DataConfig, ModelConfig
 
 MIB = 1024 * 1024
 
@@ -27,36 +27,36 @@ def params_line(total: int, active: int, mtp: int = 0, depths: int = 0) -> str:
     return line
 
 
-def params_line_of(config: Config, params) -> str:
+def params_line_of(model: ModelConfig, params) -> str:
     """`params_line` for a run's parameters (arrays or ShapeDtypeStructs)."""
     return params_line(
         flops.count_params(params),
-        flops.active_matmul_params(config),
+        flops.active_matmul_params(model),
         flops.mtp_param_count(params),
-        config.mtp_num_layers,
+        model.mtp_num_layers,
     )
 
 
-def batch_line(config: Config, global_batch: int) -> str:
+def batch_line(accumulation: AccumulationConfig, data: DataConfig, global_batch: int) -> str:
     """Sequences and tokens per optimizer step, and how the microbatches split them.
 
     per_device_batch_size is per microbatch, as in MaxText: the global batch is
     per_device_batch_size x devices x gradient_accumulation_steps.
     """
-    ga = config.gradient_accumulation_steps
-    tokens = global_batch * config.max_target_length
+    ga = accumulation.gradient_accumulation_steps
+    tokens = global_batch * data.max_target_length
     return (
-        f"batch: {global_batch} sequences x {config.max_target_length} tokens = {tokens:,} "
+        f"batch: {global_batch} sequences x {data.max_target_length} tokens = {tokens:,} "
         f"tokens per step ({ga} microbatch{'es' if ga > 1 else ''} of {global_batch // ga}; "
-        f"per_device_batch_size={config.per_device_batch_size:g} per microbatch)"
+        f"per_device_batch_size={data.per_device_batch_size:g} per microbatch)"
     )
 
 
-def plan_lines(config: Config, plan: accum.ReductionPlan) -> list[str]:
+def plan_lines(accumulation: AccumulationConfig, plan: accum.ReductionPlan) -> list[str]:
     """The 'gradient reduction:' line from the plan, and with print_reduction_plan=true
     its table (parameter group x batch axis -> when)."""
     lines = [f"gradient reduction: {plan.summary()}"]
-    if config.print_reduction_plan:
+    if accumulation.print_reduction_plan:
         lines.append(f"reduction plan ({plan.policy}; '{accum.PER_USE}' = inside the model):")
         lines += [f"  {row}" for row in plan.table()]
     return lines
@@ -64,7 +64,7 @@ def plan_lines(config: Config, plan: accum.ReductionPlan) -> list[str]:
 
 def collective_summary(
     text: str,
-    config: Config,
+    accumulation: AccumulationConfig,
     mesh_shape: dict[str, int] | None = None,
     strict_axes: tuple[str, ...] = (),
     slice_axes: tuple[str, ...] = (),
@@ -99,8 +99,8 @@ def collective_summary(
         mib = sum(c.bytes_per_step or c.bytes for c in overlapped) / MIB
         during = f", {mib:.3f} MiB/step layer by layer in the last microbatch's backward"
     head = (
-        f"collectives per step (GA={config.gradient_accumulation_steps}, "
-        f"gradient_reduction_policy={config.gradient_reduction_policy}): "
+        f"collectives per step (GA={accumulation.gradient_accumulation_steps}, "
+        f"gradient_reduction_policy={accumulation.gradient_reduction_policy}): "
         f"{len(outside)} gradient reductions after the loops ({outside_mib:.3f} MiB{during}); "
         + _verdict(text, module, inside, mesh_shape, strict_axes)
     )

@@ -1,4 +1,7 @@
-"""A whole run: validate, build mesh and model, compile once, train, report."""
+"""A whole run: validate, build mesh and model, compile once, train, report.
+
+Takes the whole Config: it is the wiring that hands each module the groups it reads.
+"""
 
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ from trainer import (
 )
 from trainer import metrics as metrics_lib
 from trainer import model as model_lib
-from trainer.config import Config
+from trainer.config import Config, ParallelismConfig
 from trainer.optimizer import make_optimizer
 from trainer.sharding import ShardCtx, logical_rules, make_mesh, reduction_plan
 from trainer.train_step import make_step
@@ -72,16 +75,18 @@ def setup(config: Config, devices: list | None = None) -> Run:
     devices = slices.slice_major(devices) if num_slices > 1 else devices
     sizes = validate(config, len(devices), num_slices)
     # Inputs and the output directory, before building or compiling anything.
-    batch = global_batch_size(config, len(devices))
+    batch = global_batch_size(config.accumulation, config.data, len(devices))
     source = input_pipeline.make_source(config, batch)
     eval_set = eval_data.make_eval_set(config, len(devices), sizes)
     checkpoints = checkpoint.open_checkpointer(config, batch)
     # A run with checkpoints of its own resumes from them: never from its initial weights.
     resuming = bool(checkpoints and checkpoints.manager.latest_step() is not None)
-    weights = None if resuming else initial_weights.source(config)
+    weights = None if resuming else initial_weights.source(config.model, config.checkpointing)
     run = _build(config, devices, sizes, batch, abstract=False, weights=weights)
     run.source, run.checkpoints = source, checkpoints
-    run.evaluator = evaluate.make_evaluator(config, run.ctx, run.model, eval_set)
+    run.evaluator = evaluate.make_evaluator(
+        config.parallelism, config.data, config.evaluation, run.ctx, run.model, eval_set
+    )
     restored = None
     if checkpoints:
         checkpoints.check_space(run.state)
@@ -93,10 +98,10 @@ def setup(config: Config, devices: list | None = None) -> Run:
     return run
 
 
-def _optimizer_layout(config: Config, mesh, tx, params) -> tuple[Any, Any, Any]:
+def _optimizer_layout(parallelism: ParallelismConfig, mesh, tx, params) -> tuple[Any, Any, Any]:
     """(params, optimizer-state shardings, zero1) for `make_step`; `params` may be
     arrays or ShapeDtypeStructs (abstract_setup). Without ZeRO-1 nothing moves."""
-    if not config.shard_optimizer_over_data:
+    if not parallelism.shard_optimizer_over_data:
         # Adam's moments laid out like the parameters. Explicit mode infers this
         # from the types; auto mode would otherwise let XLA pick, and it
         # replicated them under FSDP (4x the state memory on fsdp=8).
@@ -142,7 +147,8 @@ def abstract_setup(config: Config, devices: list) -> Run:
     compile-only devices; lower with `abstract_batch(run)`."""
     num_slices = slices.num_slices(config.parallelism, devices)
     sizes = validate(config, len(devices), num_slices)
-    return _build(config, devices, sizes, global_batch_size(config, len(devices)), abstract=True)
+    batch = global_batch_size(config.accumulation, config.data, len(devices))
+    return _build(config, devices, sizes, batch, abstract=True)
 
 
 def _build(
@@ -161,7 +167,7 @@ def _build(
     given (a HF directory, another run's checkpoint), drawn at random otherwise.
     """
     mesh = make_mesh(sizes, config.shard_mode, devices)
-    ctx = ShardCtx(mesh, logical_rules(config), config.shard_mode)
+    ctx = ShardCtx(mesh, logical_rules(config.parallelism), config.shard_mode)
     model = model_lib.define(config, ctx)
     if abstract:
         params, router = model_lib.abstract_state(model, ctx)
@@ -173,10 +179,10 @@ def _build(
     if config.gradient_reduction_policy == "auto":
         grad_dtypes = reduction_choice.gradient_dtypes(model, params)
         config, choice = reduction_choice.resolve(config, ctx, params, devices, grad_dtypes)
-    plan = reduction_plan(config, ctx, params)
+    plan = reduction_plan(config.parallelism, config.accumulation, ctx, params)
     tx = make_optimizer(config.training)
-    params, opt_shardings, zero1 = _optimizer_layout(config, mesh, tx, params)
-    fns = make_step(config, ctx, model, tx, zero1, plan)
+    params, opt_shardings, zero1 = _optimizer_layout(config.parallelism, mesh, tx, params)
+    fns = make_step(config.model, config.training, config.accumulation, ctx, model, tx, zero1, plan)
     with jax.set_mesh(mesh):
         init = jax.jit(fns.init_opt_state, out_shardings=opt_shardings)
         opt_state = jax.eval_shape(init, params) if abstract else init(params)
@@ -247,13 +253,13 @@ def train(
     config = run.config
     compiled = run.compiled or compile_step(run)
     tokens_per_step = run.batch_size * config.max_target_length
-    flops_per_step = flops.training_flops_per_token(config) * tokens_per_step
-    peak = flops.peak_tflops(config, jax.devices()[0].device_kind)
+    flops_per_step = flops.training_flops_per_token(config.model, config.data) * tokens_per_step
+    peak = flops.peak_tflops(config.output, jax.devices()[0].device_kind)
     history = []
     checkpoints = run.checkpoints
 
     def maybe_evaluate(step: int) -> None:
-        if run.evaluator and eval_data.due(config, step):
+        if run.evaluator and eval_data.due(config.training, config.evaluation, step):
             result = run.evaluator.evaluate(run.state)
             run.evals.append((step, result))
             if on_eval:
@@ -326,14 +332,15 @@ def startup_lines(run: Run) -> list[str]:
     sizes = dict(run.ctx.mesh.shape)
     lines = [
         report.mesh_line(sizes, config.shard_mode),
-        report.params_line_of(config, run.state["params"]),
-        report.batch_line(config, run.batch_size),
+        report.params_line_of(config.model, run.state["params"]),
+        report.batch_line(config.accumulation, config.data, run.batch_size),
     ]
     if run.reduction_choice:
         lines += reduction_choice.startup_lines(run.reduction_choice)
-    lines += report.plan_lines(config, run.plan)
+    lines += report.plan_lines(config.accumulation, run.plan)
     lines += data_lines(run)
-    return lines + report.collective_summary(run.compiled.as_text(), config, *summary_axes(run))
+    text = run.compiled.as_text()
+    return lines + report.collective_summary(text, config.accumulation, *summary_axes(run))
 
 
 def summary_axes(run: Run) -> tuple[dict[str, int], tuple[str, ...], tuple[str, ...]]:

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import accum
 import pspec_tags as pt
-from trainer.config import MESH_AXES, Config
+from trainer.config import MESH_AXES, AccumulationConfig, ParallelismConfig
 from trainer.slices import device_array, slice_axes
 
 
@@ -40,9 +40,9 @@ def make_mesh(sizes: dict[str, int], mode: str, devices: Sequence[Any] | None = 
     return Mesh(array, MESH_AXES, axis_types=(axis_type,) * len(MESH_AXES))
 
 
-def logical_rules(config: Config) -> tuple[tuple[str, Any], ...]:
+def logical_rules(parallelism: ParallelismConfig) -> tuple[tuple[str, Any], ...]:
     """Logical axis -> mesh axes. The first usable rule for a name wins (pspec_tags)."""
-    expert_in_batch = config.expert_shard_attention_option == "fsdp"
+    expert_in_batch = parallelism.expert_shard_attention_option == "fsdp"
     # The batch splits across slices first (dcn_ axes), then inside one.
     dcn = ("dcn_data", "dcn_fsdp")
     batch = (*dcn, "data", "fsdp", "expert") if expert_in_batch else (*dcn, "data", "fsdp")
@@ -201,7 +201,9 @@ def _einsum_out_shape(equation: str, operands: Sequence[jax.Array]) -> tuple[int
     return tuple(dims[letter] for letter in output)
 
 
-def reduction_plan(config: Config, ctx: ShardCtx, params: Any) -> accum.ReductionPlan:
+def reduction_plan(
+    parallelism: ParallelismConfig, accumulation: AccumulationConfig, ctx: ShardCtx, params: Any
+) -> accum.ReductionPlan:
     """The step's reduction plan (accum.make_plan), read by everything that reduces,
     tags or reports gradients.
 
@@ -216,8 +218,8 @@ def reduction_plan(config: Config, ctx: ShardCtx, params: Any) -> accum.Reductio
         params,
         batch_axes=ctx.token_axes,
         mesh_shape=shape,
-        policy=config.gradient_reduction_policy,
-        mode=config.shard_mode,
+        policy=accumulation.gradient_reduction_policy,
+        mode=parallelism.shard_mode,
         slice_axes=slice_axes(shape),
         per_parameter=True,
     )

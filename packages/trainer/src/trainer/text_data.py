@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from trainer.config import Config, ConfigError
+from trainer.config import ConfigError, DataConfig, ModelConfig, TrainingConfig
 
 if TYPE_CHECKING:
     import grain
@@ -267,13 +267,13 @@ class PackedText:
         )
 
 
-def run_tokenizer(config: Config) -> Tokenizer:
+def run_tokenizer(model: ModelConfig, data: DataConfig) -> Tokenizer:
     """The run's tokenizer (tokenizer_path's tokenizer.json, else bytes); ConfigError
     when vocab_size cannot hold its ids."""
-    tokenizer = load_tokenizer(config.tokenizer_path) if config.tokenizer_path else byte_tokenizer()
-    if tokenizer.vocab_size > config.vocab_size:
+    tokenizer = load_tokenizer(data.tokenizer_path) if data.tokenizer_path else byte_tokenizer()
+    if tokenizer.vocab_size > model.vocab_size:
         raise ConfigError(
-            f"vocab_size={config.vocab_size} is smaller than the {tokenizer.vocab_size} ids of the "
+            f"vocab_size={model.vocab_size} is smaller than the {tokenizer.vocab_size} ids of the "
             f"{tokenizer.name} tokenizer"
             + (" (256 bytes + end-of-document)" if tokenizer.name == "bytes" else "")
             + f"; set vocab_size={tokenizer.vocab_size} or more"
@@ -294,14 +294,14 @@ def tokenize(texts: Iterable[str], tokenizer: Tokenizer) -> list[np.ndarray]:
 
 def packed_text(
     documents: Sequence[np.ndarray],
-    config: Config,
+    data: DataConfig,
     tokenizer: Tokenizer | None,
     files: list[Path],
     where: str,
 ) -> PackedText:
     """`documents` packed into rows of `max_target_length`; ConfigError naming `where`
     (the key=value that named the files) when nothing is left to train on."""
-    packed = pack(documents, config.max_target_length)
+    packed = pack(documents, data.max_target_length)
     if not len(packed):
         raise ConfigError(
             f"{where}: {len(files)} files hold no text (every document is empty or a single token)"
@@ -309,17 +309,19 @@ def packed_text(
     return PackedText(packed, tokenizer, files, len(documents))
 
 
-def load_packed(config: Config, path: str, key: str = "dataset_path") -> PackedText:
+def load_packed(
+    model: ModelConfig, data: DataConfig, path: str, key: str = "dataset_path"
+) -> PackedText:
     """Read, tokenize and pack the files under `path` (named by config key `key`) once,
     with the run's tokenizer and `max_target_length`; ConfigError on any bad input."""
     files = find_files(path, key)
-    tokenizer = run_tokenizer(config)
-    documents = tokenize(read_documents(files, config.jsonl_field), tokenizer)
-    return packed_text(documents, config, tokenizer, files, f"{key}={path!r}")
+    tokenizer = run_tokenizer(model, data)
+    documents = tokenize(read_documents(files, data.jsonl_field), tokenizer)
+    return packed_text(documents, data, tokenizer, files, f"{key}={path!r}")
 
 
 def shuffled_source(
-    text: PackedText, config: Config, global_batch: int, kind: str = "text"
+    text: PackedText, training: TrainingConfig, global_batch: int, kind: str = "text"
 ) -> TextSource:
     """The training stream over packed rows: shuffled with `seed`, repeated with a new
     order every epoch; element `step * global_batch + row` is a function of (seed, step)."""
@@ -327,7 +329,7 @@ def shuffled_source(
 
     dataset = (
         grain.MapDataset.source(text.packed)
-        .shuffle(seed=config.seed % 2**32)
+        .shuffle(seed=training.seed % 2**32)
         .repeat(reseed_each_epoch=True)
     )
     return TextSource(
@@ -335,6 +337,8 @@ def shuffled_source(
     )
 
 
-def make_text_source(config: Config, global_batch: int) -> TextSource:
+def make_text_source(
+    model: ModelConfig, training: TrainingConfig, data: DataConfig, global_batch: int
+) -> TextSource:
     """The training stream over `dataset_path`; raise ConfigError on any bad input."""
-    return shuffled_source(load_packed(config, config.dataset_path), config, global_batch)
+    return shuffled_source(load_packed(model, data, data.dataset_path), training, global_batch)

@@ -13,7 +13,7 @@ import optax
 import accum
 import moe_kernels
 from trainer import model as model_lib
-from trainer.config import Config
+from trainer.config import AccumulationConfig, ModelConfig, TrainingConfig
 from trainer.loss import cross_entropy_sum, token_cross_entropy, weighted_sums
 from trainer.model import mtp as mtp_lib
 from trainer.optimizer import learning_rate_schedule
@@ -29,14 +29,17 @@ class StepFns:
 
 
 def make_loss_fn(
-    config: Config, model: model_lib.ModelDef, router: dict, mtp_scale_D: jax.Array | None = None
+    model: ModelConfig,
+    model_def: model_lib.ModelDef,
+    router: dict,
+    mtp_scale_D: jax.Array | None = None,
 ) -> Callable:
     """`loss_fn(params, microbatch) -> (loss_sum, aux)` in accum's contract.
 
     With MTP on, `mtp_scale_D` (`mtp_loss_scales` of the whole step's batch) turns
     each depth's cross-entropy sum into its share of the loss sum.
     """
-    if config.mtp_num_layers and mtp_scale_D is None:
+    if model.mtp_num_layers and mtp_scale_D is None:
         raise ValueError("mtp_num_layers > 0 needs mtp_scale_D (train_step.mtp_loss_scales)")
 
     def loss_fn(params, mb):
@@ -45,24 +48,24 @@ def make_loss_fn(
         # per microbatch. The aux loss scales by the microbatch's global token
         # count, so with it on that count is reduced here. (Whether the model
         # has MoE layers is static: the config says.)
-        aux_loss = bool(config.load_balance_loss_weight and config.num_moe_layers)
+        aux_loss = bool(model.load_balance_loss_weight and model.num_moe_layers)
 
         keep = not aux_loss
         mtp_stats: dict = {}
-        if config.mtp_num_layers:
+        if model.mtp_num_layers:
             (logits, stats), depths, mtp_stats = model_lib.apply_with_mtp(
-                model, params, router, mb, lambda lg, t, w: (token_cross_entropy(lg, t), w)
+                model_def, params, router, mb, lambda lg, t, w: (token_cross_entropy(lg, t), w)
             )
         else:
             logits, stats = model_lib.apply(
-                model, params, router, mb["inputs"], mb["positions"], mb["segments"]
+                model_def, params, router, mb["inputs"], mb["positions"], mb["segments"]
             )
         ce_sum, weight = cross_entropy_sum(
             logits, mb["targets"], mb["weights"], keep_unreduced=keep
         )
         aux = {"weight": weight, "ce_sum": ce_sum}
         loss_sum = ce_sum
-        if config.mtp_num_layers:
+        if model.mtp_num_layers:
             # Per depth (lists of scalars: accum sums and reduces each leaf once).
             sums = [weighted_sums(nll, w, keep_unreduced=keep) for nll, w in depths]
             aux["mtp_ce_sum"] = [s for s, _ in sums]
@@ -89,13 +92,13 @@ def make_loss_fn(
             aux["balance_loss_terms"] = jnp.float32(by_shard.size)
             if aux_loss:
                 balance = jnp.mean(stats["balance_loss"])
-                loss_sum = loss_sum + config.load_balance_loss_weight * balance * weight
+                loss_sum = loss_sum + model.load_balance_loss_weight * balance * weight
         return loss_sum, aux
 
     return loss_fn
 
 
-def mtp_loss_scales(config: Config, batch: dict, ctx: ShardCtx) -> jax.Array:
+def mtp_loss_scales(model: ModelConfig, batch: dict, ctx: ShardCtx) -> jax.Array:
     """Per MTP depth, the factor that turns its cross-entropy sum into its share of
     the loss sum: mtp_loss_scaling_factor / depths x W / W_k, with W the batch's
     target weight and W_k depth k's. accum divides the loss sum by W, so the loss is
@@ -103,20 +106,21 @@ def mtp_loss_scales(config: Config, batch: dict, ctx: ShardCtx) -> jax.Array:
     (no parameter): computed once per step, before the microbatch loop."""
     total = jnp.sum(batch["weights"].astype(jnp.float32))
     depth_totals = [
-        jnp.sum(mtp_lib.depth_targets(batch, k, ctx)[2])
-        for k in range(1, config.mtp_num_layers + 1)
+        jnp.sum(mtp_lib.depth_targets(batch, k, ctx)[2]) for k in range(1, model.mtp_num_layers + 1)
     ]
     weights_D = jnp.stack(depth_totals)
-    per_depth = config.mtp_loss_scaling_factor / config.mtp_num_layers
+    per_depth = model.mtp_loss_scaling_factor / model.mtp_num_layers
     # A depth with no target at all in the batch adds nothing (not 0/0).
     return jnp.where(weights_D > 0, per_depth * total / jnp.maximum(weights_D, 1.0), 0.0)
 
 
-def _update_router(config: Config, router: dict, tokens_per_expert_LxE, mtp_tokens=None) -> dict:
-    if not router or config.routed_bias_update_rate == 0:
+def _update_router(
+    model: ModelConfig, router: dict, tokens_per_expert_LxE, mtp_tokens=None
+) -> dict:
+    if not router or model.routed_bias_update_rate == 0:
         return router
     update = jax.vmap(
-        lambda b, t: moe_kernels.update_routing_bias(b, t, rate=config.routed_bias_update_rate)
+        lambda b, t: moe_kernels.update_routing_bias(b, t, rate=model.routed_bias_update_rate)
     )
 
     def updated(group: dict, tokens) -> dict:
@@ -130,9 +134,11 @@ def _update_router(config: Config, router: dict, tokens_per_expert_LxE, mtp_toke
 
 
 def make_step(
-    config: Config,
+    model: ModelConfig,
+    training: TrainingConfig,
+    accumulation: AccumulationConfig,
     ctx: ShardCtx,
-    model: model_lib.ModelDef,
+    model_def: model_lib.ModelDef,
     tx: optax.GradientTransformation,
     zero1: tuple[Any, Any] | None = None,
     plan: accum.ReductionPlan | None = None,
@@ -145,9 +151,9 @@ def make_step(
     reduction lands straight in `master_shardings` (a reduce-scatter where the
     backend forms one), and the optimizer updates shards only.
     """
-    compute_dtype = jnp.dtype(config.dtype)
-    schedule = config.gradient_accumulation_schedule
-    if schedule == "fused" and not config.scan_layers:
+    compute_dtype = jnp.dtype(model.dtype)
+    schedule = accumulation.gradient_accumulation_schedule
+    if schedule == "fused" and not model.scan_layers:
         schedule = "plain"  # fusing works inside the layer scan: unscanned layers have none
 
     def step(state: dict, batch: dict) -> tuple[dict, dict]:
@@ -161,27 +167,33 @@ def make_step(
                 params,
                 compute_shardings,
                 compute_dtype=compute_dtype,
-                cast=model.param_cast_at_use,
+                cast=model_def.param_cast_at_use,
                 mode=ctx.mode,
             )
-        mtp_scale_D = mtp_loss_scales(config, batch, ctx) if config.mtp_num_layers else None
+        mtp_scale_D = mtp_loss_scales(model, batch, ctx) if model.mtp_num_layers else None
         loss, aux, grads = accum.accumulate_gradients(
-            make_loss_fn(config, model, state["router"], mtp_scale_D),
+            make_loss_fn(model, model_def, state["router"], mtp_scale_D),
             params,
             batch,
-            num_microbatches=config.gradient_accumulation_steps,
+            num_microbatches=accumulation.gradient_accumulation_steps,
             plan=plan,
             schedule=schedule,
             grad_shardings=grad_shardings,
-            accum_dtype=jnp.dtype(config.accum_dtype),
+            accum_dtype=jnp.dtype(accumulation.accum_dtype),
         )
-        return apply_gradients(config, tx, state, loss, aux, grads)
+        return apply_gradients(model, training, tx, state, loss, aux, grads)
 
     return StepFns(init_opt_state=tx.init, step=step)
 
 
 def apply_gradients(
-    config: Config, tx: optax.GradientTransformation, state: dict, loss, aux: dict, grads
+    model: ModelConfig,
+    training: TrainingConfig,
+    tx: optax.GradientTransformation,
+    state: dict,
+    loss,
+    aux: dict,
+    grads,
 ) -> tuple[dict, dict]:
     """The rest of a step once the batch's gradients are reduced: AdamW, router
     biases, step counter and metrics. `aux` is `loss_fn`'s, summed over the batch."""
@@ -196,14 +208,14 @@ def apply_gradients(
     router = (
         state["router"]
         if tokens is None
-        else _update_router(config, state["router"], tokens, mtp_tokens)
+        else _update_router(model, state["router"], tokens, mtp_tokens)
     )
     weight = jnp.maximum(aux["weight"], 1.0)
     metrics = {
         "loss": loss,
         "ce_loss": aux["ce_sum"] / weight,
         "grad_norm": optax.tree.norm(grads),
-        "learning_rate": learning_rate_schedule(config)(state["step"]),
+        "learning_rate": learning_rate_schedule(training)(state["step"]),
         "tokens": aux["weight"],
     }
     for k, (depth_sum, depth_weight) in enumerate(

@@ -1,9 +1,24 @@
-"""Checks that need the machine (device count) — all run before anything compiles."""
+"""Checks that need the machine (device count) — all run before anything compiles.
+
+`validate` takes the whole Config: its checks cross groups (a batch size against the
+mesh, a schedule against the shard mode); each helper takes only the groups it reads.
+"""
 
 from __future__ import annotations
 
 from moe_kernels.config import TOPK_METHODS
-from trainer.config import DTYPES, ROPE_TYPES, Config, ConfigError, mesh_shape
+from trainer.config import (
+    DTYPES,
+    ROPE_TYPES,
+    AccumulationConfig,
+    Config,
+    ConfigError,
+    DataConfig,
+    EvaluationConfig,
+    ModelConfig,
+    ParallelismConfig,
+    mesh_shape,
+)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -11,33 +26,33 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def batch_shard_count(config: Config, sizes: dict[str, int]) -> int:
+def batch_shard_count(parallelism: ParallelismConfig, sizes: dict[str, int]) -> int:
     """How many ways the batch dimension is split (dcn x data x fsdp x expert-as-fsdp)."""
     count = sizes["dcn_data"] * sizes["dcn_fsdp"] * sizes["data"] * sizes["fsdp"]
-    if config.expert_shard_attention_option == "fsdp":
+    if parallelism.expert_shard_attention_option == "fsdp":
         count *= sizes["expert"]
     return count
 
 
-def microbatch_size(config: Config, num_devices: int) -> int:
+def microbatch_size(data: DataConfig, num_devices: int) -> int:
     """Sequences per microbatch: per_device_batch_size x devices (MaxText's meaning).
 
     Must come out a whole number.
     """
-    total = config.per_device_batch_size * num_devices
+    total = data.per_device_batch_size * num_devices
     _require(
         total >= 1 and total == int(total),
-        f"per_device_batch_size={config.per_device_batch_size} x {num_devices} devices = "
+        f"per_device_batch_size={data.per_device_batch_size} x {num_devices} devices = "
         f"{total} is not a whole, positive number of sequences per microbatch",
     )
     return int(total)
 
 
-def global_batch_size(config: Config, num_devices: int) -> int:
+def global_batch_size(accumulation: AccumulationConfig, data: DataConfig, num_devices: int) -> int:
     """Sequences per optimizer step: per_device_batch_size x devices x
     gradient_accumulation_steps, as in MaxText (each microbatch holds
     per_device_batch_size sequences per device)."""
-    return microbatch_size(config, num_devices) * config.gradient_accumulation_steps
+    return microbatch_size(data, num_devices) * accumulation.gradient_accumulation_steps
 
 
 def validate(config: Config, num_devices: int, num_slices: int | None = None) -> dict[str, int]:
@@ -49,7 +64,7 @@ def validate(config: Config, num_devices: int, num_slices: int | None = None) ->
     >>> from trainer.validate import global_batch_size, validate
     >>> config = make_config({"ici_fsdp_parallelism": "4", "per_device_batch_size": "2"})
     >>> sizes = validate(config, num_devices=8)  # the data axis (-1) fills the rest
-    >>> sizes["data"], sizes["fsdp"], global_batch_size(config, 8)
+    >>> sizes["data"], sizes["fsdp"], global_batch_size(config.accumulation, config.data, 8)
     (2, 4, 16)
     >>> validate(make_config({"ici_fsdp_parallelism": "8", "per_device_batch_size": "0.25"}), 8)
     Traceback (most recent call last):
@@ -58,14 +73,15 @@ def validate(config: Config, num_devices: int, num_slices: int | None = None) ->
     """
     if num_slices is None:
         num_slices = config.num_slices if config.num_slices > 0 else 1
-    sizes = mesh_shape(config, num_devices, num_slices)
+    sizes = mesh_shape(config.parallelism, num_devices, num_slices)
     _check_training(config)
     _check_model(config)
-    _check_parallelism(config, sizes)
-    _check_reduction_policy(config, sizes)
-    _check_accumulation_schedule(config)
-    microbatch = microbatch_size(config, num_devices)
-    shards = batch_shard_count(config, sizes)
+    model, parallelism, data = config.model, config.parallelism, config.data
+    _check_parallelism(model, parallelism, data, sizes)
+    _check_reduction_policy(parallelism, config.accumulation, sizes)
+    _check_accumulation_schedule(model, parallelism, config.accumulation)
+    microbatch = microbatch_size(data, num_devices)
+    shards = batch_shard_count(parallelism, sizes)
     _require(
         microbatch % shards == 0,
         f"microbatch of {microbatch} sequences (per_device_batch_size="
@@ -111,14 +127,14 @@ def _check_model(config: Config) -> None:
         config.qk_rope_head_dim % 2 == 0,
         f"qk_rope_head_dim={config.qk_rope_head_dim} must be even (RoPE rotates pairs)",
     )
-    check_architecture(config)
+    check_architecture(config.model, config.data)
     if config.num_moe_layers:
-        _check_routing(config)
-    _check_mtp(config)
+        _check_routing(config.model)
+    _check_mtp(config.model, config.data, config.evaluation)
 
 
-def _check_mtp(config: Config) -> None:
-    depth, length = config.mtp_num_layers, config.max_target_length
+def _check_mtp(model: ModelConfig, data: DataConfig, evaluation: EvaluationConfig) -> None:
+    depth, length = model.mtp_num_layers, data.max_target_length
     _require(depth >= 0, f"mtp_num_layers={depth} must be >= 0 (0 = no multi-token prediction)")
     # Depth k predicts the token k+1 ahead: position i needs i + k < length.
     _require(
@@ -127,62 +143,62 @@ def _check_mtp(config: Config) -> None:
         f"(depth k predicts k+1 tokens ahead); use at most {length - 1}",
     )
     _require(
-        config.mtp_loss_scaling_factor >= 0,
-        f"mtp_loss_scaling_factor={config.mtp_loss_scaling_factor} must be >= 0",
+        model.mtp_loss_scaling_factor >= 0,
+        f"mtp_loss_scaling_factor={model.mtp_loss_scaling_factor} must be >= 0",
     )
-    target = config.mtp_eval_target_module
+    target = evaluation.mtp_eval_target_module
     _require(
         0 <= target <= depth,
         f"mtp_eval_target_module={target} must be between 0 (off) and mtp_num_layers={depth}",
     )
 
 
-def check_architecture(config: Config) -> None:
+def check_architecture(model: ModelConfig, data: DataConfig) -> None:
     """ConfigError naming the key for a bad attention/RoPE option (no machine needed)."""
     _require(
-        config.q_lora_rank >= 0,
-        f"q_lora_rank={config.q_lora_rank} must be >= 0 (0 = a plain query projection)",
+        model.q_lora_rank >= 0,
+        f"q_lora_rank={model.q_lora_rank} must be >= 0 (0 = a plain query projection)",
     )
     for key, choices in (("rope_type", ROPE_TYPES), ("routed_topk_method", TOPK_METHODS)):
-        value = getattr(config, key)
+        value = getattr(model, key)
         _require(value in choices, f"{key}={value!r} is not one of {choices}")
-    if config.rope_type != "yarn":
+    if model.rope_type != "yarn":
         return
     _require(
-        config.rope_factor > 1,
-        f"rope_factor={config.rope_factor} must be > 1 with rope_type=yarn (it stretches "
+        model.rope_factor > 1,
+        f"rope_factor={model.rope_factor} must be > 1 with rope_type=yarn (it stretches "
         "the original context; use rope_type=default for plain RoPE)",
     )
     _require(
-        config.original_max_position_embeddings >= 1,
-        f"original_max_position_embeddings={config.original_max_position_embeddings} must be >= 1",
+        model.original_max_position_embeddings >= 1,
+        f"original_max_position_embeddings={model.original_max_position_embeddings} must be >= 1",
     )
-    _require(config.beta_slow > 0, f"beta_slow={config.beta_slow} must be > 0")
+    _require(model.beta_slow > 0, f"beta_slow={model.beta_slow} must be > 0")
     _require(
-        config.beta_fast >= config.beta_slow,
-        f"beta_fast={config.beta_fast} must be >= beta_slow={config.beta_slow}",
+        model.beta_fast >= model.beta_slow,
+        f"beta_fast={model.beta_fast} must be >= beta_slow={model.beta_slow}",
     )
-    _require(config.mscale >= 0, f"mscale={config.mscale} must be >= 0")
+    _require(model.mscale >= 0, f"mscale={model.mscale} must be >= 0")
     _require(
-        config.max_target_length <= config.max_position_embeddings,
-        f"max_target_length={config.max_target_length} exceeds max_position_embeddings="
-        f"{config.max_position_embeddings}, the context rope_type=yarn extends to",
+        data.max_target_length <= model.max_position_embeddings,
+        f"max_target_length={data.max_target_length} exceeds max_position_embeddings="
+        f"{model.max_position_embeddings}, the context rope_type=yarn extends to",
     )
 
 
-def _check_routing(config: Config) -> None:
-    experts, k = config.num_experts, config.num_experts_per_tok
+def _check_routing(model: ModelConfig) -> None:
+    experts, k = model.num_experts, model.num_experts_per_tok
     _require(experts >= 1, f"num_experts={experts} must be >= 1")
     _require(
-        config.capacity_factor >= 0,
-        f"capacity_factor={config.capacity_factor} must be >= 0 (0 = no token dropped)",
+        model.capacity_factor >= 0,
+        f"capacity_factor={model.capacity_factor} must be >= 0 (0 = no token dropped)",
     )
     _require(
         1 <= k <= experts, f"num_experts_per_tok={k} must be between 1 and num_experts={experts}"
     )
-    groups, top_groups = config.n_routing_groups, config.topk_routing_group
+    groups, top_groups = model.n_routing_groups, model.topk_routing_group
     _require(
-        config.routed_topk_method != "greedy" or groups == 1,
+        model.routed_topk_method != "greedy" or groups == 1,
         f"routed_topk_method=greedy picks over all experts: n_routing_groups={groups} "
         "must be 1 (or use noaux_tc / group_limited_greedy)",
     )
@@ -201,35 +217,39 @@ def _check_routing(config: Config) -> None:
     )
 
 
-def _check_accumulation_schedule(config: Config) -> None:
+def _check_accumulation_schedule(
+    model: ModelConfig, parallelism: ParallelismConfig, accumulation: AccumulationConfig
+) -> None:
     # fused (the default) has no effect without the scan; an overlapped schedule is
     # asked for explicitly and would silently not overlap.
-    schedule = config.gradient_accumulation_schedule
+    schedule = accumulation.gradient_accumulation_schedule
     key = f"gradient_accumulation_schedule={schedule}"
     _require(
-        schedule not in ("overlapped", "overlapped_ring") or config.scan_layers,
+        schedule not in ("overlapped", "overlapped_ring") or model.scan_layers,
         f"{key} needs scan_layers=true (it works inside the backward layer scan)",
     )
     if schedule != "overlapped_ring":
         return
     _require(
-        config.shard_mode == "explicit",
+        parallelism.shard_mode == "explicit",
         f"{key} needs shard_mode=explicit (auto mode lets XLA place every reduction)",
     )
     _require(
-        config.gradient_reduction_policy != "per_microbatch",
+        accumulation.gradient_reduction_policy != "per_microbatch",
         f"{key} does nothing with gradient_reduction_policy=per_microbatch (every gradient "
         "is reduced in its microbatch's backward): use gradient_accumulation_schedule="
         "overlapped",
     )
 
 
-def _check_reduction_policy(config: Config, sizes: dict[str, int]) -> None:
-    policy = config.gradient_reduction_policy
+def _check_reduction_policy(
+    parallelism: ParallelismConfig, accumulation: AccumulationConfig, sizes: dict[str, int]
+) -> None:
+    policy = accumulation.gradient_reduction_policy
     if policy != "hierarchical":
         return
     _require(
-        config.shard_mode == "explicit",
+        parallelism.shard_mode == "explicit",
         "gradient_reduction_policy=hierarchical needs shard_mode=explicit (auto mode lets XLA "
         "place every reduction)",
     )
@@ -241,8 +261,10 @@ def _check_reduction_policy(config: Config, sizes: dict[str, int]) -> None:
     )
 
 
-def _check_parallelism(config: Config, sizes: dict[str, int]) -> None:
-    if config.shard_optimizer_over_data:
+def _check_parallelism(
+    model: ModelConfig, parallelism: ParallelismConfig, data: DataConfig, sizes: dict[str, int]
+) -> None:
+    if parallelism.shard_optimizer_over_data:
         for key, axis in (("ici_fsdp_parallelism", "fsdp"), ("dcn_fsdp_parallelism", "dcn_fsdp")):
             _require(
                 sizes[axis] == 1,
@@ -250,29 +272,33 @@ def _check_parallelism(config: Config, sizes: dict[str, int]) -> None:
                 f"{key}={sizes[axis]} (FSDP already shards the optimizer state)",
             )
     _require(
-        config.num_experts % sizes["expert"] == 0,
-        f"num_experts={config.num_experts} is not divisible by "
+        model.num_experts % sizes["expert"] == 0,
+        f"num_experts={model.num_experts} is not divisible by "
         f"ici_expert_parallelism={sizes['expert']}",
     )
     _require(
-        config.base_num_query_heads % sizes["tensor"] == 0,
-        f"base_num_query_heads={config.base_num_query_heads} is not divisible by "
+        model.base_num_query_heads % sizes["tensor"] == 0,
+        f"base_num_query_heads={model.base_num_query_heads} is not divisible by "
         f"ici_tensor_parallelism={sizes['tensor']}",
     )
     seq_shards = sizes["context"] * (
-        sizes["expert"] if config.expert_shard_attention_option == "context" else 1
+        sizes["expert"] if parallelism.expert_shard_attention_option == "context" else 1
     )
     _require(
-        config.max_target_length % seq_shards == 0,
-        f"max_target_length={config.max_target_length} is not divisible by the {seq_shards} "
+        data.max_target_length % seq_shards == 0,
+        f"max_target_length={data.max_target_length} is not divisible by the {seq_shards} "
         "sequence shards (ici_context_parallelism"
-        + (" x ici_expert_parallelism" if config.expert_shard_attention_option == "context" else "")
+        + (
+            " x ici_expert_parallelism"
+            if parallelism.expert_shard_attention_option == "context"
+            else ""
+        )
         + ")",
     )
     for key, dim, axis in (
-        ("base_emb_dim", config.base_emb_dim, "tensor_transpose"),
-        ("base_mlp_dim", config.base_mlp_dim, "tensor"),
-        ("base_moe_mlp_dim", config.base_moe_mlp_dim, "tensor"),
+        ("base_emb_dim", model.base_emb_dim, "tensor_transpose"),
+        ("base_mlp_dim", model.base_mlp_dim, "tensor"),
+        ("base_moe_mlp_dim", model.base_moe_mlp_dim, "tensor"),
     ):
         _require(
             dim % sizes[axis] == 0,

@@ -41,7 +41,7 @@ def default_ctx(config: Config) -> ShardCtx:
     """One device: what `load` places on when no ShardCtx is given."""
     devices = jax.devices()[:1]
     mesh = make_mesh(mesh_shape(config, 1), config.shard_mode, devices)
-    return ShardCtx(mesh, logical_rules(config), config.shard_mode)
+    return ShardCtx(mesh, logical_rules(config.parallelism), config.shard_mode)
 
 
 def plan_import(path: str, config: Config, targets: dict[str, dict]) -> stream.Plan:
@@ -168,7 +168,7 @@ def _mesh_of(params: dict[str, dict]):
 @functools.cache
 def _forward_fn(config: Config, mesh):
     """The jitted forward of `config` on `mesh` (built once per pair)."""
-    ctx = ShardCtx(mesh, logical_rules(config), config.shard_mode)
+    ctx = ShardCtx(mesh, logical_rules(config.parallelism), config.shard_mode)
     model = model_lib.define(config, ctx)
 
     def run(params, router, tokens_BxS):
