@@ -55,7 +55,7 @@ def test_context_parallel_ga4_matches_single_device_and_is_no_tag_loss(
     assert all("transpose(" in c.op_name for c in per_microbatch)  # backward ones
     # The startup summary reads the same verdict: no FAIL for them.
     config = make_config({**layouts["fsdp+context"], **GA4})
-    head = collective_summary(text, config, sizes, ("context",))[0]
+    head = collective_summary(text, config.accumulation, sizes, ("context",))[0]
     assert "OK: no gradient reduction > 8 elements over context inside loops" in head, head
     assert f"{len(per_microbatch)} of them carrying activations" in head, head
 
