@@ -99,8 +99,10 @@ def main() -> int:
         [
             "models: packages/accum/tests/guard_generator.py (seed -> program; the cpu tier "
             "runs seeds 0-49, the slow tier 50-549)",
-            "oracle: all-reduce/reduce-scatter with an array > 8 elements spanning the watched "
-            "axis inside the ENTRY while loop of trip count 2 (the whole program for accum.add), "
+            "oracle: all-reduce/reduce-scatter made by the backward pass (op_name with "
+            "transpose(, not a remat recomputation: a forward psum is the model's own) with an "
+            "array > 8 elements spanning the watched axis inside the ENTRY while loop of "
+            "trip count 2 (the whole program for accum.add), "
             "read from the HLO text by the generator's own regular expressions; the watched axis "
             "is the mesh's deferred one ('dcn' for hierarchical), none when a weight is sharded "
             "over it at rest (it reduces that axis per use by design)",
