@@ -87,6 +87,15 @@ def test_gradient_dtypes_and_small_cross_slice_shards():
     )
     plain = _predict("per_microbatch")
     assert mixed.bytes_in_loop["fsdp"] == 2 * plain.bytes_in_loop["fsdp"] == GA * 4 * W
+    # A leaf cast to bf16 and up to f32 again at its use (the router's gate): its
+    # per-microbatch reduction carries f32; the scatters (accum's, on the bf16
+    # gradient) and the once-per-step f32 accumulator do not change.
+    up = {"w": "float32", "fsdp_w": None, "bias": None}
+    assert _predict("per_microbatch", use_dtypes=up).bytes_in_loop == mixed.bytes_in_loop
+    for policy in ("hierarchical", "deferred"):
+        cast_up = _predict(policy, use_dtypes=up)
+        assert cast_up.bytes_in_loop == _predict(policy).bytes_in_loop
+        assert cast_up.bytes_outside == _predict(policy).bytes_outside
     # A 32-element f32 leaf over data and dcn_data: 16 elements cross the slices, 8
     # with data=4; at 8 hlo_tools' filter drops the array, and so does the model.
     sizes = {"dcn_data": 2, "data": 4}

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
 import accum
 from accum import cost as cost_lib
@@ -111,16 +112,32 @@ def plans(config: Config, ctx: Any, params: Any) -> dict[str, accum.ReductionPla
     return out
 
 
-def gradient_dtypes(model: Any, params: Any) -> Any:
+class GradientDtypes(NamedTuple):
+    """accum.cost's `gradient_dtypes` and `use_dtypes` trees of one model."""
+
+    backward: Any
+    at_use: Any
+
+
+def gradient_dtypes(model: Any, params: Any) -> GradientDtypes:
     """Per parameter leaf, the dtype of its gradient in the backward pass where it is
     not the compute dtype (None there): a parameter the model uses in its own dtype
     (params.CAST_AT_USE false: norm scales, the embedding table) has a cotangent of
-    that dtype, which is what its per-microbatch reductions carry."""
-    return jax.tree.map(
+    that dtype, which is what its per-microbatch reductions carry; and the dtype its
+    use computes in where the model casts it up again (params.USE_DTYPE: the
+    router's gate, in f32), which is what autodiff's per-microbatch reduction carries."""
+    backward = jax.tree.map(
         lambda cast, x: None if cast else x.dtype,
         model.param_cast_at_use,
         params,
     )
+    at_use = jax.tree.map(
+        lambda use, x: None if use is None else np.dtype(use),
+        model.param_use_dtype,
+        params,
+        is_leaf=lambda x: x is None,
+    )
+    return GradientDtypes(backward, at_use)
 
 
 def predict_all(
@@ -131,6 +148,7 @@ def predict_all(
     grad_dtypes: Any = None,
 ) -> dict[str, cost_lib.Cost]:
     """accum.cost.predict for each candidate plan (`grad_dtypes`: `gradient_dtypes`)."""
+    backward, at_use = grad_dtypes if grad_dtypes is not None else (None, None)
     return {
         policy: cost_lib.predict(
             plan,
@@ -142,7 +160,8 @@ def predict_all(
             accum_dtype=config.accum_dtype,
             # Only rings run async under the last backward (aot_async.md).
             overlapped_after_loop=config.gradient_accumulation_schedule == "overlapped_ring",
-            gradient_dtypes=grad_dtypes,
+            gradient_dtypes=backward,
+            use_dtypes=at_use,
         )
         for policy, plan in candidates.items()
     }

@@ -22,6 +22,11 @@ INIT = "init"
 # in f32) or the embedding table (rows are cast after the lookup, so its
 # gradient's scatter-add runs in f32).
 CAST_AT_USE = "cast_at_use"
+# The dtype the use computes in where the model casts the parameter up again
+# after that cast (the MoE router's gate, in f32): autodiff's per-microbatch
+# reduction of its cotangent runs in that dtype (XLA moves the cast back after
+# the reduction; docs/cost_model.md). Unset: the cast's dtype.
+USE_DTYPE = "use_dtype"
 
 
 def param(
@@ -76,6 +81,12 @@ def cast_at_use_of(variable: nnx.Variable, stacked: bool = False) -> bool:
     """The parameter's CAST_AT_USE flag (False when unset)."""
     del stacked  # same signature as logical_axes_of
     return bool(variable.get_metadata().get(CAST_AT_USE, False))
+
+
+def use_dtype_of(variable: nnx.Variable, stacked: bool = False) -> str | None:
+    """The parameter's USE_DTYPE (None when unset)."""
+    del stacked  # same signature as logical_axes_of
+    return variable.get_metadata().get(USE_DTYPE)
 
 
 def logical_axes_of(variable: nnx.Variable, stacked: bool = False) -> tuple[str | None, ...]:
