@@ -346,6 +346,34 @@ def test_two_v5e8_slices_deferred_bytes_equal_the_cost_model(tmp_path):
     assert pred_in["dcn_data"] == 0 and pred_out["dcn_data"] > 0
 
 
+@pytest.mark.slow
+def test_two_v5e8_slices_per_microbatch_bytes_less_what_xla_moves(tmp_path):
+    """tagtrain-test, ZeRO-1, GA=4 on 2 x v5e-8, per_microbatch: inside the slice
+    accum.cost's bytes less what XLA moves after the loop (reduction_bytes.hoisted)
+    equal the count, byte for byte, as on one slice. Across slices the count exceeds
+    that by the f32 norm scales, which XLA reduces across slices whole (after a full
+    in-slice all-reduce) where the model counts their in-slice shard
+    (docs/cost_model.md, "What XLA moves")."""
+    config = _config(
+        tmp_path,
+        **TEST_V5E8,
+        compile_topology_num_slices="2",
+        dcn_data_parallelism="2",
+        shard_optimizer_over_data="true",
+        gradient_reduction_policy="per_microbatch",
+    )
+    result = aot.compile_for_topology(config)
+    module = hlo_tools.parse(result.compiled.as_text())
+    pred_in, pred_out = reduction_bytes.predicted(result.run)
+    moved_in, moved_out = reduction_bytes.hoisted(result.run)
+    got_in, got_out = reduction_bytes.counted(module, dict(result.run.ctx.mesh.shape), ["data"])
+    assert got_in["data"] == pred_in["data"] - moved_in["data"] > 0
+    assert got_out["data"] == pred_out["data"] + moved_out["data"] > 0
+    across_in, across_out = reduction_bytes.counted_cross_slice(module)
+    assert pred_in["dcn_data"] - moved_in["dcn_data"] < across_in < pred_in["dcn_data"]
+    assert moved_out["dcn_data"] < across_out < moved_in["dcn_data"] and pred_out["dcn_data"] == 0
+
+
 @pytest.mark.parametrize(
     "sizes",
     [{"dcn_data": 2, "data": 8}, {"dcn_data": 2, "data": 2, "fsdp": 4}, {"dcn_fsdp": 2, "fsdp": 8}],

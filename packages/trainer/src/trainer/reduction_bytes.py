@@ -31,6 +31,7 @@ from hlo_tools.shapes import leaf_arrays
 # to a size it divides, e.g. deepseek3-small's embedding to 33,152 rows) on its way
 # into a collective; each passes on its operand 0.
 _PASS_THROUGH = ("bitcast", "copy", "copy-start", "copy-done", "reshape", "pad")
+_ALL_REDUCE = ("all-reduce", "all-reduce-start", "all-reduce-done")
 
 
 def _producer(module: hlo_tools.HloModule, instr: Instruction, index: int = 0):
@@ -52,7 +53,10 @@ def _logical_source(module: hlo_tools.HloModule, instr: Instruction | None):
             instr = _producer(module, tuple_of, int(instr.attributes["index"]))
             continue
         crop = custom_call_target(instr) == "ZeroCrop"
-        if instr.opcode not in _PASS_THROUGH and not crop:
+        # An all-reduce keeps its operand's shape: a reduction of its result (a
+        # megascale send of an in-slice sum) reads the array it summed.
+        summed = instr.opcode in _ALL_REDUCE and len(instr.operands) == 1
+        if instr.opcode not in _PASS_THROUGH and not crop and not summed:
             return instr
         operand = _producer(module, instr)
         if operand is not None and _dtypes(operand) != _dtypes(instr):
