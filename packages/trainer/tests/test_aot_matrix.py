@@ -219,18 +219,19 @@ def check_moved_bytes(case: Case) -> None:
 
 
 PER_MICROBATCH_EXACT = [
-    pytest.param("data+expert"),
-    pytest.param("data", marks=pytest.mark.slow),
-    pytest.param("data+zero1", marks=pytest.mark.slow),
+    pytest.param("v5e-8", "data+expert", id="v5e-8-data+expert"),
+    pytest.param("v5e-8", "data", id="v5e-8-data", marks=pytest.mark.slow),
+    pytest.param("v5e-8", "data+zero1", id="v5e-8-data+zero1", marks=pytest.mark.slow),
+    pytest.param("v5p-16", "data+expert", id="v5p-16-data+expert", marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize("layout", PER_MICROBATCH_EXACT)
-def test_v5e8_per_microbatch_bytes_equal_the_cost_model_less_what_xla_moves(layout):
+@pytest.mark.parametrize("topology,layout", PER_MICROBATCH_EXACT)
+def test_per_microbatch_bytes_equal_the_cost_model_less_what_xla_moves(topology, layout):
     # The leaves the loop only sums (outside the layer scans, and the one-layer
     # dense stack, whose scan XLA unrolls) are reduced once after the loop in
     # their own dtype; the MoE stack's, per layer in its backward scan, stay.
-    case = compile_case("v5e-8", layout, "explicit", defer=False)
+    case = compile_case(topology, layout, "explicit", defer=False)
     assert case.data_grad_in_loop and case.data_grad_outside
     check_moved_bytes(case)
 
