@@ -92,6 +92,14 @@ def test_gradient_dtypes_and_small_cross_slice_shards():
     # gradient) and the once-per-step f32 accumulator do not change.
     up = {"w": "float32", "fsdp_w": None, "bias": None}
     assert _predict("per_microbatch", use_dtypes=up).bytes_in_loop == mixed.bytes_in_loop
+    # Gathered over fsdp, then cast up: reduced over the other axes at the gathered
+    # size, before the reduce-scatter (XLA does not reorder them across the cast).
+    gathered_up = _predict(
+        "per_microbatch", use_dtypes={"w": None, "fsdp_w": "float32", "bias": None}
+    )
+    extra = GA * (4 * FSDP_W * 2 - 2 * FSDP_W)  # f32 at the gathered size, not bf16 at the shard
+    assert gathered_up.bytes_in_loop["data"] == plain.bytes_in_loop["data"] + extra
+    assert gathered_up.bytes_in_loop["dcn_data"] == plain.bytes_in_loop["dcn_data"] + extra // 2
     for policy in ("hierarchical", "deferred"):
         cast_up = _predict(policy, use_dtypes=up)
         assert cast_up.bytes_in_loop == _predict(policy).bytes_in_loop

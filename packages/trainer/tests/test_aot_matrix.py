@@ -240,12 +240,11 @@ def test_v5e8_per_microbatch_data_reduction_is_detected():
     # The detector is not vacuous: without deferral the 'data' reductions move in.
     case = compile_case("v5e-8", "data+fsdp", "explicit", defer=False)
     assert case.data_grad_in_loop
-    # Under FSDP the count exceeds the rule: the embedding table, gathered over
-    # fsdp for its lookup, is reduced whole over data and fsdp inside the loop
-    # (then sliced, so not moved), and the router's gate is reduced over data at
-    # its gathered size, before the fsdp reduce-scatter (docs/cost_model.md,
-    # "What XLA moves"). The rest moves as the rule says: every byte after the
-    # loop is a moved one, and the count stays within the plan's.
+    # Under FSDP the count exceeds the rule by the embedding table: gathered over
+    # fsdp for its lookup, whose shard_map reduces it whole over data and fsdp
+    # inside the loop (then sliced, so not moved; docs/cost_model.md, "What XLA
+    # moves"). The rest moves as the rule says: every byte after the loop is a
+    # moved one, and the count stays within the plan's.
     (pred_in, pred_out), (got_in, got_out) = case.predicted_bytes, case.counted_bytes
     moved_in, moved_out = case.moved_bytes
     assert pred_in["data"] - moved_in["data"] < got_in["data"] <= pred_in["data"]

@@ -35,6 +35,7 @@ import numpy as np
 from accum.hardware import Hardware
 from accum.plan import (
     PER_MICROBATCH,
+    PER_USE,
     LeafPlan,
     ReductionPlan,
     _is_leaf_plan,
@@ -110,7 +111,13 @@ def leaf_events(
         # XLA moves the narrowing cast back to the parameter's dtype after the
         # reduction, so the reduction carries the dtype the use computed in.
         item = use_bytes or compute_bytes
-        events.append(Event(per_mb, param_elements * item, num_microbatches, False, True, item))
+        elements = param_elements
+        if item > compute_bytes:
+            # Gathered, then cast up: the transpose reduces the wide cotangent over
+            # these axes, casts it, then reduce-scatters the gathered axes; XLA does
+            # not reorder the two across the cast, so this runs at the gathered size.
+            elements *= math.prod(mesh_shape[a] for a in leaf.axes(PER_USE))
+        events.append(Event(per_mb, elements * item, num_microbatches, False, True, item))
     if leaf.scatter:
         nbytes = param_elements * compute_bytes
         events.append(Event(leaf.scatter, nbytes, num_microbatches, True, True, compute_bytes))
