@@ -11,8 +11,10 @@ reduces one local array over a set of axes:
 - `PER_MICROBATCH`: the leaf's local gradient, in the compute dtype (autodiff
   reduces it in the backward pass; a leaf the model uses uncast, in its own f32,
   has an f32 cotangent: `gradient_dtypes`; one the model casts up again at its
-  use, like the router's gate, is reduced in that wider dtype: `use_dtypes`),
-  GA times per step;
+  use, like the router's gate, is reduced in that wider dtype: `use_dtypes`; one
+  the model reads in a shard_map from a gathered copy, like the embedding table's
+  lookup under FSDP, is reduced there over the gathered axes too, at the copy's
+  size: `summed_in_use`), GA times per step;
 - `SCATTER`: the leaf's local gradient, in the same dtype (the scatter runs on
   the backward pass's cotangent), reduce-scattered over the in-slice axes, GA
   times per step;
@@ -58,6 +60,9 @@ class Event:
     scatter: bool  # a reduce-scatter (half a ring all-reduce's wire bytes)
     in_loop: bool
     itemsize: int = 4  # bytes per element of the reduced array
+    # The sum is sliced back to the leaf's shard after it (a gathered copy reduced
+    # whole: `summed_in_use`), so a loop does not only add it up.
+    sliced: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,11 +102,13 @@ def leaf_events(
     compute_bytes: int,
     accum_bytes: int,
     use_bytes: int | None = None,
+    summed_in_use: bool = False,
 ) -> list[Event]:
     """The reductions the plan places for one leaf (module docstring); `compute_bytes`:
     the item size of the leaf's gradient in the backward pass; `use_bytes`: that of
     its cotangent at the use, where autodiff's per-microbatch reduction runs, if
-    wider (None: `compute_bytes`)."""
+    wider (None: `compute_bytes`); `summed_in_use`: the use sums the cotangent of its
+    copy over every batch axis at once (`plan_events`)."""
     param_elements = local_elements(shape, leaf.param_spec, mesh_shape)
     events = []
     if param_elements < MIN_ELEMENTS:
@@ -112,12 +119,18 @@ def leaf_events(
         # reduction, so the reduction carries the dtype the use computed in.
         item = use_bytes or compute_bytes
         elements = param_elements
-        if item > compute_bytes:
+        gathered = leaf.axes(PER_USE)
+        if item > compute_bytes or summed_in_use:
             # Gathered, then cast up: the transpose reduces the wide cotangent over
             # these axes, casts it, then reduce-scatters the gathered axes; XLA does
             # not reorder the two across the cast, so this runs at the gathered size.
-            elements *= math.prod(mesh_shape[a] for a in leaf.axes(PER_USE))
-        events.append(Event(per_mb, elements * item, num_microbatches, False, True, item))
+            # Summed in the use: one psum over these axes and the gathered ones.
+            elements *= math.prod(mesh_shape[a] for a in gathered)
+        sliced = bool(summed_in_use and gathered)
+        if sliced:
+            per_mb = leaf.axes(PER_MICROBATCH, PER_USE)
+        nbytes = elements * item
+        events.append(Event(per_mb, nbytes, num_microbatches, False, True, item, sliced))
     if leaf.scatter:
         nbytes = param_elements * compute_bytes
         events.append(Event(leaf.scatter, nbytes, num_microbatches, True, True, compute_bytes))
@@ -137,6 +150,7 @@ def plan_events(
     accum_dtype: Any,
     gradient_dtypes: Any = None,
     use_dtypes: Any = None,
+    summed_in_use: Any = None,
 ) -> list[Event]:
     """Every reduction event of the step (`params`: arrays or ShapeDtypeStructs).
 
@@ -146,7 +160,11 @@ def plan_events(
     f32 cotangent); a leaf that is None there takes `compute_dtype`. `use_dtypes`:
     None, or such a tree of the dtype a leaf's use computes in where the model
     casts it up again after the cast to its gradient dtype (the router's gate, in
-    f32): its per-microbatch reductions carry that dtype."""
+    f32): its per-microbatch reductions carry that dtype. `summed_in_use`: None, or
+    a tree of bools, true for a leaf the model reads inside a shard_map from a copy
+    replicated over the batch axes (the embedding table's lookup): its per-microbatch
+    reduction is that shard_map's psum, over every batch axis at once at the copy's
+    size (gathered over the axes the leaf is sharded on), then sliced to the shard."""
     sizes = dict(plan.mesh_shape)
     accum_bytes = np.dtype(accum_dtype).itemsize
     leaves = jax.tree.leaves(plan.leaves, is_leaf=_is_leaf_plan)
@@ -159,8 +177,11 @@ def plan_events(
     uses = [None] * len(shapes)
     if use_dtypes is not None:
         uses = jax.tree.leaves(use_dtypes, is_leaf=lambda x: x is None)
+    summed = [False] * len(shapes)
+    if summed_in_use is not None:
+        summed = jax.tree.leaves(summed_in_use)
     events = []
-    for leaf, shape, dtype, use in zip(leaves, shapes, dtypes, uses, strict=True):
+    for leaf, shape, dtype, use, whole in zip(leaves, shapes, dtypes, uses, summed, strict=True):
         events += leaf_events(
             leaf,
             shape,
@@ -169,6 +190,7 @@ def plan_events(
             compute_bytes=np.dtype(dtype).itemsize,
             accum_bytes=accum_bytes,
             use_bytes=None if use is None else np.dtype(use).itemsize,
+            summed_in_use=whole,
         )
     return events
 
@@ -231,14 +253,15 @@ def predict(
     overlapped_after_loop: bool = False,
     gradient_dtypes: Any = None,
     use_dtypes: Any = None,
+    summed_in_use: Any = None,
 ) -> Cost:
     """The plan's predicted cost (formulas: docs/cost_model.md, "Time model").
 
     `step_flops_per_chip`: the optimizer step's training FLOPs on one chip
     (trainer.flops); `overlapped_after_loop`: the after-loop reductions run inside
     the last microbatch's backward pass (schedule 'overlapped_ring': rings are async), so
-    they hide under it up to its length; `gradient_dtypes`, `use_dtypes`: as in
-    `plan_events`.
+    they hide under it up to its length; `gradient_dtypes`, `use_dtypes`,
+    `summed_in_use`: as in `plan_events`.
     """
     sizes = dict(plan.mesh_shape)
     events = plan_events(
@@ -249,6 +272,7 @@ def predict(
         accum_dtype=accum_dtype,
         gradient_dtypes=gradient_dtypes,
         use_dtypes=use_dtypes,
+        summed_in_use=summed_in_use,
     )
     inside, outside = bytes_per_axis(events, plan.batch_axes, sizes, plan.slice_axes)
     links = {ICI: 0.0, DCN: 0.0}

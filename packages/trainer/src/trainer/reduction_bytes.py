@@ -202,7 +202,7 @@ def _events(run: Any, keep: Any = None) -> list:
 
     from accum import cost
     from trainer import model as model_lib
-    from trainer.reduction_choice import gradient_dtypes
+    from trainer.reduction_choice import gradient_traits
 
     plan = run.plan
     params, _ = model_lib.abstract_state(run.model, run.ctx)
@@ -214,15 +214,16 @@ def _events(run: Any, keep: Any = None) -> list:
             for leaf, axes, shape in zip(plan.leaf_list, logical, shapes, strict=True)
         )
         plan = dataclasses.replace(plan, leaf_list=leaf_list)
-    dtypes = gradient_dtypes(run.model, params)
+    traits = gradient_traits(run.model, params)
     return cost.plan_events(
         plan,
         params,
         num_microbatches=run.config.gradient_accumulation_steps,
         compute_dtype=run.config.dtype,
         accum_dtype=run.config.accum_dtype,
-        gradient_dtypes=dtypes.backward,
-        use_dtypes=dtypes.at_use,
+        gradient_dtypes=traits.backward,
+        use_dtypes=traits.at_use,
+        summed_in_use=traits.summed_in_use,
     )
 
 
@@ -255,10 +256,11 @@ def hoisted(run: Any) -> tuple[dict[str, int], dict[str, int]]:
 
     XLA's loop all-reduce code motion moves a per-microbatch reduction whose result
     the loop only adds into the accumulator (`summed_by_the_loop`: the leaves outside
-    the layer scans; unfused, a one-layer stack too) after the loop, as one
-    reduction of the summed local gradients: a reduce-scatter (hierarchical) in the
-    accumulator dtype, an all-reduce (per_microbatch) in its own dtype (XLA casts
-    the f32 sum back to the type the loop reduced in)."""
+    the layer scans; unfused, a one-layer stack too; never a gathered copy's sum,
+    which the loop first slices to the shard: accum.cost's `Event.sliced`) after the
+    loop, as one reduction of the summed local gradients: a reduce-scatter
+    (hierarchical) in the accumulator dtype, an all-reduce (per_microbatch) in its
+    own dtype (XLA casts the f32 sum back to the type the loop reduced in)."""
     import dataclasses
 
     from accum import cost
@@ -268,7 +270,7 @@ def hoisted(run: Any) -> tuple[dict[str, int], dict[str, int]]:
     events = [
         e
         for e in _events(run, lambda axes, shape: summed_by_the_loop(run, axes, shape))
-        if e.in_loop
+        if e.in_loop and not e.sliced
     ]
     accum_item = np.dtype(run.config.accum_dtype).itemsize
     after = []

@@ -112,20 +112,24 @@ def plans(config: Config, ctx: Any, params: Any) -> dict[str, accum.ReductionPla
     return out
 
 
-class GradientDtypes(NamedTuple):
-    """accum.cost's `gradient_dtypes` and `use_dtypes` trees of one model."""
+class GradientTraits(NamedTuple):
+    """accum.cost's `gradient_dtypes`, `use_dtypes` and `summed_in_use` trees of one
+    model: how its uses shape each leaf's per-microbatch reduction."""
 
     backward: Any
     at_use: Any
+    summed_in_use: Any
 
 
-def gradient_dtypes(model: Any, params: Any) -> GradientDtypes:
+def gradient_traits(model: Any, params: Any) -> GradientTraits:
     """Per parameter leaf, the dtype of its gradient in the backward pass where it is
     not the compute dtype (None there): a parameter the model uses in its own dtype
     (params.CAST_AT_USE false: norm scales, the embedding table) has a cotangent of
-    that dtype, which is what its per-microbatch reductions carry; and the dtype its
-    use computes in where the model casts it up again (params.USE_DTYPE: the
-    router's gate, in f32), which is what autodiff's per-microbatch reduction carries."""
+    that dtype, which is what its per-microbatch reductions carry; the dtype its use
+    computes in where the model casts it up again (params.USE_DTYPE: the router's
+    gate, in f32), which is what autodiff's per-microbatch reduction carries; and
+    whether its use sums its copy's cotangent in a shard_map (params.SUMMED_IN_USE:
+    the embedding table's lookup)."""
     backward = jax.tree.map(
         lambda cast, x: None if cast else x.dtype,
         model.param_cast_at_use,
@@ -137,7 +141,7 @@ def gradient_dtypes(model: Any, params: Any) -> GradientDtypes:
         params,
         is_leaf=lambda x: x is None,
     )
-    return GradientDtypes(backward, at_use)
+    return GradientTraits(backward, at_use, model.param_summed_in_use)
 
 
 def predict_all(
@@ -147,8 +151,8 @@ def predict_all(
     hw: Hardware,
     grad_dtypes: Any = None,
 ) -> dict[str, cost_lib.Cost]:
-    """accum.cost.predict for each candidate plan (`grad_dtypes`: `gradient_dtypes`)."""
-    backward, at_use = grad_dtypes if grad_dtypes is not None else (None, None)
+    """accum.cost.predict for each candidate plan (`grad_dtypes`: `gradient_traits`)."""
+    backward, at_use, summed = grad_dtypes if grad_dtypes is not None else (None, None, None)
     return {
         policy: cost_lib.predict(
             plan,
@@ -162,6 +166,7 @@ def predict_all(
             overlapped_after_loop=config.gradient_accumulation_schedule == "overlapped_ring",
             gradient_dtypes=backward,
             use_dtypes=at_use,
+            summed_in_use=summed,
         )
         for policy, plan in candidates.items()
     }
@@ -179,7 +184,7 @@ def rank(costs: dict[str, cost_lib.Cost], across_slices: bool) -> tuple[str, ...
 
 def choose(config: Config, ctx: Any, params: Any, devices: list, grad_dtypes: Any = None) -> Choice:
     """The auto decision for `params` (compute layout) on `ctx`'s mesh
-    (`grad_dtypes`: `gradient_dtypes` of the model)."""
+    (`grad_dtypes`: `gradient_traits` of the model)."""
     if config.shard_mode != "explicit":
         return Choice(("deferred",), {}, None, "shard_mode=auto: XLA places every reduction")
     hw, note = hardware_for(config, devices)
