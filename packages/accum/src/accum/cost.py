@@ -21,7 +21,9 @@ reduces one local array over a set of axes:
 - `PER_STEP`: the accumulator (the leaf's layout, or the scattered one under
   hierarchical), in the accumulator dtype, once after the loop;
 - `PER_USE` (FSDP's own reduce-scatters, the expert kernel's sums) and `BY_XLA`
-  (auto mode) are the same under every policy, or not ours to place: not counted.
+  (auto mode) are the same under every policy, or not ours to place: not counted
+  (but a use that sums its gathered copy, `summed_in_use`, reduces the gathered
+  axes in its per-microbatch event).
 """
 
 from __future__ import annotations
