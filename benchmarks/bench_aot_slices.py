@@ -224,9 +224,10 @@ def main() -> int:
         "",
         "Gradient operand bytes per device per step, accum.cost's prediction vs hlo_tools' "
         "count (docs/cost_model.md, 'Which bytes are exact'); 'moved' = the part of the "
-        "in-loop prediction XLA moves after the loop as one f32 reduction "
-        "(reduction_bytes.hoisted: the leaves outside the layer scans), modelled for "
-        "hierarchical; per_microbatch is a bound (XLA moves more there).",
+        "in-loop prediction XLA moves after the loop as one reduction "
+        "(reduction_bytes.hoisted: the leaves the loop only sums; docs/cost_model.md, "
+        "'What XLA moves'); across slices per_microbatch is a bound (XLA sends the f32 "
+        "norm scales whole).",
         "",
     ]
     lines += bl.table(

@@ -87,6 +87,43 @@ def test_gradient_dtypes_and_small_cross_slice_shards():
     )
     plain = _predict("per_microbatch")
     assert mixed.bytes_in_loop["fsdp"] == 2 * plain.bytes_in_loop["fsdp"] == GA * 4 * W
+    # A leaf cast to bf16 and up to f32 again at its use (the router's gate): its
+    # per-microbatch reduction carries f32; the scatters (accum's, on the bf16
+    # gradient) and the once-per-step f32 accumulator do not change.
+    up = {"w": "float32", "fsdp_w": None, "bias": None}
+    assert _predict("per_microbatch", use_dtypes=up).bytes_in_loop == mixed.bytes_in_loop
+    # Gathered over fsdp, then cast up: reduced over the other axes at the gathered
+    # size, before the reduce-scatter (XLA does not reorder them across the cast).
+    gathered_up = _predict(
+        "per_microbatch", use_dtypes={"w": None, "fsdp_w": "float32", "bias": None}
+    )
+    extra = GA * (4 * FSDP_W * 2 - 2 * FSDP_W)  # f32 at the gathered size, not bf16 at the shard
+    assert gathered_up.bytes_in_loop["data"] == plain.bytes_in_loop["data"] + extra
+    assert gathered_up.bytes_in_loop["dcn_data"] == plain.bytes_in_loop["dcn_data"] + extra // 2
+
+    for policy in ("hierarchical", "deferred"):
+        cast_up = _predict(policy, use_dtypes=up)
+        assert cast_up.bytes_in_loop == _predict(policy).bytes_in_loop
+        assert cast_up.bytes_outside == _predict(policy).bytes_outside
+
+
+def test_a_copy_summed_in_its_use_is_reduced_whole_over_every_batch_axis():
+    # The embedding's lookup: a shard_map psums the cotangent of the copy it reads,
+    # gathered over fsdp, over every batch axis at once; the sum is then sliced.
+    params = _params()
+    plan = accum.make_plan(
+        params, batch_axes=tuple(SIZES), mesh_shape=SIZES, policy="per_microbatch"
+    )
+    kw = dict(num_microbatches=GA, compute_dtype="float32", accum_dtype="float32")
+    summed = {"w": True, "fsdp_w": True, "bias": False}
+    # One event per leaf, in the tree's key order (the 8-element bias has none).
+    fsdp_w, w = cost.plan_events(plan, params, **kw)
+    fsdp_w_whole, w_whole = cost.plan_events(plan, params, summed_in_use=summed, **kw)
+    # w is not gathered: the same event. fsdp_w: over fsdp too, at its gathered size.
+    assert w_whole == w and not w.sliced
+    assert fsdp_w.axes == ("dcn_data", "data") and fsdp_w.nbytes == 4 * FSDP_W
+    assert fsdp_w_whole.axes == ("dcn_data", "data", "fsdp") and fsdp_w_whole.nbytes == 4 * W
+    assert fsdp_w_whole.sliced and fsdp_w_whole.times == GA and fsdp_w_whole.in_loop
     # A 32-element f32 leaf over data and dcn_data: 16 elements cross the slices, 8
     # with data=4; at 8 hlo_tools' filter drops the array, and so does the model.
     sizes = {"dcn_data": 2, "data": 4}

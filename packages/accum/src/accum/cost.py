@@ -10,14 +10,20 @@ reduces one local array over a set of axes:
 
 - `PER_MICROBATCH`: the leaf's local gradient, in the compute dtype (autodiff
   reduces it in the backward pass; a leaf the model uses uncast, in its own f32,
-  has an f32 cotangent: `gradient_dtypes`), GA times per step;
+  has an f32 cotangent: `gradient_dtypes`; one the model casts up again at its
+  use, like the router's gate, is reduced in that wider dtype: `use_dtypes`; one
+  the model reads in a shard_map from a gathered copy, like the embedding table's
+  lookup under FSDP, is reduced there over the gathered axes too, at the copy's
+  size: `summed_in_use`), GA times per step;
 - `SCATTER`: the leaf's local gradient, in the same dtype (the scatter runs on
   the backward pass's cotangent), reduce-scattered over the in-slice axes, GA
   times per step;
 - `PER_STEP`: the accumulator (the leaf's layout, or the scattered one under
   hierarchical), in the accumulator dtype, once after the loop;
 - `PER_USE` (FSDP's own reduce-scatters, the expert kernel's sums) and `BY_XLA`
-  (auto mode) are the same under every policy, or not ours to place: not counted.
+  (auto mode) are the same under every policy, or not ours to place: not counted
+  (but a use that sums its gathered copy, `summed_in_use`, reduces the gathered
+  axes in its per-microbatch event).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import numpy as np
 from accum.hardware import Hardware
 from accum.plan import (
     PER_MICROBATCH,
+    PER_USE,
     LeafPlan,
     ReductionPlan,
     _is_leaf_plan,
@@ -55,6 +62,9 @@ class Event:
     scatter: bool  # a reduce-scatter (half a ring all-reduce's wire bytes)
     in_loop: bool
     itemsize: int = 4  # bytes per element of the reduced array
+    # The sum is sliced back to the leaf's shard after it (a gathered copy reduced
+    # whole: `summed_in_use`), so a loop does not only add it up.
+    sliced: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,17 +103,36 @@ def leaf_events(
     num_microbatches: int,
     compute_bytes: int,
     accum_bytes: int,
+    use_bytes: int | None = None,
+    summed_in_use: bool = False,
 ) -> list[Event]:
     """The reductions the plan places for one leaf (module docstring); `compute_bytes`:
-    the item size of the leaf's gradient in the backward pass (its dtype at use)."""
+    the item size of the leaf's gradient in the backward pass; `use_bytes`: that of
+    its cotangent at the use, where autodiff's per-microbatch reduction runs, if
+    wider (None: `compute_bytes`); `summed_in_use`: the use sums the cotangent of its
+    copy over every batch axis at once (`plan_events`)."""
     param_elements = local_elements(shape, leaf.param_spec, mesh_shape)
     events = []
     if param_elements < MIN_ELEMENTS:
         return events
     per_mb = leaf.axes(PER_MICROBATCH)
     if per_mb:
-        nbytes = param_elements * compute_bytes
-        events.append(Event(per_mb, nbytes, num_microbatches, False, True, compute_bytes))
+        # XLA moves the narrowing cast back to the parameter's dtype after the
+        # reduction, so the reduction carries the dtype the use computed in.
+        item = use_bytes or compute_bytes
+        elements = param_elements
+        gathered = leaf.axes(PER_USE)
+        if item > compute_bytes or summed_in_use:
+            # Gathered, then cast up: the transpose reduces the wide cotangent over
+            # these axes, casts it, then reduce-scatters the gathered axes; XLA does
+            # not reorder the two across the cast, so this runs at the gathered size.
+            # Summed in the use: one psum over these axes and the gathered ones.
+            elements *= math.prod(mesh_shape[a] for a in gathered)
+        sliced = bool(summed_in_use and gathered)
+        if sliced:
+            per_mb = leaf.axes(PER_MICROBATCH, PER_USE)
+        nbytes = elements * item
+        events.append(Event(per_mb, nbytes, num_microbatches, False, True, item, sliced))
     if leaf.scatter:
         nbytes = param_elements * compute_bytes
         events.append(Event(leaf.scatter, nbytes, num_microbatches, True, True, compute_bytes))
@@ -122,13 +151,22 @@ def plan_events(
     compute_dtype: Any,
     accum_dtype: Any,
     gradient_dtypes: Any = None,
+    use_dtypes: Any = None,
+    summed_in_use: Any = None,
 ) -> list[Event]:
     """Every reduction event of the step (`params`: arrays or ShapeDtypeStructs).
 
     `gradient_dtypes`: None, or a tree like `params` of the dtype each leaf's
     gradient has in the backward pass where it differs from `compute_dtype` (a
     parameter used in its own f32, like a norm scale or the embedding table, has an
-    f32 cotangent); a leaf that is None there takes `compute_dtype`."""
+    f32 cotangent); a leaf that is None there takes `compute_dtype`. `use_dtypes`:
+    None, or such a tree of the dtype a leaf's use computes in where the model
+    casts it up again after the cast to its gradient dtype (the router's gate, in
+    f32): its per-microbatch reductions carry that dtype. `summed_in_use`: None, or
+    a tree of bools, true for a leaf the model reads inside a shard_map from a copy
+    replicated over the batch axes (the embedding table's lookup): its per-microbatch
+    reduction is that shard_map's psum, over every batch axis at once at the copy's
+    size (gathered over the axes the leaf is sharded on), then sliced to the shard."""
     sizes = dict(plan.mesh_shape)
     accum_bytes = np.dtype(accum_dtype).itemsize
     leaves = jax.tree.leaves(plan.leaves, is_leaf=_is_leaf_plan)
@@ -138,8 +176,14 @@ def plan_events(
     else:
         dtypes = jax.tree.leaves(gradient_dtypes, is_leaf=lambda x: x is None)
         dtypes = [compute_dtype if d is None else d for d in dtypes]
+    uses = [None] * len(shapes)
+    if use_dtypes is not None:
+        uses = jax.tree.leaves(use_dtypes, is_leaf=lambda x: x is None)
+    summed = [False] * len(shapes)
+    if summed_in_use is not None:
+        summed = jax.tree.leaves(summed_in_use)
     events = []
-    for leaf, shape, dtype in zip(leaves, shapes, dtypes, strict=True):
+    for leaf, shape, dtype, use, whole in zip(leaves, shapes, dtypes, uses, summed, strict=True):
         events += leaf_events(
             leaf,
             shape,
@@ -147,6 +191,8 @@ def plan_events(
             num_microbatches=num_microbatches,
             compute_bytes=np.dtype(dtype).itemsize,
             accum_bytes=accum_bytes,
+            use_bytes=None if use is None else np.dtype(use).itemsize,
+            summed_in_use=whole,
         )
     return events
 
@@ -208,13 +254,16 @@ def predict(
     accum_dtype: Any = "float32",
     overlapped_after_loop: bool = False,
     gradient_dtypes: Any = None,
+    use_dtypes: Any = None,
+    summed_in_use: Any = None,
 ) -> Cost:
     """The plan's predicted cost (formulas: docs/cost_model.md, "Time model").
 
     `step_flops_per_chip`: the optimizer step's training FLOPs on one chip
     (trainer.flops); `overlapped_after_loop`: the after-loop reductions run inside
     the last microbatch's backward pass (schedule 'overlapped_ring': rings are async), so
-    they hide under it up to its length; `gradient_dtypes`: as in `plan_events`.
+    they hide under it up to its length; `gradient_dtypes`, `use_dtypes`,
+    `summed_in_use`: as in `plan_events`.
     """
     sizes = dict(plan.mesh_shape)
     events = plan_events(
@@ -224,6 +273,8 @@ def predict(
         compute_dtype=compute_dtype,
         accum_dtype=accum_dtype,
         gradient_dtypes=gradient_dtypes,
+        use_dtypes=use_dtypes,
+        summed_in_use=summed_in_use,
     )
     inside, outside = bytes_per_axis(events, plan.batch_axes, sizes, plan.slice_axes)
     links = {ICI: 0.0, DCN: 0.0}

@@ -39,12 +39,12 @@ def abstract_params(config: Config) -> tuple[Any, Any, Any]:
     """(ShardCtx on an abstract mesh of the topology, the compute-layout parameters
     as ShapeDtypeStructs, their gradient dtypes): no device is touched."""
     from trainer import abstract_model, aot
-    from trainer.reduction_choice import gradient_dtypes
+    from trainer.reduction_choice import gradient_traits
 
     topo = aot.resolve(config.parallelism)  # ConfigError for an unknown topology or a bad mesh
     slices = config.compile_topology_num_slices
     m = abstract_model.parameters(config, topo.chips * slices, slices)
-    return m.ctx, m.params, gradient_dtypes(m.model, m.params)
+    return m.ctx, m.params, gradient_traits(m.model, m.params)
 
 
 def choice_for(config: Config):

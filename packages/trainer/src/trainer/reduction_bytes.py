@@ -31,6 +31,7 @@ from hlo_tools.shapes import leaf_arrays
 # to a size it divides, e.g. deepseek3-small's embedding to 33,152 rows) on its way
 # into a collective; each passes on its operand 0.
 _PASS_THROUGH = ("bitcast", "copy", "copy-start", "copy-done", "reshape", "pad")
+_ALL_REDUCE = ("all-reduce", "all-reduce-start", "all-reduce-done")
 
 
 def _producer(module: hlo_tools.HloModule, instr: Instruction, index: int = 0):
@@ -52,10 +53,22 @@ def _logical_source(module: hlo_tools.HloModule, instr: Instruction | None):
             instr = _producer(module, tuple_of, int(instr.attributes["index"]))
             continue
         crop = custom_call_target(instr) == "ZeroCrop"
-        if instr.opcode not in _PASS_THROUGH and not crop:
+        # An all-reduce keeps its operand's shape: a reduction of its result (a
+        # megascale send of an in-slice sum) reads the array it summed.
+        summed = instr.opcode in _ALL_REDUCE and len(instr.operands) == 1
+        if instr.opcode not in _PASS_THROUGH and not crop and not summed:
             return instr
-        instr = _producer(module, instr)
+        operand = _producer(module, instr)
+        if operand is not None and _dtypes(operand) != _dtypes(instr):
+            # XLA:TPU folds a convert into a copy (f32 -> bf16 with a layout change):
+            # the array handed on is the converted one.
+            return instr
+        instr = operand
     return None
+
+
+def _dtypes(instr: Instruction) -> tuple[str, ...]:
+    return tuple(a.dtype for a in leaf_arrays(instr.type))
 
 
 def _writes_into_zeros(module: hlo_tools.HloModule, instr: Instruction | None) -> bool:
@@ -180,41 +193,37 @@ def counted_cross_slice(module: hlo_tools.HloModule | str) -> tuple[int, int]:
     return inside, outside
 
 
-def _events(run: Any, only: Any = None) -> list:
-    """accum.cost's events for a built run; `only(logical_axes)` picks leaves."""
+def _events(run: Any, keep: Any = None) -> list:
+    """accum.cost's events for a built run; `keep(logical_axes, shape)` picks leaves
+    (the others reduce nothing: their plans lose their axes)."""
+    import dataclasses
+
     import jax
 
     from accum import cost
-    from accum.plan import _is_leaf_plan
     from trainer import model as model_lib
-    from trainer.reduction_choice import gradient_dtypes
+    from trainer.reduction_choice import gradient_traits
 
+    plan = run.plan
     params, _ = model_lib.abstract_state(run.model, run.ctx)
-    if only is not None:
-        # Keep the picked leaves' plans; the others reduce nothing (no axes).
-        keep = jax.tree.leaves(run.model.param_logical, is_leaf=lambda x: isinstance(x, tuple))
-        leaves = jax.tree.leaves(run.plan.leaves, is_leaf=_is_leaf_plan)
-        shapes = jax.tree.leaves(params)
-        dtypes = jax.tree.leaves(gradient_dtypes(run.model, params), is_leaf=lambda x: x is None)
-        events = []
-        for axes, leaf, x, dtype in zip(keep, leaves, shapes, dtypes, strict=True):
-            if only(axes):
-                events += cost.leaf_events(
-                    leaf,
-                    tuple(x.shape),
-                    dict(run.plan.mesh_shape),
-                    num_microbatches=run.config.gradient_accumulation_steps,
-                    compute_bytes=np.dtype(dtype or run.config.dtype).itemsize,
-                    accum_bytes=np.dtype(run.config.accum_dtype).itemsize,
-                )
-        return events
+    if keep is not None:
+        logical = jax.tree.leaves(run.model.param_logical, is_leaf=lambda x: isinstance(x, tuple))
+        shapes = [tuple(x.shape) for x in jax.tree.leaves(params)]
+        leaf_list = tuple(
+            leaf if keep(axes, shape) else dataclasses.replace(leaf, when=())
+            for leaf, axes, shape in zip(plan.leaf_list, logical, shapes, strict=True)
+        )
+        plan = dataclasses.replace(plan, leaf_list=leaf_list)
+    traits = gradient_traits(run.model, params)
     return cost.plan_events(
-        run.plan,
+        plan,
         params,
         num_microbatches=run.config.gradient_accumulation_steps,
         compute_dtype=run.config.dtype,
         accum_dtype=run.config.accum_dtype,
-        gradient_dtypes=gradient_dtypes(run.model, params),
+        gradient_dtypes=traits.backward,
+        use_dtypes=traits.at_use,
+        summed_in_use=traits.summed_in_use,
     )
 
 
@@ -228,27 +237,47 @@ def predicted(run: Any) -> tuple[dict[str, int], dict[str, int]]:
     return cost.bytes_per_axis(events, plan.batch_axes, dict(plan.mesh_shape), plan.slice_axes)
 
 
+def summed_by_the_loop(run: Any, logical_axes: tuple, shape: tuple[int, ...]) -> bool:
+    """Whether the microbatch loop only sums a leaf's reduced per-microbatch gradient
+    (so XLA can move its reduction after the loop): true unless the gradient comes
+    out of a layer scan that loops, stacked per layer. A stack's scan loops when
+    scan_layers is on and it has more than one layer; a one-layer scan XLA unrolls
+    into the microbatch loop, and there the loop sums its gradient too, unless
+    accumulation is fused into the scan (accum.ReductionPlan.fused_applies), which
+    updates the accumulator's layer slice inside the scan body."""
+    if logical_axes[:1] != ("layers",) or not run.config.scan_layers:
+        return True
+    return shape[0] == 1 and not run.plan.fused_applies
+
+
 def hoisted(run: Any) -> tuple[dict[str, int], dict[str, int]]:
     """The part of `predicted`'s in-loop bytes that XLA moves after the loop, and what
-    it becomes there, per batch axis: the per-microbatch reductions of the leaves
-    outside the layer scans (embedding, head, final norm), whose gradients the loop
-    only sums, turn into one reduction of their sum in the accumulator dtype after
-    it (XLA's loop all-reduce code motion; docs/cost_model.md). Exact for
-    hierarchical; under per_microbatch XLA moves more (docs/cost_model.md)."""
+    it becomes there, per batch axis (docs/cost_model.md, "What XLA moves").
+
+    XLA's loop all-reduce code motion moves a per-microbatch reduction whose result
+    the loop only adds into the accumulator (`summed_by_the_loop`: the leaves outside
+    the layer scans; unfused, a one-layer stack too; never a gathered copy's sum,
+    which the loop first slices to the shard: accum.cost's `Event.sliced`) after the
+    loop, as one reduction of the summed local gradients: a reduce-scatter
+    (hierarchical) in the accumulator dtype, an all-reduce (per_microbatch) in its
+    own dtype (XLA casts the f32 sum back to the type the loop reduced in)."""
     import dataclasses
 
     from accum import cost
 
     plan = run.plan
     sizes = dict(plan.mesh_shape)
-    events = [e for e in _events(run, lambda axes: axes[:1] != ("layers",)) if e.in_loop]
-    item = np.dtype(run.config.accum_dtype).itemsize
-    after = [
-        dataclasses.replace(
-            e, nbytes=e.nbytes // e.itemsize * item, times=1, in_loop=False, itemsize=item
-        )
-        for e in events
+    events = [
+        e
+        for e in _events(run, lambda axes, shape: summed_by_the_loop(run, axes, shape))
+        if e.in_loop and not e.sliced
     ]
+    accum_item = np.dtype(run.config.accum_dtype).itemsize
+    after = []
+    for e in events:
+        item = accum_item if e.scatter else e.itemsize
+        nbytes = e.nbytes // e.itemsize * item
+        after.append(dataclasses.replace(e, nbytes=nbytes, times=1, in_loop=False, itemsize=item))
     inside, _ = cost.bytes_per_axis(events, plan.batch_axes, sizes, plan.slice_axes)
     _, outside = cost.bytes_per_axis(after, plan.batch_axes, sizes, plan.slice_axes)
     return inside, outside

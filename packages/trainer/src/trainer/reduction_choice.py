@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
 import accum
 from accum import cost as cost_lib
@@ -135,16 +136,36 @@ def plans(
     return out
 
 
-def gradient_dtypes(model: Any, params: Any) -> Any:
+class GradientTraits(NamedTuple):
+    """accum.cost's `gradient_dtypes`, `use_dtypes` and `summed_in_use` trees of one
+    model: how its uses shape each leaf's per-microbatch reduction."""
+
+    backward: Any
+    at_use: Any
+    summed_in_use: Any
+
+
+def gradient_traits(model: Any, params: Any) -> GradientTraits:
     """Per parameter leaf, the dtype of its gradient in the backward pass where it is
     not the compute dtype (None there): a parameter the model uses in its own dtype
     (params.CAST_AT_USE false: norm scales, the embedding table) has a cotangent of
-    that dtype, which is what its per-microbatch reductions carry."""
-    return jax.tree.map(
+    that dtype, which is what its per-microbatch reductions carry; the dtype its use
+    computes in where the model casts it up again (params.USE_DTYPE: the router's
+    gate, in f32), which is what autodiff's per-microbatch reduction carries; and
+    whether its use sums its copy's cotangent in a shard_map (params.SUMMED_IN_USE:
+    the embedding table's lookup)."""
+    backward = jax.tree.map(
         lambda cast, x: None if cast else x.dtype,
         model.param_cast_at_use,
         params,
     )
+    at_use = jax.tree.map(
+        lambda use, x: None if use is None else np.dtype(use),
+        model.param_use_dtype,
+        params,
+        is_leaf=lambda x: x is None,
+    )
+    return GradientTraits(backward, at_use, model.param_summed_in_use)
 
 
 def predict_all(
@@ -156,7 +177,8 @@ def predict_all(
     hw: Hardware,
     grad_dtypes: Any = None,
 ) -> dict[str, cost_lib.Cost]:
-    """accum.cost.predict for each candidate plan (`grad_dtypes`: `gradient_dtypes`)."""
+    """accum.cost.predict for each candidate plan (`grad_dtypes`: `gradient_traits`)."""
+    backward, at_use, summed = grad_dtypes if grad_dtypes is not None else (None, None, None)
     return {
         policy: cost_lib.predict(
             plan,
@@ -168,7 +190,9 @@ def predict_all(
             accum_dtype=accumulation.accum_dtype,
             # Only rings run async under the last backward (aot_async.md).
             overlapped_after_loop=accumulation.gradient_accumulation_schedule == "overlapped_ring",
-            gradient_dtypes=grad_dtypes,
+            gradient_dtypes=backward,
+            use_dtypes=at_use,
+            summed_in_use=summed,
         )
         for policy, plan in candidates.items()
     }
@@ -186,7 +210,7 @@ def rank(costs: dict[str, cost_lib.Cost], across_slices: bool) -> tuple[str, ...
 
 def choose(config: Config, ctx: Any, params: Any, devices: list, grad_dtypes: Any = None) -> Choice:
     """The auto decision for `params` (compute layout) on `ctx`'s mesh
-    (`grad_dtypes`: `gradient_dtypes` of the model). Takes the Config: the cost
+    (`grad_dtypes`: `gradient_traits` of the model). Takes the Config: the cost
     model reads the model, parallelism, accumulation and data groups."""
     if config.shard_mode != "explicit":
         return Choice(("deferred",), {}, None, "shard_mode=auto: XLA places every reduction")

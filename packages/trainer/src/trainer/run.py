@@ -177,7 +177,7 @@ def _build(
         params, router = model_lib.init(config, ctx, model)
     choice = None
     if config.gradient_reduction_policy == "auto":
-        grad_dtypes = reduction_choice.gradient_dtypes(model, params)
+        grad_dtypes = reduction_choice.gradient_traits(model, params)
         config, choice = reduction_choice.resolve(config, ctx, params, devices, grad_dtypes)
     plan = reduction_plan(config.parallelism, config.accumulation, ctx, params)
     tx = make_optimizer(config.training)

@@ -15,7 +15,13 @@ from flax import nnx
 from moe_kernels import RoutingBias
 from trainer.config import Config
 from trainer.model.decoder import Decoder
-from trainer.model.params import cast_at_use_of, host_value, logical_axes_of
+from trainer.model.params import (
+    cast_at_use_of,
+    host_value,
+    logical_axes_of,
+    summed_in_use_of,
+    use_dtype_of,
+)
 from trainer.sharding import ShardCtx
 
 # Top-level parameter groups stacked on a leading 'layers' axis (the MTP depths too).
@@ -33,6 +39,8 @@ class ModelDef:
     router_logical: dict
     weight_dtype: str = "float32"  # parameters' storage dtype (router biases stay f32)
     param_cast_at_use: dict | None = None  # params.CAST_AT_USE per parameter
+    param_use_dtype: dict | None = None  # params.USE_DTYPE per parameter (None: unset)
+    param_summed_in_use: dict | None = None  # params.SUMMED_IN_USE per parameter
 
 
 def _logical_tree(state: nnx.State, read=logical_axes_of) -> dict:
@@ -60,6 +68,8 @@ def define(config: Config, ctx: ShardCtx) -> ModelDef:
         _logical_tree(router),
         weight_dtype=config.weight_dtype,
         param_cast_at_use=_logical_tree(params, cast_at_use_of),
+        param_use_dtype=_logical_tree(params, use_dtype_of),
+        param_summed_in_use=_logical_tree(params, summed_in_use_of),
     )
 
 

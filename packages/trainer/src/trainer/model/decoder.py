@@ -135,9 +135,15 @@ class Decoder(nnx.Module):
 
     def __init__(self, config: Config, ctx: ShardCtx, *, rngs: nnx.Rngs):
         d = config.emb_dim
-        # Rows are cast after the lookup (f32 scatter-add in the backward).
+        # Rows are cast after the lookup (f32 scatter-add in the backward), which
+        # runs in a shard_map on the table's lookup copy (`embed`).
         self.embedding_VxD = param(
-            rngs, (config.vocab_size, d), NAMES.embedding, fan_in=1, cast_at_use=False
+            rngs,
+            (config.vocab_size, d),
+            NAMES.embedding,
+            fan_in=1,
+            cast_at_use=False,
+            summed_in_use=True,
         )
         if config.first_num_dense_layers:
             self.dense_layers = _stack(config, ctx, False, config.first_num_dense_layers, rngs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import moe_kernels
 from trainer.config import Config
-from trainer.model.params import CAST_AT_USE, INIT, LOGICAL
+from trainer.model.params import CAST_AT_USE, INIT, LOGICAL, USE_DTYPE
 from trainer.sharding import ShardCtx
 
 # One NNX module and one bias variable type, moe_kernels'; the old names stay importable.
@@ -36,7 +36,11 @@ def _metadata(name: str, shape: tuple, logical: tuple) -> dict:
     on the host from this recipe (`host_value`), not from the module's init."""
     if name == "bias":
         return {LOGICAL: logical}  # zeros, kept in f32
-    return {LOGICAL: logical, INIT: ("normal", shape[-2] ** -0.5), CAST_AT_USE: True}
+    metadata = {LOGICAL: logical, INIT: ("normal", shape[-2] ** -0.5), CAST_AT_USE: True}
+    if name == "gate":
+        # moe_kernels' router computes its logits in f32 (layer.py, `_layer_body`).
+        metadata[USE_DTYPE] = "float32"
+    return metadata
 
 
 def moe_layer(config: Config, ctx: ShardCtx, *, rngs) -> moe_kernels.MoE:

@@ -22,6 +22,17 @@ INIT = "init"
 # in f32) or the embedding table (rows are cast after the lookup, so its
 # gradient's scatter-add runs in f32).
 CAST_AT_USE = "cast_at_use"
+# The dtype the use computes in where the model casts the parameter up again
+# after that cast (the MoE router's gate, in f32): autodiff's per-microbatch
+# reduction of its cotangent runs in that dtype (XLA moves the cast back after
+# the reduction; docs/cost_model.md). Unset: the cast's dtype.
+USE_DTYPE = "use_dtype"
+# Whether the use reads the parameter inside a shard_map from a copy replicated over
+# the batch axes (the embedding table: pspec_tags.embed_lookup), so that autodiff's
+# per-microbatch reduction is that shard_map's psum in its body: over every batch
+# axis at once, at the copy's size. Where the copy is gathered (FSDP) that includes
+# the gathered axes, and the sum is then sliced back to the shard.
+SUMMED_IN_USE = "summed_in_use"
 
 
 def param(
@@ -33,6 +44,7 @@ def param(
     init: str = "normal",
     dtype: str = "float32",
     cast_at_use: bool = True,
+    summed_in_use: bool = False,
 ) -> nnx.Param:
     """A parameter of `shape` named by `logical`; 'normal' is scaled by 1/sqrt(fan_in)."""
     if len(shape) != len(logical):
@@ -50,7 +62,10 @@ def param(
                 scale,
             ),
         )
-    return nnx.Param(value, **{LOGICAL: tuple(logical), INIT: recipe, CAST_AT_USE: cast_at_use})
+    metadata = {LOGICAL: tuple(logical), INIT: recipe, CAST_AT_USE: cast_at_use}
+    if summed_in_use:
+        metadata[SUMMED_IN_USE] = True
+    return nnx.Param(value, **metadata)
 
 
 def host_value(variable: nnx.Variable, path: tuple, seed: int) -> np.ndarray:
@@ -76,6 +91,18 @@ def cast_at_use_of(variable: nnx.Variable, stacked: bool = False) -> bool:
     """The parameter's CAST_AT_USE flag (False when unset)."""
     del stacked  # same signature as logical_axes_of
     return bool(variable.get_metadata().get(CAST_AT_USE, False))
+
+
+def use_dtype_of(variable: nnx.Variable, stacked: bool = False) -> str | None:
+    """The parameter's USE_DTYPE (None when unset)."""
+    del stacked  # same signature as logical_axes_of
+    return variable.get_metadata().get(USE_DTYPE)
+
+
+def summed_in_use_of(variable: nnx.Variable, stacked: bool = False) -> bool:
+    """The parameter's SUMMED_IN_USE flag (False when unset)."""
+    del stacked  # same signature as logical_axes_of
+    return bool(variable.get_metadata().get(SUMMED_IN_USE, False))
 
 
 def logical_axes_of(variable: nnx.Variable, stacked: bool = False) -> tuple[str | None, ...]:
