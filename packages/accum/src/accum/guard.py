@@ -29,9 +29,10 @@ parameter's `reduced` tag) only adds the line where the tag was lost.
 
 Two rules follow the compiled verdict's: a sum into at most `MAX_ELEMENTS`
 elements per device (a loss, a count) is let pass, and a forward equation
-that sums a value computed from the parameters over a deferred axis (a weight
-psum'd inside shard_map, a Gram matrix over the batch) is flagged too, blamed
-on those parameters: it runs once per microbatch as well. A scatter-add adds
+that sums a value computed from the parameters alone over a deferred axis (a
+weight psum'd inside shard_map) is flagged too, blamed on those parameters:
+its transpose reduces their gradient once per microbatch. Forward sums of
+activations (a psum of them, a Gram matrix over the batch) are the model's own. A scatter-add adds
 locally along an axis that shards both its updates and its result (the
 transpose of `take_along_axis` on batch-sharded rows).
 """
@@ -95,6 +96,7 @@ class _Site:
 
 
 _COTANGENT = "<cotangent>"  # label: the value depends on the backward seed
+_BATCH = "<batch>"  # label: the value depends on the microbatch (an activation)
 
 
 def _param(path: str) -> tuple[str, str]:
@@ -391,16 +393,19 @@ class _Walker:
                 union = union | {site}
             if self.trace_lines:
                 union = union | {("line", user_lines(eqn), eqn.primitive.name)}
-        elif _params_in(union):
+        elif _params_in(union) and _BATCH not in union:
             self._forward_reduction(eqn, ins)
         return [union] * len(eqn.outvars)
 
     def _forward_reduction(self, eqn: Any, ins: list[frozenset]) -> None:
         """Note a forward sum over a deferred axis of a value computed from the
-        parameters (a weight psum'd inside shard_map, a Gram matrix over the
-        batch): it too runs once per microbatch. Blamed on the parameters the
-        value depends on; a backward contraction over the batch does not undo it
-        (it is no cotangent), so it is kept apart from the backward sites."""
+        parameters alone (a weight psum'd inside shard_map): its transpose
+        reduces that weight's gradient once per microbatch. Blamed on the
+        parameters the value depends on; a backward contraction over the batch
+        does not undo it (it is no cotangent), so it is kept apart from the
+        backward sites. A sum of a value computed from the microbatch too (a
+        psum of activations, a Gram matrix over the batch) is the model's own
+        forward communication, which the compiled verdict does not count either."""
         computed = [v for v, lab in zip(eqn.invars, ins, strict=True) if _params_in(lab)]
         site = self._reduction(eqn, computed, "forward")
         if site is None:
@@ -526,7 +531,7 @@ def find_dropped_tags(
     equation that sums a cotangent over a deferred axis (the reduction XLA
     would run once per microbatch), with the forward source line it came
     from, then each forward equation that sums a value computed from the
-    parameter over one, then the layout ops that dropped the parameter's
+    parameters alone over one, then the layout ops that dropped the parameter's
     `reduced` tag in the forward pass, if any. Sums into at most
     `MAX_ELEMENTS` elements per device are not reported. Empty when every gradient stays
     unreduced over `axes` until the accumulator (a forward drop whose
@@ -559,7 +564,7 @@ def find_dropped_tags(
     paths = [jax.tree_util.keystr(p) for p, _ in leaves]
     n_args = len(jaxpr.invars) - len(paths) - 1
     labels = [frozenset({_param(p)}) for p in paths]
-    labels += [frozenset()] * n_args + [frozenset({_COTANGENT})]
+    labels += [frozenset({_BATCH})] * n_args + [frozenset({_COTANGENT})]
     record = active_record()
     walker = _Walker(frozenset(axes), trace_lines=record is not None)
     grad_labels = walker.walk(jaxpr, labels)
