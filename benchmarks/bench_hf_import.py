@@ -77,7 +77,7 @@ def generate(directory: str) -> int:
         return stream.directory_size(directory)
     config = _config({})
     ctx = hf.default_ctx(config)
-    params, router = model_lib.abstract_state(model_lib.define(config, ctx), ctx)
+    params, router = model_lib.abstract_state(model_lib.define(config.model, ctx), ctx)
     trees = {"params": params, "router": router}
     leaves = keys.leaves(trees, config, "deepseek_v3")
     rng = np.random.default_rng(0)
@@ -120,7 +120,7 @@ def child(directory: str, layout_name: str) -> None:
     config = _config(LAYOUTS[layout_name])
     mesh = make_mesh(mesh_shape(config, 8), config.shard_mode, jax.devices()[:8])
     ctx = ShardCtx(mesh, logical_rules(config.parallelism), config.shard_mode)
-    model = model_lib.define(config, ctx)
+    model = model_lib.define(config.model, ctx)
 
     def rss() -> int:
         with open("/proc/self/statm") as f:

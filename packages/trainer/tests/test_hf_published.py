@@ -111,7 +111,7 @@ def test_published_tensors_map_one_to_one_onto_the_preset(file, preset):
     tensors = published_tensors(published)
     config = make_config({"model_name": preset})
     ctx = hf.default_ctx(config)
-    params, router = model_lib.abstract_state(model_lib.define(config, ctx), ctx)
+    params, router = model_lib.abstract_state(model_lib.define(config.model, ctx), ctx)
     leaves = keys.leaves({"params": params, "router": router}, config, published["model_type"])
     refs = {
         name: safetensors.TensorRef(name, file, safetensors.DTYPES[dtype], shape, 0)

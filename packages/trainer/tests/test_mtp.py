@@ -222,8 +222,8 @@ def test_no_counted_mtp_prediction_sees_the_next_document():
         logical_rules(config.parallelism),
         "explicit",
     )
-    model = model_lib.define(config, ctx)
-    params, router = model_lib.init(config, ctx, model)
+    model = model_lib.define(config.model, ctx)
+    params, router = model_lib.init(ctx, model, config.seed)
     length, first = config.max_target_length, 12
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, config.vocab_size, (1, length + 1))

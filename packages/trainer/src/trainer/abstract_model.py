@@ -44,6 +44,6 @@ def parameters(config: Config, num_devices: int = 8, num_slices: int = 1) -> Abs
     mesh = AbstractMesh(shape, MESH_AXES, axis_types=(kind,) * len(MESH_AXES))
     ctx = ShardCtx(mesh, logical_rules(config.parallelism), config.shard_mode)
     with jax.sharding.use_abstract_mesh(mesh):
-        model = model_lib.define(config, ctx)
+        model = model_lib.define(config.model, ctx)
         params, router = model_lib.abstract_state(model, ctx)
     return AbstractModel(ctx, model, params, router)

@@ -63,7 +63,7 @@ def export(run_dir: str, output: str, step: int | None = None) -> str:
     hf.config_map.to_hf(config)  # refuses an unexportable config before any reading
     ctx = hf.default_ctx(config)
     trees = restore_parameters(
-        os.path.join(directory, str(step)), ctx, model_lib.define(config, ctx)
+        os.path.join(directory, str(step)), ctx, model_lib.define(config.model, ctx)
     )
     hf.save(output, config, trees)
     if config.tokenizer_path and os.path.isfile(config.tokenizer_path):

@@ -61,7 +61,7 @@ def make_floor_step(config: Config, ctx: ShardCtx, tx: optax.GradientTransformat
     check_floor_layout(config.model, config.parallelism, dict(ctx.mesh.shape))
     # The model built for per-device code: no constraints, no out_shardings, the
     # MoE layer unsharded (its own shard_map cannot nest inside this one).
-    model_def = model_lib.define(config, dataclasses.replace(ctx, mode="manual"))
+    model_def = model_lib.define(config.model, dataclasses.replace(ctx, mode="manual"))
     model, training, accumulation = config.model, config.training, config.accumulation
 
     def local_sums(state: dict, rows: dict) -> tuple[Any, dict, Any]:

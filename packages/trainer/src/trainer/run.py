@@ -168,13 +168,13 @@ def _build(
     """
     mesh = make_mesh(sizes, config.shard_mode, devices)
     ctx = ShardCtx(mesh, logical_rules(config.parallelism), config.shard_mode)
-    model = model_lib.define(config, ctx)
+    model = model_lib.define(config.model, ctx)
     if abstract:
         params, router = model_lib.abstract_state(model, ctx)
     elif weights:
         params, router = weights.load(config, ctx, model)
     else:
-        params, router = model_lib.init(config, ctx, model)
+        params, router = model_lib.init(ctx, model, config.seed)
     choice = None
     if config.gradient_reduction_policy == "auto":
         grad_dtypes = reduction_choice.gradient_traits(model, params)

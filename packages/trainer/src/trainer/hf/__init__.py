@@ -59,7 +59,7 @@ def import_params(
 ) -> dict[str, dict]:
     """{"params", "router"} of HF directory `path`, streamed onto `ctx`'s mesh in the
     shardings the trainer gives them (`model`: its ModelDef, when already built)."""
-    model = model or model_lib.define(config, ctx)
+    model = model or model_lib.define(config.model, ctx)
     params_abs, router_abs = model_lib.abstract_state(model, ctx)
     targets = {"params": params_abs, "router": router_abs}
     plan = plan_import(path, config, targets)
@@ -169,7 +169,7 @@ def _mesh_of(params: dict[str, dict]):
 def _forward_fn(config: Config, mesh):
     """The jitted forward of `config` on `mesh` (built once per pair)."""
     ctx = ShardCtx(mesh, logical_rules(config.parallelism), config.shard_mode)
-    model = model_lib.define(config, ctx)
+    model = model_lib.define(config.model, ctx)
 
     def run(params, router, tokens_BxS):
         positions_BxS = jnp.broadcast_to(jnp.arange(tokens_BxS.shape[1]), tokens_BxS.shape)

@@ -13,7 +13,7 @@ import jax
 from flax import nnx
 
 from moe_kernels import RoutingBias
-from trainer.config import Config
+from trainer.config import ModelConfig
 from trainer.model.decoder import Decoder
 from trainer.model.params import (
     cast_at_use_of,
@@ -56,9 +56,12 @@ def _logical_tree(state: nnx.State, read=logical_axes_of) -> dict:
     return out
 
 
-def define(config: Config, ctx: ShardCtx) -> ModelDef:
-    """Trace the model's structure without allocating parameters."""
-    abstract = nnx.eval_shape(lambda: Decoder(config, ctx, rngs=nnx.Rngs(config.seed)))
+def define(config: ModelConfig, ctx: ShardCtx) -> ModelDef:
+    """Trace the model's structure (the model group's keys) without allocating
+    parameters."""
+    # Shapes only: no value is drawn here (init draws them from the seed), so
+    # any key serves the trace.
+    abstract = nnx.eval_shape(lambda: Decoder(config, ctx, rngs=nnx.Rngs(0)))
     graphdef, params, router = nnx.split(abstract, nnx.Param, RoutingBias)
     return ModelDef(
         graphdef,
@@ -115,12 +118,13 @@ def _host_init(template: nnx.State, abstract: dict, seed: int) -> dict:
     return out
 
 
-def init(config: Config, ctx: ShardCtx, model: ModelDef) -> tuple[dict, dict]:
-    """Parameters and router biases, drawn on the host and placed in their shardings."""
+def init(ctx: ShardCtx, model: ModelDef, seed: int) -> tuple[dict, dict]:
+    """Parameters and router biases, drawn on the host from `seed` and placed in
+    their shardings."""
     params_abs, router_abs = abstract_state(model, ctx)
     return (
-        _host_init(model.param_template, params_abs, config.seed),
-        _host_init(model.router_template, router_abs, config.seed),
+        _host_init(model.param_template, params_abs, seed),
+        _host_init(model.router_template, router_abs, seed),
     )
 
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from trainer.config import Config
+from trainer.config import ModelConfig
 from trainer.model.layers import BSE, RMSNorm
 from trainer.model.params import param
 from trainer.model.rope import rope, softmax_scale
@@ -55,7 +55,7 @@ class MLA(nnx.Module):
     R rope dim, V value dim, K = N + R.
     """
 
-    def __init__(self, config: Config, ctx: ShardCtx, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, ctx: ShardCtx, *, rngs: nnx.Rngs):
         c = config
         d, h = c.emb_dim, c.base_num_query_heads
         if c.q_lora_rank:

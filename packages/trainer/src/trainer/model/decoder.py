@@ -10,7 +10,7 @@ from flax import nnx
 
 import accum
 import pspec_tags as pt
-from trainer.config import Config
+from trainer.config import ModelConfig
 from trainer.model.attention import MLA
 from trainer.model.layers import BSE, MLP, RMSNorm
 from trainer.model.moe_block import moe_layer
@@ -39,7 +39,7 @@ NAMES = DecoderNames()
 class Block(nnx.Module):
     """Pre-norm attention then pre-norm feed-forward (dense MLP or MoE)."""
 
-    def __init__(self, config: Config, ctx: ShardCtx, moe: bool, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, ctx: ShardCtx, moe: bool, *, rngs: nnx.Rngs):
         eps = config.normalization_layer_epsilon
         self.attn_norm = RMSNorm(config.emb_dim, eps, rngs=rngs)
         self.attn = MLA(config, ctx, rngs=rngs)
@@ -61,7 +61,7 @@ class Block(nnx.Module):
         return self.ctx.act(x_BxSxD + y_BxSxD, NAMES.residual), stats
 
 
-def _stack(config: Config, ctx: ShardCtx, moe: bool, count: int, rngs: nnx.Rngs):
+def _stack(config: ModelConfig, ctx: ShardCtx, moe: bool, count: int, rngs: nnx.Rngs):
     """`count` blocks with parameters stacked on a leading layer axis (for lax.scan)."""
     return _stacked(lambda r: Block(config, ctx, moe, rngs=r), count, rngs)
 
@@ -77,7 +77,7 @@ def _stacked(make, count: int, rngs: nnx.Rngs):
     return create(rngs)
 
 
-def _mtp_stack(config: Config, ctx: ShardCtx, rngs: nnx.Rngs):
+def _mtp_stack(config: ModelConfig, ctx: ShardCtx, rngs: nnx.Rngs):
     """The MTP depths, stacked; each block dense or MoE as the main model's later layers."""
     moe = config.num_moe_layers > 0
     return _stacked(
@@ -94,7 +94,7 @@ REMAT = {
 }
 
 
-def _remat(body, config: Config):
+def _remat(body, config: ModelConfig):
     """`body` under the configured rematerialization policy (as the layer scan runs it)."""
     if REMAT[config.remat_policy] is None:
         return body
@@ -106,7 +106,7 @@ def _layer_slice(state, i: int):
     return jax.tree.map(lambda leaf: jax.lax.index_in_dim(leaf, i, keepdims=False), state)
 
 
-def _run_stack(stack: nnx.Module, x_BxSxD, positions_BxS, segments_BxS, config: Config):
+def _run_stack(stack: nnx.Module, x_BxSxD, positions_BxS, segments_BxS, config: ModelConfig):
     """The stacked blocks in order; returns the output and per-layer stats (stacked).
 
     `scan_layers` runs them as one lax.scan (compile time independent of depth);
@@ -133,7 +133,7 @@ def _run_stack(stack: nnx.Module, x_BxSxD, positions_BxS, segments_BxS, config: 
 class Decoder(nnx.Module):
     """Token ids -> logits. Parameters in `weight_dtype`; compute runs in `config.dtype`."""
 
-    def __init__(self, config: Config, ctx: ShardCtx, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, ctx: ShardCtx, *, rngs: nnx.Rngs):
         d = config.emb_dim
         # Rows are cast after the lookup (f32 scatter-add in the backward), which
         # runs in a shard_map on the table's lookup copy (`embed`).

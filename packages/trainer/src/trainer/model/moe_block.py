@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import moe_kernels
-from trainer.config import Config
+from trainer.config import ModelConfig
 from trainer.model.params import CAST_AT_USE, INIT, LOGICAL, USE_DTYPE
 from trainer.sharding import ShardCtx
 
@@ -12,7 +12,7 @@ MoE = moe_kernels.MoE
 RouterBias = moe_kernels.RoutingBias
 
 
-def moe_config(config: Config) -> moe_kernels.MoEConfig:
+def moe_config(config: ModelConfig) -> moe_kernels.MoEConfig:
     """The moe_kernels view of the trainer config."""
     return moe_kernels.MoEConfig(
         num_experts=config.num_experts,
@@ -43,7 +43,7 @@ def _metadata(name: str, shape: tuple, logical: tuple) -> dict:
     return metadata
 
 
-def moe_layer(config: Config, ctx: ShardCtx, *, rngs) -> moe_kernels.MoE:
+def moe_layer(config: ModelConfig, ctx: ShardCtx, *, rngs) -> moe_kernels.MoE:
     """Routed experts (sparse ragged_dot or dense reference) plus shared experts."""
     return moe_kernels.MoE(
         moe_config(config),

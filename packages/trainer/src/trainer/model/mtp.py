@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from trainer.config import Config
+from trainer.config import ModelConfig
 from trainer.model.layers import BSE, RMSNorm
 from trainer.model.params import param
 from trainer.sharding import ShardCtx
@@ -62,7 +62,7 @@ NAMES = MTPNames()
 class MTPLayer(nnx.Module):
     """One depth: norms, the 2d -> d projection, its block, and its head norm."""
 
-    def __init__(self, config: Config, ctx: ShardCtx, block: nnx.Module, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, ctx: ShardCtx, block: nnx.Module, *, rngs: nnx.Rngs):
         d, eps = config.emb_dim, config.normalization_layer_epsilon
         self.enorm = RMSNorm(d, eps, rngs=rngs)
         self.hnorm = RMSNorm(d, eps, rngs=rngs)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trainer.config import Config
+from trainer.config import ModelConfig
 
 
 def yarn_magnitude(factor: float, coefficient: float) -> float:
@@ -35,7 +35,7 @@ def yarn_magnitude(factor: float, coefficient: float) -> float:
     return 0.1 * coefficient * math.log(factor) + 1.0
 
 
-def mscale_all_dim(config: Config) -> float:
+def mscale_all_dim(config: ModelConfig) -> float:
     """The effective mscale_all_dim: the key, or `mscale` when the key is < 0."""
     return config.mscale if config.mscale_all_dim < 0 else config.mscale_all_dim
 
@@ -45,7 +45,7 @@ def _correction_dim(rotations: float, dim: int, theta: float, original: int) -> 
     return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
 
-def yarn_ramp_bounds(config: Config) -> tuple[float, float]:
+def yarn_ramp_bounds(config: ModelConfig) -> tuple[float, float]:
     """(low, high): where the ramp from interpolated to kept frequencies runs,
     floored/ceiled with `rope_truncate`, clamped to [0, R - 1]."""
     dim, theta = config.qk_rope_head_dim, float(config.rope_max_timescale)
@@ -57,7 +57,7 @@ def yarn_ramp_bounds(config: Config) -> tuple[float, float]:
     return max(low, 0), min(high, dim - 1)
 
 
-def yarn_frequencies(config: Config) -> np.ndarray:
+def yarn_frequencies(config: ModelConfig) -> np.ndarray:
     """YaRN's per-pair angular frequencies (R/2,), float32, computed in float64."""
     half = config.qk_rope_head_dim // 2
     inv_R2 = float(config.rope_max_timescale) ** (-np.arange(half, dtype=np.float64) / half)
@@ -70,7 +70,7 @@ def yarn_frequencies(config: Config) -> np.ndarray:
     return blended.astype(np.float32)
 
 
-def output_scale(config: Config) -> float:
+def output_scale(config: ModelConfig) -> float:
     """What the rotated q and k are multiplied by (1.0 for plain RoPE)."""
     if config.rope_type != "yarn":
         return 1.0
@@ -81,7 +81,7 @@ def output_scale(config: Config) -> float:
     return scale
 
 
-def softmax_scale(config: Config) -> float:
+def softmax_scale(config: ModelConfig) -> float:
     """The attention logits' scale: qk_head_dim^-0.5, times m(factor, mscale_all_dim)^2
     under YaRN (DeepSeek's correction)."""
     scale = config.qk_head_dim**-0.5
@@ -94,7 +94,7 @@ def _plain_frequencies(half: int, max_timescale: int) -> jax.Array:
     return max_timescale ** (-jnp.arange(half, dtype=jnp.float32) / half)
 
 
-def rope(x_BxSxHxR: jax.Array, positions_BxS: jax.Array, config: Config) -> jax.Array:
+def rope(x_BxSxHxR: jax.Array, positions_BxS: jax.Array, config: ModelConfig) -> jax.Array:
     """Rotary embedding on the last dim, in f32.
 
     Pairs are (i, i + R/2) (half-split, the default) or (2i, 2i + 1) with
