@@ -133,9 +133,9 @@ def measure(name: str, variant: dict, reuse: bool) -> dict:
 def _predicted_columns(variant: dict, module) -> dict:
     """accum.cost's gradient operand bytes per step beside hlo_tools' count
     (docs/cost_model.md, "Which bytes are exact"), for explicit variants: across
-    slices (dcn_data) and inside them ('data'), with the part of the in-loop
-    prediction XLA moves after the loop (reduction_bytes.hoisted). The plan comes
-    from an abstract setup of the same config (no compile)."""
+    slices (dcn_data) and inside them ('data'), the reductions XLA moves after the
+    loop placed there (accum.cost's `summed_by_the_loop`). The plan comes from an
+    abstract setup of the same config (no compile)."""
     if variant.get("shard_mode") == "auto":
         return {}
     from trainer import aot, reduction_bytes
@@ -146,11 +146,9 @@ def _predicted_columns(variant: dict, module) -> dict:
     devices = aot.devices_for(aot.resolve(config.parallelism), config.compile_topology_num_slices)
     run = run_lib.abstract_setup(config, devices)
     pred_in, pred_out = reduction_bytes.predicted(run)
-    moved_in, moved_out = reduction_bytes.hoisted(run)
     got_in, got_out = reduction_bytes.counted(module, dict(run.ctx.mesh.shape), ["data"])
     out = {
         "predicted_in_slice": [pred_in["data"], pred_out["data"]],
-        "moved_in_slice": [moved_in["data"], moved_out["data"]],
         "counted_in_slice": [got_in["data"], got_out["data"]],
     }
     if "dcn_data" in pred_in:
@@ -223,23 +221,19 @@ def main() -> int:
     lines += [
         "",
         "Gradient operand bytes per device per step, accum.cost's prediction vs hlo_tools' "
-        "count (docs/cost_model.md, 'Which bytes are exact'); 'moved' = the part of the "
-        "in-loop prediction XLA moves after the loop as one reduction "
-        "(reduction_bytes.hoisted: the leaves the loop only sums; docs/cost_model.md, "
-        "'What XLA moves'); across slices per_microbatch is a bound (XLA sends the f32 "
-        "norm scales whole).",
+        "count (docs/cost_model.md, 'Which bytes are exact'); the prediction places the "
+        "reductions XLA moves after the loop there (the leaves the loop only sums; "
+        "docs/cost_model.md, 'What XLA moves'); across slices per_microbatch is a bound "
+        "(XLA sends the f32 norm scales whole).",
         "",
     ]
     lines += bl.table(
-        ["schedule", "axis", "predicted in loop / after", "moved in / after", "counted in / after"],
+        ["schedule", "axis", "predicted in loop / after", "counted in / after"],
         [
-            [r["variant"], axis, _pair(r[f"predicted_{key}"]), moved, _pair(r[f"counted_{key}"])]
+            [r["variant"], axis, _pair(r[f"predicted_{key}"]), _pair(r[f"counted_{key}"])]
             for r in rows
             if "predicted_in_slice" in r
-            for axis, key, moved in (
-                ("dcn_data", "cross_slice", "-"),
-                ("data", "in_slice", _pair(r["moved_in_slice"])),
-            )
+            for axis, key in (("dcn_data", "cross_slice"), ("data", "in_slice"))
             if f"predicted_{key}" in r
         ],
     )

@@ -37,6 +37,9 @@ from accum import verdict  # noqa: E402
 COMMAND = "JAX_PLATFORMS=cpu uv run --extra tpu python benchmarks/bench_guard_cost.py"
 CPU_SHAPE = {"model_name": "tagtrain-test", "ici_data_parallelism": "8", "steps": "1"}
 CPU_SHAPE["gradient_accumulation_steps"] = "2"
+# Deferred, as auto chose when the page was recorded: at GA=2 auto now ranks
+# per_microbatch first (docs/cost_model.md, "Auto"), which has no tags to guard.
+CPU_SHAPE["gradient_reduction_policy"] = "deferred"
 AOT_SHAPE = {
     "model_name": "deepseek3-small",
     "compile_topology": "v5e-8",

@@ -135,6 +135,44 @@ def test_a_copy_summed_in_its_use_is_reduced_whole_over_every_batch_axis():
     assert outside == {"dcn_data": 16 * 4, "data": 32 * 4}
 
 
+def test_leaves_the_loop_only_sums_are_reduced_once_after_it():
+    # XLA's loop all-reduce code motion: w's per-microbatch reductions leave the
+    # loop, once on the summed gradients; fsdp_w (say, stacked by a layer scan) stays.
+    moves = {"w": True, "fsdp_w": False, "bias": True}
+    per_mb = _predict("per_microbatch")
+    moved = _predict("per_microbatch", summed_by_the_loop=moves)
+    # An all-reduce keeps its in-loop dtype (bf16) after the loop.
+    in_loop = {"dcn_data": GA * 2 * FSDP_W // 2, "data": GA * 2 * FSDP_W, "fsdp": 0}
+    assert moved.bytes_in_loop == in_loop
+    assert moved.bytes_in_loop["data"] < per_mb.bytes_in_loop["data"]
+    assert moved.bytes_outside == {"dcn_data": 2 * W // 4, "data": 2 * W, "fsdp": 2 * W}
+    assert moved.step_seconds < per_mb.step_seconds
+    # A reduce-scatter (hierarchical's) runs on the summed accumulator, in f32.
+    hier = _predict("hierarchical")
+    hier_moved = _predict("hierarchical", summed_by_the_loop=moves)
+    assert hier_moved.bytes_in_loop == {"dcn_data": 0, "data": GA * 2 * FSDP_W, "fsdp": 0}
+    assert hier_moved.bytes_outside == {
+        "dcn_data": hier.bytes_outside["dcn_data"],
+        "data": 4 * W,
+        "fsdp": 4 * W,
+    }
+    # Deferred reduces nothing in the loop: nothing moves.
+    assert _predict("deferred", summed_by_the_loop=moves) == _predict("deferred")
+    # A gathered copy's sum is sliced before the loop adds it: it stays.
+    params = _params()
+    plan = accum.make_plan(
+        params, batch_axes=tuple(SIZES), mesh_shape=SIZES, policy="per_microbatch"
+    )
+    kw = dict(num_microbatches=GA, compute_dtype="float32", accum_dtype="float32")
+    summed = {"w": False, "fsdp_w": True, "bias": False}
+    everything = {"w": True, "fsdp_w": True, "bias": True}
+    fsdp_w, w = cost.plan_events(
+        plan, params, summed_in_use=summed, summed_by_the_loop=everything, **kw
+    )
+    assert fsdp_w.sliced and fsdp_w.in_loop and fsdp_w.times == GA
+    assert not w.in_loop and w.times == 1 and w.nbytes == 4 * W
+
+
 def test_time_model_formulas():
     hw = hardware("v5p")
     c = _predict("deferred", hw)

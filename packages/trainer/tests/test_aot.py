@@ -319,16 +319,15 @@ def test_two_v5e8_slices_hierarchical(tmp_path):
     assert any("cross-slice" in line and "(0 B in loops)" in line for line in lines)
     # accum.cost's bytes, byte for byte: across slices nothing in the loop and the
     # scattered accumulators after it (read before ZeroCrop pads them to (8, 128)
-    # tiles); inside the slice the per-microbatch scatters, less those XLA moves
-    # after the loop as one f32 reduction (the leaves outside the layer scans:
-    # reduction_bytes.hoisted, docs/cost_model.md).
+    # tiles); inside the slice the per-microbatch scatters, those XLA moves after
+    # the loop as one f32 reduction among them (the leaves outside the layer scans,
+    # which accum.cost moves too: docs/cost_model.md, "What XLA moves").
     pred_in, pred_out = reduction_bytes.predicted(result.run)
-    moved_in, moved_out = reduction_bytes.hoisted(result.run)
     got_in, got_out = reduction_bytes.counted(module, dict(result.run.ctx.mesh.shape), ["data"])
     assert reduction_bytes.counted_cross_slice(module) == (0, pred_out["dcn_data"])
     assert pred_in["dcn_data"] == 0 and pred_out["dcn_data"] > 0
-    assert got_in["data"] == pred_in["data"] - moved_in["data"] and moved_in["data"] > 0
-    assert got_out["data"] == pred_out["data"] + moved_out["data"] and moved_out["data"] > 0
+    assert got_in["data"] == pred_in["data"] > 0
+    assert got_out["data"] == pred_out["data"] > 0
 
 
 def test_two_v5e8_slices_deferred_bytes_equal_the_cost_model(tmp_path):
@@ -346,22 +345,22 @@ def test_two_v5e8_slices_deferred_bytes_equal_the_cost_model(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_v5e8_slices_per_microbatch_bytes_less_what_xla_moves(tmp_path):
+def test_two_v5e8_slices_per_microbatch_bytes_equal_the_cost_model_in_the_slice(tmp_path):
     """tagtrain-test, ZeRO-1, GA=4 on 2 x v5e-8, per_microbatch: inside the slice
-    accum.cost's bytes less what XLA moves after the loop (reduction_bytes.hoisted)
-    equal the count, byte for byte, as on one slice. Across slices the count exceeds
-    that by the f32 norm scales, which XLA reduces across slices whole (after a full
+    accum.cost's bytes (with the reductions XLA moves after the loop) equal the
+    count, byte for byte, as on one slice. Across slices the count exceeds them by
+    the f32 norm scales, which XLA reduces across slices whole (after a full
     in-slice all-reduce) where the model counts their in-slice shard
-    (docs/cost_model.md, "What XLA moves")."""
+    (docs/cost_model.md, "Not exact: per_microbatch across slices")."""
     result, module = _two_v5e8_slices_zero1(tmp_path, "per_microbatch")
     pred_in, pred_out = reduction_bytes.predicted(result.run)
-    moved_in, moved_out = reduction_bytes.hoisted(result.run)
     got_in, got_out = reduction_bytes.counted(module, dict(result.run.ctx.mesh.shape), ["data"])
-    assert got_in["data"] == pred_in["data"] - moved_in["data"] > 0
-    assert got_out["data"] == pred_out["data"] + moved_out["data"] > 0
+    assert got_in["data"] == pred_in["data"] > 0
+    assert got_out["data"] == pred_out["data"] > 0
     across_in, across_out = reduction_bytes.counted_cross_slice(module)
-    assert pred_in["dcn_data"] - moved_in["dcn_data"] < across_in < pred_in["dcn_data"]
-    assert moved_out["dcn_data"] < across_out < moved_in["dcn_data"] and pred_out["dcn_data"] == 0
+    # The norm scales' whole buffers: a few KiB over the model, in the loop and after it.
+    assert pred_in["dcn_data"] < across_in < pred_in["dcn_data"] + 2**15
+    assert pred_out["dcn_data"] < across_out < pred_out["dcn_data"] + 2**12
 
 
 @pytest.mark.parametrize(

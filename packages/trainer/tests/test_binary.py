@@ -37,7 +37,8 @@ def output(tmp_path_factory):
         "model_name=tagtrain-tiny",
         "steps=3",
         "per_device_batch_size=1",
-        "gradient_accumulation_steps=2",
+        # GA=4: at GA=2 auto ranks per_microbatch first (test_reduction_choice.py).
+        "gradient_accumulation_steps=4",
         f"--dump_hlo={hlo}",
         f"--metrics_file={metrics}",
         tmp_path=tmp,
@@ -48,11 +49,11 @@ def output(tmp_path_factory):
 
 
 def test_states_the_global_batch_in_maxtexts_meaning(output):
-    # per_device_batch_size is per microbatch: 1 x 8 devices x GA 2 = 16 sequences.
+    # per_device_batch_size is per microbatch: 1 x 8 devices x GA 4 = 32 sequences.
     stdout = output[0]
     assert (
-        "batch: 16 sequences x 32 tokens = 512 tokens per step "
-        "(2 microbatches of 8; per_device_batch_size=1 per microbatch)"
+        "batch: 32 sequences x 32 tokens = 1,024 tokens per step "
+        "(4 microbatches of 8; per_device_batch_size=1 per microbatch)"
     ) in stdout
 
 

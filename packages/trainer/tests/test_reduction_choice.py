@@ -44,6 +44,28 @@ def test_one_slice_picks_deferred_and_two_slices_never_per_microbatch_first():
     assert dcn["per_microbatch"] > dcn["hierarchical"]
 
 
+def test_at_ga2_the_reductions_xla_moves_put_per_microbatch_first():
+    # accum.cost places what XLA moves: tagtrain-test's leaves outside the looping
+    # layer scan are reduced once after the loop, in bf16, under per_microbatch. At
+    # GA=2 that is fewer bytes than deferred's one f32 reduction of everything; with
+    # f32 compute the moved leaves cost the same under both and deferred stays first.
+    bf16 = _choice(
+        model_name="tagtrain-test", compile_topology="v5e-8", gradient_accumulation_steps=2
+    )
+    assert bf16.order == ("per_microbatch", "deferred")
+    per_mb, deferred = bf16.costs["per_microbatch"], bf16.costs["deferred"]
+    assert 0 < per_mb.bytes_outside["data"] < deferred.bytes_outside["data"]
+    per_mb_total = per_mb.bytes_in_loop["data"] + per_mb.bytes_outside["data"]
+    assert per_mb_total < deferred.bytes_outside["data"]
+    f32 = _choice(
+        model_name="tagtrain-test",
+        compile_topology="v5e-8",
+        gradient_accumulation_steps=2,
+        dtype="float32",
+    )
+    assert f32.order == ("deferred", "per_microbatch")
+
+
 def test_overlapped_ring_leaves_per_microbatch_out_of_the_candidates():
     # The ring has nothing to ring under per_microbatch (accum.check_schedule), so
     # auto never falls back onto a combination an explicit config is refused.

@@ -20,6 +20,13 @@ reduces one local array over a set of axes:
   times per step;
 - `PER_STEP`: the accumulator (the leaf's layout, or the scattered one under
   hierarchical), in the accumulator dtype, once after the loop;
+- a leaf whose reduced gradient the microbatch loop only adds into its
+  accumulator (`summed_by_the_loop`: the caller knows the model) has its
+  `PER_MICROBATCH` and `SCATTER` events moved after the loop, once each, as XLA's
+  loop all-reduce code motion moves them (reduce(a) + reduce(b) = reduce(a + b)):
+  an all-reduce keeps its in-loop dtype (XLA casts the f32 sum back to it), a
+  reduce-scatter reduces the summed accumulator in the accumulator dtype; not a
+  gathered copy's sum, which the loop slices to the shard before adding it;
 - `PER_USE` (FSDP's own reduce-scatters, the expert kernel's sums) and `BY_XLA`
   (auto mode) are the same under every policy, or not ours to place: not counted
   (but a use that sums its gathered copy, `summed_in_use`, reduces the gathered
@@ -67,6 +74,15 @@ class Event:
     sliced: bool = False
 
 
+def moved_after_the_loop(event: Event, accum_bytes: int) -> Event:
+    """`event`, a per-microbatch reduction of a gradient the loop only sums, as XLA
+    moves it: once, after the loop, on the summed local gradients; a reduce-scatter
+    in the accumulator dtype, an all-reduce in its own (module docstring)."""
+    item = accum_bytes if event.scatter else event.itemsize
+    nbytes = event.nbytes // event.itemsize * item
+    return dataclasses.replace(event, nbytes=nbytes, times=1, in_loop=False, itemsize=item)
+
+
 @dataclasses.dataclass(frozen=True)
 class Cost:
     """One policy's predicted figures, per device per optimizer step."""
@@ -105,12 +121,14 @@ def leaf_events(
     accum_bytes: int,
     use_bytes: int | None = None,
     summed_in_use: bool = False,
+    summed_by_the_loop: bool = False,
 ) -> list[Event]:
-    """The reductions the plan places for one leaf (module docstring); `compute_bytes`:
+    """The reductions of one leaf in the compiled step (module docstring); `compute_bytes`:
     the item size of the leaf's gradient in the backward pass; `use_bytes`: that of
     its cotangent at the use, where autodiff's per-microbatch reduction runs, if
     wider (None: `compute_bytes`); `summed_in_use`: the use sums the cotangent of its
-    copy over every batch axis at once (`plan_events`)."""
+    copy over every batch axis at once; `summed_by_the_loop`: the loop only adds its
+    reduced gradient into the accumulator (`plan_events`)."""
     param_elements = local_elements(shape, leaf.param_spec, mesh_shape)
     events = []
     if param_elements < MIN_ELEMENTS:
@@ -140,6 +158,11 @@ def leaf_events(
         acc_elements = local_elements(shape, leaf.accumulator_spec, mesh_shape)
         nbytes = acc_elements * accum_bytes
         events.append(Event(leaf.per_step, nbytes, 1, False, False, accum_bytes))
+    if summed_by_the_loop:
+        events = [
+            moved_after_the_loop(e, accum_bytes) if e.in_loop and not e.sliced else e
+            for e in events
+        ]
     return events
 
 
@@ -153,6 +176,7 @@ def plan_events(
     gradient_dtypes: Any = None,
     use_dtypes: Any = None,
     summed_in_use: Any = None,
+    summed_by_the_loop: Any = None,
 ) -> list[Event]:
     """Every reduction event of the step (`params`: arrays or ShapeDtypeStructs).
 
@@ -166,7 +190,12 @@ def plan_events(
     a tree of bools, true for a leaf the model reads inside a shard_map from a copy
     replicated over the batch axes (the embedding table's lookup): its per-microbatch
     reduction is that shard_map's psum, over every batch axis at once at the copy's
-    size (gathered over the axes the leaf is sharded on), then sliced to the shard."""
+    size (gathered over the axes the leaf is sharded on), then sliced to the shard.
+    `summed_by_the_loop`: None (nothing moves), or a tree of bools, true for a leaf
+    whose reduced per-microbatch gradient the microbatch loop only adds into its
+    accumulator (not one stacked per layer by a layer scan that loops): XLA moves
+    its per-microbatch reductions after the loop (`moved_after_the_loop`), and
+    its events say so."""
     sizes = dict(plan.mesh_shape)
     accum_bytes = np.dtype(accum_dtype).itemsize
     leaves = jax.tree.leaves(plan.leaves, is_leaf=_is_leaf_plan)
@@ -182,8 +211,12 @@ def plan_events(
     summed = [False] * len(shapes)
     if summed_in_use is not None:
         summed = jax.tree.leaves(summed_in_use)
+    by_loop = [False] * len(shapes)
+    if summed_by_the_loop is not None:
+        by_loop = jax.tree.leaves(summed_by_the_loop)
     events = []
-    for leaf, shape, dtype, use, whole in zip(leaves, shapes, dtypes, uses, summed, strict=True):
+    rows = zip(leaves, shapes, dtypes, uses, summed, by_loop, strict=True)
+    for leaf, shape, dtype, use, whole, moves in rows:
         events += leaf_events(
             leaf,
             shape,
@@ -193,6 +226,7 @@ def plan_events(
             accum_bytes=accum_bytes,
             use_bytes=None if use is None else np.dtype(use).itemsize,
             summed_in_use=whole,
+            summed_by_the_loop=moves,
         )
     return events
 
@@ -256,6 +290,7 @@ def predict(
     gradient_dtypes: Any = None,
     use_dtypes: Any = None,
     summed_in_use: Any = None,
+    summed_by_the_loop: Any = None,
 ) -> Cost:
     """The plan's predicted cost (formulas: docs/cost_model.md, "Time model").
 
@@ -263,7 +298,7 @@ def predict(
     (trainer.flops); `overlapped_after_loop`: the after-loop reductions run inside
     the last microbatch's backward pass (schedule 'overlapped_ring': rings are async), so
     they hide under it up to its length; `gradient_dtypes`, `use_dtypes`,
-    `summed_in_use`: as in `plan_events`.
+    `summed_in_use`, `summed_by_the_loop`: as in `plan_events`.
     """
     sizes = dict(plan.mesh_shape)
     events = plan_events(
@@ -275,6 +310,7 @@ def predict(
         gradient_dtypes=gradient_dtypes,
         use_dtypes=use_dtypes,
         summed_in_use=summed_in_use,
+        summed_by_the_loop=summed_by_the_loop,
     )
     inside, outside = bytes_per_axis(events, plan.batch_axes, sizes, plan.slice_axes)
     links = {ICI: 0.0, DCN: 0.0}

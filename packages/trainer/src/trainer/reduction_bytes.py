@@ -19,8 +19,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import numpy as np
-
 import hlo_tools
 from hlo_tools.collectives import collective_kind, custom_call_target
 from hlo_tools.module import Instruction
@@ -193,94 +191,33 @@ def counted_cross_slice(module: hlo_tools.HloModule | str) -> tuple[int, int]:
     return inside, outside
 
 
-def _events(run: Any, keep: Any = None) -> list:
-    """accum.cost's events for a built run; `keep(logical_axes, shape)` picks leaves
-    (the others reduce nothing: their plans lose their axes)."""
-    import dataclasses
-
-    import jax
-
+def events(run: Any) -> list:
+    """accum.cost's events for a built run (`run.Run`): its plan over the
+    compute-layout parameters, with the model's gradient traits, the per-microbatch
+    reductions XLA moves after the loop among them (docs/cost_model.md)."""
     from accum import cost
     from trainer import model as model_lib
-    from trainer.reduction_choice import gradient_traits
+    from trainer.reduction_choice import cost_inputs, gradient_traits
 
-    plan = run.plan
     params, _ = model_lib.abstract_state(run.model, run.ctx)
-    if keep is not None:
-        logical = jax.tree.leaves(run.model.param_logical, is_leaf=lambda x: isinstance(x, tuple))
-        shapes = [tuple(x.shape) for x in jax.tree.leaves(params)]
-        leaf_list = tuple(
-            leaf if keep(axes, shape) else dataclasses.replace(leaf, when=())
-            for leaf, axes, shape in zip(plan.leaf_list, logical, shapes, strict=True)
-        )
-        plan = dataclasses.replace(plan, leaf_list=leaf_list)
     traits = gradient_traits(run.model, params)
     return cost.plan_events(
-        plan,
+        run.plan,
         params,
         num_microbatches=run.config.gradient_accumulation_steps,
         compute_dtype=run.config.dtype,
         accum_dtype=run.config.accum_dtype,
-        gradient_dtypes=traits.backward,
-        use_dtypes=traits.at_use,
-        summed_in_use=traits.summed_in_use,
+        **cost_inputs(traits, params, run.plan, run.config.scan_layers),
     )
 
 
 def predicted(run: Any) -> tuple[dict[str, int], dict[str, int]]:
     """accum.cost's (in-loop, after-loop) operand bytes per batch axis for a built
-    run (`run.Run`): its plan over the compute-layout parameters."""
+    run (`events`): what `counted` finds on its compiled step."""
     from accum import cost
 
     plan = run.plan
-    events = _events(run)
-    return cost.bytes_per_axis(events, plan.batch_axes, dict(plan.mesh_shape), plan.slice_axes)
-
-
-def summed_by_the_loop(run: Any, logical_axes: tuple, shape: tuple[int, ...]) -> bool:
-    """Whether the microbatch loop only sums a leaf's reduced per-microbatch gradient
-    (so XLA can move its reduction after the loop): true unless the gradient comes
-    out of a layer scan that loops, stacked per layer. A stack's scan loops when
-    scan_layers is on and it has more than one layer; a one-layer scan XLA unrolls
-    into the microbatch loop, and there the loop sums its gradient too, unless
-    accumulation is fused into the scan (accum.ReductionPlan.fused_applies), which
-    updates the accumulator's layer slice inside the scan body."""
-    if logical_axes[:1] != ("layers",) or not run.config.scan_layers:
-        return True
-    return shape[0] == 1 and not run.plan.fused_applies
-
-
-def hoisted(run: Any) -> tuple[dict[str, int], dict[str, int]]:
-    """The part of `predicted`'s in-loop bytes that XLA moves after the loop, and what
-    it becomes there, per batch axis (docs/cost_model.md, "What XLA moves").
-
-    XLA's loop all-reduce code motion moves a per-microbatch reduction whose result
-    the loop only adds into the accumulator (`summed_by_the_loop`: the leaves outside
-    the layer scans; unfused, a one-layer stack too; never a gathered copy's sum,
-    which the loop first slices to the shard: accum.cost's `Event.sliced`) after the
-    loop, as one reduction of the summed local gradients: a reduce-scatter
-    (hierarchical) in the accumulator dtype, an all-reduce (per_microbatch) in its
-    own dtype (XLA casts the f32 sum back to the type the loop reduced in)."""
-    import dataclasses
-
-    from accum import cost
-
-    plan = run.plan
-    sizes = dict(plan.mesh_shape)
-    events = [
-        e
-        for e in _events(run, lambda axes, shape: summed_by_the_loop(run, axes, shape))
-        if e.in_loop and not e.sliced
-    ]
-    accum_item = np.dtype(run.config.accum_dtype).itemsize
-    after = []
-    for e in events:
-        item = accum_item if e.scatter else e.itemsize
-        nbytes = e.nbytes // e.itemsize * item
-        after.append(dataclasses.replace(e, nbytes=nbytes, times=1, in_loop=False, itemsize=item))
-    inside, _ = cost.bytes_per_axis(events, plan.batch_axes, sizes, plan.slice_axes)
-    _, outside = cost.bytes_per_axis(after, plan.batch_axes, sizes, plan.slice_axes)
-    return inside, outside
+    return cost.bytes_per_axis(events(run), plan.batch_axes, dict(plan.mesh_shape), plan.slice_axes)
 
 
 def exact_axes(run: Any) -> tuple[str, ...]:

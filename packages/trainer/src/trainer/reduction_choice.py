@@ -138,11 +138,13 @@ def plans(
 
 class GradientTraits(NamedTuple):
     """accum.cost's `gradient_dtypes`, `use_dtypes` and `summed_in_use` trees of one
-    model: how its uses shape each leaf's per-microbatch reduction."""
+    model: how its uses shape each leaf's per-microbatch reduction; and which
+    leaves are stacked on a leading 'layers' axis (`loop_sums` reads it)."""
 
     backward: Any
     at_use: Any
     summed_in_use: Any
+    layer_stacked: Any
 
 
 def gradient_traits(model: Any, params: Any) -> GradientTraits:
@@ -153,7 +155,8 @@ def gradient_traits(model: Any, params: Any) -> GradientTraits:
     computes in where the model casts it up again (params.USE_DTYPE: the router's
     gate, in f32), which is what autodiff's per-microbatch reduction carries; and
     whether its use sums its copy's cotangent in a shard_map (params.SUMMED_IN_USE:
-    the embedding table's lookup)."""
+    the embedding table's lookup); and whether it is stacked per layer (its logical
+    axes lead with 'layers')."""
     backward = jax.tree.map(
         lambda cast, x: None if cast else x.dtype,
         model.param_cast_at_use,
@@ -165,7 +168,52 @@ def gradient_traits(model: Any, params: Any) -> GradientTraits:
         params,
         is_leaf=lambda x: x is None,
     )
-    return GradientTraits(backward, at_use, model.param_summed_in_use)
+    stacked = jax.tree.map(
+        lambda axes: axes[:1] == ("layers",),
+        model.param_logical,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+    return GradientTraits(backward, at_use, model.param_summed_in_use, stacked)
+
+
+def summed_by_the_loop(stacked: bool, layers: int, scan_layers: bool, fused: bool) -> bool:
+    """Whether the microbatch loop only sums a leaf's reduced per-microbatch gradient
+    (so XLA moves its reduction after the loop: docs/cost_model.md, "What XLA
+    moves"): true unless the gradient comes out of a layer scan that loops, stacked
+    per layer. A stack's scan loops when `scan_layers` is on and it has more than
+    one layer (`layers`, its leading dimension); a one-layer scan XLA unrolls into
+    the microbatch loop, and there the loop sums its gradient too, unless
+    accumulation is fused into the scan (`fused`: accum.ReductionPlan.fused_applies),
+    which updates the accumulator's layer slice inside the scan body."""
+    if not stacked or not scan_layers:
+        return True
+    return layers == 1 and not fused
+
+
+def loop_sums(traits: GradientTraits, params: Any, plan: Any, scan_layers: bool) -> Any:
+    """accum.cost's `summed_by_the_loop` tree for `plan`: `summed_by_the_loop` per leaf."""
+    return jax.tree.map(
+        lambda stacked, x: summed_by_the_loop(
+            stacked, x.shape[0] if x.shape else 1, scan_layers, plan.fused_applies
+        ),
+        traits.layer_stacked,
+        params,
+    )
+
+
+def cost_inputs(
+    traits: GradientTraits | None, params: Any, plan: Any, scan_layers: bool
+) -> dict[str, Any]:
+    """accum.cost's per-leaf keyword arguments (plan_events, predict) for `plan` from
+    the model's `gradient_traits` (None: every leaf in the compute dtype, nothing moved)."""
+    if traits is None:
+        return {}
+    return {
+        "gradient_dtypes": traits.backward,
+        "use_dtypes": traits.at_use,
+        "summed_in_use": traits.summed_in_use,
+        "summed_by_the_loop": loop_sums(traits, params, plan, scan_layers),
+    }
 
 
 def predict_all(
@@ -178,7 +226,6 @@ def predict_all(
     grad_dtypes: Any = None,
 ) -> dict[str, cost_lib.Cost]:
     """accum.cost.predict for each candidate plan (`grad_dtypes`: `gradient_traits`)."""
-    backward, at_use, summed = grad_dtypes if grad_dtypes is not None else (None, None, None)
     return {
         policy: cost_lib.predict(
             plan,
@@ -190,9 +237,7 @@ def predict_all(
             accum_dtype=accumulation.accum_dtype,
             # Only rings run async under the last backward (aot_async.md).
             overlapped_after_loop=accumulation.gradient_accumulation_schedule == "overlapped_ring",
-            gradient_dtypes=backward,
-            use_dtypes=at_use,
-            summed_in_use=summed,
+            **cost_inputs(grad_dtypes, params, plan, model.scan_layers),
         )
         for policy, plan in candidates.items()
     }
