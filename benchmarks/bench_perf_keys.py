@@ -19,7 +19,9 @@ several policies).
 
 Writes benchmarks/results/perf_keys.md and .csv, after every compile (a run cut
 short keeps its rows; the page names the rows not compiled). Compiles are cached
-under $TMPDIR/bench_aot_fused/ (slugs perf_*); `--reuse` reads them back.
+under $TMPDIR/bench_aot_fused/ (slugs perf_*); `--reuse` reads them back by slug,
+whatever tree they were compiled at (the page names a row's and its base's trees
+where they differ: the program difference then includes the code changes).
 `--first N` compiles only the first N of ROWS (priority order).
 """
 
@@ -146,6 +148,7 @@ def _row_cells(r: dict, base: dict | None) -> list[str]:
     versus = ""
     if base is not None and "error" not in base:
         versus = against_base(program_lines(_hlo_path(r)), program_lines(_hlo_path(base)))
+        versus += _tree_note(r, base)
     return [
         fused.gib(r["memory_bytes"]),
         "" if r.get("peak_bytes") is None else fused.gib(r["peak_bytes"]),
@@ -155,6 +158,15 @@ def _row_cells(r: dict, base: dict | None) -> list[str]:
         r["fingerprint"],
         versus,
     ]
+
+
+def _tree_note(r: dict, base: dict) -> str:
+    """Names both trees where a row and its base were compiled at different ones
+    (--reuse reads a cached compile whatever tree it came from): the difference
+    then holds the code changes between them as well as the key's."""
+    if r["tree"] == base["tree"]:
+        return ""
+    return f" (compiled at {r['tree']}, base at {base['tree']})"
 
 
 def _first(argv: list[str]) -> int:
