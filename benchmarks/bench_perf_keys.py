@@ -161,12 +161,27 @@ def _row_cells(r: dict, base: dict | None) -> list[str]:
 
 
 def _tree_note(r: dict, base: dict) -> str:
-    """Names both trees where a row and its base were compiled at different ones
-    (--reuse reads a cached compile whatever tree it came from): the difference
-    then holds the code changes between them as well as the key's."""
-    if r["tree"] == base["tree"]:
+    """Names both trees where a row and its base were compiled from different package
+    sources (--reuse reads a cached compile whatever tree it came from): the
+    difference then holds the code changes between them as well as the key's."""
+    if _same_source(r["tree"], base["tree"]):
         return ""
     return f" (compiled at {r['tree']}, base at {base['tree']})"
+
+
+def _same_source(tree: str, other: str) -> bool:
+    """Whether two `git describe --dirty` trees hold the same packages/ source. The
+    -dirty mark is dropped: this script's runs dirty the tree only by writing their
+    page (a cache compiled with edited source is then taken as its commit's)."""
+    import subprocess
+
+    commits = [t.removesuffix("-dirty") for t in (tree, other)]
+    if commits[0] == commits[1]:
+        return True
+    diff = subprocess.run(
+        ["git", "diff", "--quiet", *commits, "--", "packages"], cwd=bl.ROOT, check=False
+    )
+    return diff.returncode == 0
 
 
 def _first(argv: list[str]) -> int:
