@@ -144,7 +144,7 @@ def _hlo_path(r: dict) -> str:
 
 def _row_cells(r: dict, base: dict | None) -> list[str]:
     if "error" in r:
-        return [f"fails: {r['error']}"] + [""] * 6
+        return [f"fails: {r['error']}"] + [""] * 7
     versus = ""
     if base is not None and "error" not in base:
         versus = against_base(program_lines(_hlo_path(r)), program_lines(_hlo_path(base)))
@@ -153,6 +153,7 @@ def _row_cells(r: dict, base: dict | None) -> list[str]:
         fused.gib(r["memory_bytes"]),
         "" if r.get("peak_bytes") is None else fused.gib(r["peak_bytes"]),
         _counts_cell(r),
+        bl.mib(r["total_reduction_bytes_per_step"]),
         f"{bl.mib(r['in_loop_bytes_per_step'])} ({r['in_loop_ops']})",
         _share(r) + f" ({r['async_ops']} of {r['schedule_ops']} async)",
         r["fingerprint"],
@@ -237,7 +238,9 @@ def _write_page(rows: list[dict], argv: list[str], wall: float) -> None:
             "memory: compiled.memory_analysis() per device (total; peak live buffers); "
             "collectives: instructions per kind in the compiled module, each once (loops "
             "not weighted), async = issued by an async start (hlo_tools.async_overlap); "
-            "in loop = gradient reduction "
+            "gradient reduction MiB/step = trip-count weighted payload of every gradient "
+            "reduction (hlo_tools bytes: a reduce-scatter's is its 1/group shard, so compare "
+            "rows of one schedule); in loop = gradient reduction "
             "MiB per step (ops) inside the microbatch loop (hlo_tools.in_loop_reductions); "
             "async-overlapped share = gradient reduction bytes per step issued by an async "
             "start with compute scheduled between start and done (as on aot_async.md)",
@@ -254,6 +257,7 @@ def _write_page(rows: list[dict], argv: list[str], wall: float) -> None:
         "GiB/device",
         "peak live GiB",
         "collectives",
+        "gradient reduction MiB/step",
         "in-loop reduction MiB/step (ops)",
         "async-overlapped share",
         "fingerprint",
@@ -264,7 +268,7 @@ def _write_page(rows: list[dict], argv: list[str], wall: float) -> None:
         label = f"{r['base']}" + (f": {r['key']}={r['value']}" if r["key"] else " (base)")
         base = bases.get(r["base"]) if r["key"] else None
         table_rows.append([label, *_row_cells(r, base)])
-    lines += bl.table(["row", *columns], table_rows, align="l" + "r" * 5 + "ll")
+    lines += bl.table(["row", *columns], table_rows, align="l" + "r" * 6 + "ll")
     bl.write("perf_keys", lines, rows)
 
 
