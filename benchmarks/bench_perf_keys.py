@@ -19,7 +19,9 @@ several policies).
 
 Writes benchmarks/results/perf_keys.md and .csv, after every compile (a run cut
 short keeps its rows; the page names the rows not compiled). Compiles are cached
-under $TMPDIR/bench_aot_fused/ (slugs perf_*); `--reuse` reads them back.
+under $TMPDIR/bench_aot_fused/ (slugs perf_*); `--reuse` reads them back by slug,
+whatever tree they were compiled at (the page names a row's and its base's trees
+where they differ: the program difference then includes the code changes).
 `--first N` compiles only the first N of ROWS (priority order).
 """
 
@@ -142,19 +144,45 @@ def _hlo_path(r: dict) -> str:
 
 def _row_cells(r: dict, base: dict | None) -> list[str]:
     if "error" in r:
-        return [f"fails: {r['error']}"] + [""] * 6
+        return [f"fails: {r['error']}"] + [""] * 7
     versus = ""
     if base is not None and "error" not in base:
         versus = against_base(program_lines(_hlo_path(r)), program_lines(_hlo_path(base)))
+        versus += _tree_note(r, base)
     return [
         fused.gib(r["memory_bytes"]),
         "" if r.get("peak_bytes") is None else fused.gib(r["peak_bytes"]),
         _counts_cell(r),
+        bl.mib(r["total_reduction_bytes_per_step"]),
         f"{bl.mib(r['in_loop_bytes_per_step'])} ({r['in_loop_ops']})",
         _share(r) + f" ({r['async_ops']} of {r['schedule_ops']} async)",
         r["fingerprint"],
         versus,
     ]
+
+
+def _tree_note(r: dict, base: dict) -> str:
+    """Names both trees where a row and its base were compiled from different package
+    sources (--reuse reads a cached compile whatever tree it came from): the
+    difference then holds the code changes between them as well as the key's."""
+    if _same_source(r["tree"], base["tree"]):
+        return ""
+    return f" (compiled at {r['tree']}, base at {base['tree']})"
+
+
+def _same_source(tree: str, other: str) -> bool:
+    """Whether two `git describe --dirty` trees hold the same packages/ source. The
+    -dirty mark is dropped: this script's runs dirty the tree only by writing their
+    page (a cache compiled with edited source is then taken as its commit's)."""
+    import subprocess
+
+    commits = [t.removesuffix("-dirty") for t in (tree, other)]
+    if commits[0] == commits[1]:
+        return True
+    diff = subprocess.run(
+        ["git", "diff", "--quiet", *commits, "--", "packages"], cwd=bl.ROOT, check=False
+    )
+    return diff.returncode == 0
 
 
 def _first(argv: list[str]) -> int:
@@ -210,7 +238,9 @@ def _write_page(rows: list[dict], argv: list[str], wall: float) -> None:
             "memory: compiled.memory_analysis() per device (total; peak live buffers); "
             "collectives: instructions per kind in the compiled module, each once (loops "
             "not weighted), async = issued by an async start (hlo_tools.async_overlap); "
-            "in loop = gradient reduction "
+            "gradient reduction MiB/step = trip-count weighted payload of every gradient "
+            "reduction (hlo_tools bytes: a reduce-scatter's is its 1/group shard, so compare "
+            "rows of one schedule); in loop = gradient reduction "
             "MiB per step (ops) inside the microbatch loop (hlo_tools.in_loop_reductions); "
             "async-overlapped share = gradient reduction bytes per step issued by an async "
             "start with compute scheduled between start and done (as on aot_async.md)",
@@ -227,6 +257,7 @@ def _write_page(rows: list[dict], argv: list[str], wall: float) -> None:
         "GiB/device",
         "peak live GiB",
         "collectives",
+        "gradient reduction MiB/step",
         "in-loop reduction MiB/step (ops)",
         "async-overlapped share",
         "fingerprint",
@@ -237,7 +268,7 @@ def _write_page(rows: list[dict], argv: list[str], wall: float) -> None:
         label = f"{r['base']}" + (f": {r['key']}={r['value']}" if r["key"] else " (base)")
         base = bases.get(r["base"]) if r["key"] else None
         table_rows.append([label, *_row_cells(r, base)])
-    lines += bl.table(["row", *columns], table_rows, align="l" + "r" * 5 + "ll")
+    lines += bl.table(["row", *columns], table_rows, align="l" + "r" * 6 + "ll")
     bl.write("perf_keys", lines, rows)
 
 

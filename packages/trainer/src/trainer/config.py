@@ -107,7 +107,9 @@ class ModelConfig:
     )
     load_balance_loss_weight: float = _key(0.0, "weight of the auxiliary load-balance loss")
     sparse_matmul: bool = _key(
-        True, "experts as grouped (ragged) matmuls over sorted tokens; false: dense one-hot"
+        True,
+        "experts as grouped (ragged) matmuls over sorted tokens; false: dense one-hot "
+        "(compiled effect: benchmarks/results/perf_keys.md)",
     )
     # 0 = never drop a token (all-to-all blocks sized for every assignment);
     # c > 0 caps each expert-parallel block at c x its fair share and drops overflow.
@@ -154,10 +156,14 @@ class ModelConfig:
     # none keeps them all, full saves nothing (jax.checkpoint nothing_saveable),
     # minimal saves the outputs of matmuls without batch dimensions.
     remat_policy: Literal["none", "full", "minimal"] = _key(
-        "none", "what each layer's backward recomputes: none, full (all), minimal (not matmuls)"
+        "none",
+        "what each layer's backward recomputes: none, full (all), minimal (not matmuls); "
+        "memory, not collectives (benchmarks/results/perf_keys.md)",
     )
     scan_layers: bool = _key(
-        True, "decoder layers as one lax.scan (fused accumulation needs it); false: unrolled"
+        True,
+        "decoder layers as one lax.scan (fused accumulation needs it); false: unrolled "
+        "(compiled effect: benchmarks/results/perf_keys.md)",
     )
     # Multi-token prediction (DeepSeek-V3 section 2.2), under MaxText's keys
     # (model/mtp.py): mtp_num_layers sequential depths after the main model, depth
@@ -223,17 +229,19 @@ class ParallelismConfig:
     # On TPU, compile with XLA's asynchronous all-reduce collective fusions and no
     # all-reduce combining (trainer/xla_options.py), so an all-reduce can be an async
     # start/done pair with compute scheduled between. Only all-reduces are touched:
-    # reduce-scatters (ZeRO-1's) and ring_reduce_scatter's collective-permutes compile
+    # reduce-scatters (ZeRO-1's) and overlapped_ring's collective-permutes compile
     # the same with it on and off. On deepseek3-small ZeRO-1 on v5e-8, with the
-    # default fused accumulation or with overlap_gradient_reduction and
-    # ring_reduce_scatter, it only splits the combined all-reduces: none becomes
+    # default fused accumulation or with gradient_accumulation_schedule=
+    # overlapped_ring, it only splits the combined all-reduces: none becomes
     # async, and memory and the async share of the gradient reductions do not
     # change (benchmarks/results/perf_keys.md). Where gradients are
     # all-reduced (no ZeRO-1, v6e-8) it makes the overlapped per-layer ones async
     # (aot_async.md). Off by default: it raised the 671b v5p-1024 step's memory
     # (aot_async.md, README). No effect on CPU and GPU.
     tpu_async_collectives: bool = _key(
-        False, "TPU: all-reduces as async fusions, uncombined (other collectives untouched)"
+        False,
+        "TPU: XLA options for uncombined, async all-reduces; on v5e-8 ZeRO-1 they only split "
+        "the all-reduces, none becomes async (benchmarks/results/perf_keys.md)",
     )
     # The platform to run on, under MaxText's key: "" = JAX's default (an accelerator
     # where there is one), cpu (the CPU backend with --num_cpu_devices virtual
@@ -292,9 +300,12 @@ class AccumulationConfig:
     # v6e, h100, h200. Empty: compile_topology's chip, else the devices' kind.
     reduction_hardware: str = _key("", "chip whose figures auto's cost model uses")
     # The gradient accumulator's dtype (the scan carry summing microbatches):
-    # bfloat16 halves its memory; sums then differ from float32's by bf16 rounding.
+    # bfloat16 halves its memory and the bytes of the deferred reductions, which
+    # reduce the accumulator; sums then differ from float32's by bf16 rounding.
     accum_dtype: Literal["float32", "bfloat16"] = _key(
-        "float32", "gradient accumulator dtype (bfloat16 halves its memory)"
+        "float32",
+        "gradient accumulator dtype: bfloat16 halves it and the bytes of its deferred "
+        "reduction (benchmarks/results/perf_keys.md)",
     )
     # Print the reduction plan (parameter group x mesh axis -> when) at startup.
     print_reduction_plan: bool = _key(False, "print the reduction plan at startup")
@@ -304,15 +315,18 @@ class AccumulationConfig:
     # no effect without scan_layers or with per_microbatch: accum.ReductionPlan.fused_applies;
     # benchmarks/results/aot_fused.md, fused_cpu.md), overlapped (fused, and the last
     # microbatch reduces each layer inside its backward, under the remaining layers'
-    # compute; needs scan_layers), overlapped_ring (overlapped, reductions onto ZeRO-1
-    # shards as rings of collective-permutes, which XLA:TPU runs asynchronously with or
-    # without tpu_async_collectives where it keeps reduce-scatters synchronous on v5e:
-    # perf_keys.md, aot_async.md; explicit mode, not with per_microbatch).
+    # compute where XLA runs those reductions asynchronously, which v5e does not for
+    # ZeRO-1's reduce-scatters: perf_keys.md; needs scan_layers), overlapped_ring
+    # (overlapped, reductions onto ZeRO-1 shards as rings of collective-permutes, which
+    # XLA:TPU runs asynchronously with or without tpu_async_collectives where it keeps
+    # reduce-scatters synchronous on v5e: perf_keys.md, aot_async.md; explicit mode,
+    # not with per_microbatch).
     gradient_accumulation_schedule: Literal["plain", "fused", "overlapped", "overlapped_ring"] = (
         _key(
             "fused",
-            "how microbatch gradients are added and reduced: plain, fused, overlapped, "
-            "overlapped_ring",
+            "how microbatch gradients are added and reduced: plain, fused (no full-size "
+            "per-microbatch gradient), overlapped (per-layer reductions in the last backward), "
+            "overlapped_ring (those as async permute rings) (benchmarks/results/perf_keys.md)",
         )
     )
 

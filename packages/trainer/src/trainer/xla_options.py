@@ -22,7 +22,7 @@ TPU_ASYNC_COLLECTIVES: dict[str, str] = {
     # done) that the scheduler can spread over several steps, with compute
     # between, so a gradient reduction runs under the compute scheduled after it.
     # All-reduces only: in a program whose gradient reductions are reduce-scatters
-    # or collective-permutes (ZeRO-1, ring_reduce_scatter) they only split the
+    # or collective-permutes (ZeRO-1, overlapped_ring) they only split the
     # combined all-reduces (benchmarks/results/perf_keys.md).
     "xla_enable_async_all_reduce": "true",
     "xla_tpu_enable_async_collective_fusion": "true",
