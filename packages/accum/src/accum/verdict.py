@@ -162,7 +162,9 @@ def _largest_array(c: hlo_tools.Collective) -> int:
     return max((a.elements for a in c.arrays), default=0)
 
 
-def _mark_for(c: hlo_tools.Collective) -> tuple[str, tuple, dict, str | None] | None:
+def _mark_for(
+    c: hlo_tools.Collective,
+) -> tuple[str, tuple, dict, hlo_tools.Loop | None] | None:
     """("loop"|"add", axes, mesh shape, the marked loop's while instruction or
     None for `accum.add`) when `c` runs under a mark, else None."""
     for loop in reversed(c.loops):
