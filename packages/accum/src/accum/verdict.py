@@ -224,7 +224,7 @@ def accumulates(module: Any, c: hlo_tools.Collective, carry: str) -> bool:
     )
 
 
-def in_loop_reductions(text: str) -> list[Finding]:
+def in_loop_reductions(text: str, module: hlo_tools.HloModule | None = None) -> list[Finding]:
     """Gradient reductions over a watched axis inside a marked loop or `accum.add` body.
 
     Each all-reduce / reduce-scatter (start forms included; TPU async fusions
@@ -250,7 +250,8 @@ def in_loop_reductions(text: str) -> list[Finding]:
     """
     if LOOP_SCOPE not in text and ADD_SCOPE not in text:
         return []  # nothing marked: no deferred axis to watch
-    module = hlo_tools.parse(text)
+    # `module`: `text` already parsed by the caller (the trainer's startup summary).
+    module = module or hlo_tools.parse(text)
     found = []
     for c in hlo_tools.collectives(module):
         if c.kind not in hlo_tools.REDUCTION_KINDS or not c.cross_replica:

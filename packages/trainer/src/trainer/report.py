@@ -115,13 +115,13 @@ def slice_split_line(module, mesh_shape: dict[str, int], slice_axes: tuple[str, 
     return "  " + hlo_tools.format_slice_traffic(split)
 
 
-def _activations(text: str, inside: list, mesh_shape: dict, strict_axes: tuple) -> list:
+def _activations(text: str, module, inside: list, mesh_shape: dict, strict_axes: tuple) -> list:
     """The in-loop reductions over a strict axis that accum's verdict does not
     take for a gradient's (context parallelism's keys' and values' cotangents);
     none when no loop is marked (nothing deferred: the verdict judged nothing)."""
     if accum.verdict.LOOP_SCOPE not in text:
         return []
-    found = accum.in_loop_reductions(text)
+    found = accum.in_loop_reductions(text, module)
     gradients = {(f.collective.computation, f.collective.name) for f in found}
     return [
         c
@@ -144,7 +144,7 @@ def _verdict(text, module, inside, mesh_shape, strict_axes) -> str:
             module,
             mesh_shape=mesh_shape,
             over=strict_axes,
-            activations=_activations(text, inside, mesh_shape, strict_axes),
+            activations=_activations(text, module, inside, mesh_shape, strict_axes),
         )["message"]
     mib = sum(c.bytes_per_step or c.bytes for c in inside) / MIB
     over = f" over {', '.join(hlo_tools.spanned_axes(inside, mesh_shape))}" if mesh_shape else ""
