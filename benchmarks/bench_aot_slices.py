@@ -74,7 +74,8 @@ CACHE = os.path.join(tempfile.gettempdir(), "bench_aot_slices")
 
 
 def compile_variant(name: str, variant: dict, reuse: bool) -> dict:
-    """{"hlo", "memory_total", "hbm", "slices", "params", "data"}; cached under CACHE."""
+    """{"hlo", "memory_total", "hbm", "slices", "params", "data", "tree"}; cached under
+    CACHE (`tree`: the checkout it was compiled from)."""
     from trainer import aot
     from trainer.config import make_config
 
@@ -93,6 +94,7 @@ def compile_variant(name: str, variant: dict, reuse: bool) -> dict:
         "slices": result.num_slices,
         "params": sum(x.size for x in jax.tree.leaves(result.run.state["params"])),
         "data": dict(result.run.ctx.mesh.shape)["data"],
+        "tree": bl.revision(),
     }
     with open(meta_path, "w") as f:
         json.dump(meta, f)
@@ -116,6 +118,7 @@ def measure(name: str, variant: dict, reuse: bool) -> dict:
     # One device's share of the f32 gradient under ZeRO-1 (1/data of it).
     shard_bytes = meta["params"] * 4 / meta["data"]
     return {
+        "tree": meta.get("tree", "unknown"),
         "slices": slices,
         "memory_bytes": meta["memory_total"],
         "fits": meta["memory_total"] <= meta["hbm"],
@@ -184,6 +187,9 @@ def main() -> int:
             "cross-slice grad x: cross-slice gradient reduction bytes per step over one "
             "device's f32 ZeRO-1 gradient shard (params x 4 B / 8): 1x = each gradient "
             "crosses the slices once per step",
+            "compiled at "
+            + ", ".join(dict.fromkeys(r.get("tree", "unknown") for r in rows))
+            + (" (this pass read the cached HLO: --reuse)" if reuse else ""),
         ],
     )
     table_rows = []
@@ -223,8 +229,8 @@ def main() -> int:
         "Gradient operand bytes per device per step, accum.cost's prediction vs hlo_tools' "
         "count (docs/cost_model.md, 'Which bytes are exact'); the prediction places the "
         "reductions XLA moves after the loop there (the leaves the loop only sums; "
-        "docs/cost_model.md, 'What XLA moves'); across slices per_microbatch is a bound "
-        "(XLA sends the f32 norm scales whole).",
+        "docs/cost_model.md, 'What XLA moves') and counts a small vector whole across "
+        "slices (the f32 norm scales: docs/cost_model.md, 'Across slices').",
         "",
     ]
     lines += bl.table(

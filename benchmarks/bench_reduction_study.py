@@ -60,7 +60,14 @@ def predict_grid() -> list[dict]:
                 at_ga = dataclasses.replace(config, gradient_accumulation_steps=ga)
                 hw, _ = reduction_choice.hardware_for(at_ga.parallelism, at_ga.accumulation, [])
                 costs = reduction_choice.predict_all(
-                    at_ga.model, at_ga.accumulation, at_ga.data, plans, params, hw, grad_dtypes
+                    at_ga.model,
+                    at_ga.parallelism,
+                    at_ga.accumulation,
+                    at_ga.data,
+                    plans,
+                    params,
+                    hw,
+                    grad_dtypes,
                 )
                 chosen = reduction_choice.auto_order(costs, plans, ga)[0]
                 for policy, c in costs.items():

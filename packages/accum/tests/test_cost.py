@@ -124,7 +124,7 @@ def test_a_copy_summed_in_its_use_is_reduced_whole_over_every_batch_axis():
     assert fsdp_w.axes == ("dcn_data", "data") and fsdp_w.nbytes == 4 * FSDP_W
     assert fsdp_w_whole.axes == ("dcn_data", "data", "fsdp") and fsdp_w_whole.nbytes == 4 * W
     assert fsdp_w_whole.sliced and fsdp_w_whole.times == GA and fsdp_w_whole.in_loop
-    # A 32-element f32 leaf over data and dcn_data: 16 elements cross the slices, 8
+    # A 32-element f32 matrix over data and dcn_data: 16 elements cross the slices, 8
     # with data=4; at 8 hlo_tools' filter drops the array, and so does the model.
     sizes = {"dcn_data": 2, "data": 4}
     event = cost.Event(("dcn_data", "data"), 32 * 4, 1, False, False, 4)
@@ -133,6 +133,47 @@ def test_a_copy_summed_in_its_use_is_reduced_whole_over_every_batch_axis():
     sizes["data"] = 2
     inside, outside = cost.bytes_per_axis([event], tuple(sizes), sizes, ("dcn_data",))
     assert outside == {"dcn_data": 16 * 4, "data": 32 * 4}
+
+
+def _crossing(shape, policy, sizes, **kwargs):
+    """(in-loop, after-loop) dcn_data bytes per step of one f32 leaf of `shape`."""
+    mesh = jax.make_mesh(tuple(sizes.values()), tuple(sizes))
+    params = {"x": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, P()))}
+    plan = accum.make_plan(
+        params, batch_axes=tuple(sizes), mesh_shape=sizes, policy=policy, slice_axes=("dcn_data",)
+    )
+    kw = dict(num_microbatches=GA, compute_dtype="float32", accum_dtype="float32")
+    events = cost.plan_events(plan, params, **kw, **kwargs)
+    inside, outside = cost.bytes_per_axis(events, tuple(sizes), sizes, ("dcn_data",))
+    return inside["dcn_data"], outside["dcn_data"]
+
+
+def test_small_vectors_and_rows_cross_slices_whole():
+    # XLA:TPU sends a vector of at most VECTOR_TILE elements per in-slice device, or
+    # a row of at most ROW_TILE, across slices whole; a longer one, or any array of
+    # two or more rows, as its in-slice shard (data=4 here).
+    sizes = {"dcn_data": 2, "data": 4}
+    n, row = 4 * cost.VECTOR_TILE, 4 * cost.ROW_TILE
+    assert _crossing((n,), "per_microbatch", sizes) == (GA * 4 * n, 0)
+    assert _crossing((n + 128,), "per_microbatch", sizes) == (GA * (n + 128), 0)
+    assert _crossing((1, row), "per_microbatch", sizes) == (GA * 4 * row, 0)
+    assert _crossing((1, 2 * row), "per_microbatch", sizes) == (GA * 2 * row, 0)
+    assert _crossing((2, 128), "per_microbatch", sizes) == (GA * 4 * 256 // 4, 0)
+    # A stack of 3 layers is reduced a layer at a time: 3 vectors of 256, whole.
+    stacked = {"x": True}
+    assert _crossing((3, 256), "per_microbatch", sizes, stacked_per_layer=stacked) == (
+        GA * 4 * 768,
+        0,
+    )
+    # Its accumulator, reduced once after the loop, has 3 rows: the shard.
+    assert _crossing((3, 256), "deferred", sizes, stacked_per_layer=stacked) == (0, 4 * 768 // 4)
+    # A vector accumulator crosses whole, unless ZeRO-1 slices the sum to each
+    # device's shard: then XLA reduce-scatters it inside the slice first.
+    assert _crossing((256,), "deferred", sizes) == (0, 4 * 256)
+    assert _crossing((256,), "deferred", sizes, zero1=True) == (0, 4 * 256 // 4)
+    # The per-microbatch reductions of a vector XLA moves after the loop stay whole.
+    moved = _crossing((256,), "per_microbatch", sizes, summed_by_the_loop={"x": True}, zero1=True)
+    assert moved == (0, 4 * 256)
 
 
 def test_leaves_the_loop_only_sums_are_reduced_once_after_it():

@@ -56,6 +56,13 @@ from pspec_tags import mesh_axes_used
 # Arrays of at most this many local elements (scalars, tiny biases) are left out on
 # both sides: hlo_tools' gradient filter drops them, as it drops the loss sums.
 MIN_ELEMENTS = 9
+# XLA:TPU reduces an array across slices after cutting its in-slice sum into one
+# shard per device along its tiles (1,024 elements of a vector, 128 of a row); an
+# array with no more tiles than devices in the slice crosses whole instead, and one
+# of two or more rows always crosses as its shard (docs/cost_model.md, "Across
+# slices"; test_aot_crossing.py compiles the line on slices of 4, 8 and 16 chips).
+VECTOR_TILE = 1024
+ROW_TILE = 128
 ICI, DCN = "ICI", "DCN"
 
 
@@ -72,6 +79,39 @@ class Event:
     # The sum is sliced back to the leaf's shard after it (a gathered copy reduced
     # whole: `summed_in_use`), so a loop does not only add it up.
     sliced: bool = False
+    # Separate arrays the event reduces per execution, of nbytes / pieces each: a
+    # gradient stacked per layer is reduced one layer at a time (`plan_events`).
+    pieces: int = 1
+    # One piece's local shape, where its in-slice sum is used whole (None: the
+    # result is sliced to a shard, or the shape is not known): `crossing_bytes`.
+    piece_shape: tuple[int, ...] | None = None
+
+    def crossing_bytes(self, in_slice_group: int) -> int:
+        """Bytes one execution sends across slices when the event also spans
+        in-slice axes of `in_slice_group` devices: each piece whole where
+        `crosses_whole`, else its in-slice shard; pieces of fewer than MIN_ELEMENTS
+        elements are left out, as hlo_tools' filter leaves out the array that
+        carries them."""
+        piece_elements = self.nbytes // self.itemsize // self.pieces
+        whole = crosses_whole(self.piece_shape, in_slice_group)
+        split = 1 if whole else in_slice_group
+        if piece_elements // split < MIN_ELEMENTS:
+            return 0
+        return self.nbytes // split
+
+
+def crosses_whole(shape: tuple[int, ...] | None, in_slice_group: int) -> bool:
+    """Whether XLA:TPU sends an array of local `shape`, summed inside a slice of
+    `in_slice_group` devices and used whole, across slices whole rather than as its
+    shard: a vector of at most VECTOR_TILE elements per device, a single row
+    (leading dimensions 1) of at most ROW_TILE per device (module constants)."""
+    if shape is None:
+        return False
+    if len(shape) <= 1:
+        return math.prod(shape) <= VECTOR_TILE * in_slice_group
+    if any(d != 1 for d in shape[:-1]):
+        return False
+    return shape[-1] <= ROW_TILE * in_slice_group
 
 
 def moved_after_the_loop(event: Event, accum_bytes: int) -> Event:
@@ -111,6 +151,20 @@ def local_elements(shape: tuple[int, ...], spec: Any, mesh_shape: Mapping[str, i
     return math.prod(shape) // split
 
 
+def local_shape(
+    shape: tuple[int, ...], spec: Any, mesh_shape: Mapping[str, int], whole: Iterable[str] = ()
+) -> tuple[int, ...]:
+    """One device's shard shape of an array of `shape` laid out on `spec`, the mesh
+    axes in `whole` left unsplit (a copy gathered over them)."""
+    kept = set(whole)
+    out = []
+    for i, d in enumerate(shape):
+        entry = spec[i] if i < len(spec) else None
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        out.append(d // math.prod(mesh_shape[a] for a in axes if a not in kept))
+    return tuple(out)
+
+
 def leaf_events(
     leaf: LeafPlan,
     shape: tuple[int, ...],
@@ -122,14 +176,24 @@ def leaf_events(
     use_bytes: int | None = None,
     summed_in_use: bool = False,
     summed_by_the_loop: bool = False,
+    stacked_per_layer: bool = False,
+    zero1: bool = False,
 ) -> list[Event]:
     """The reductions of one leaf in the compiled step (module docstring); `compute_bytes`:
     the item size of the leaf's gradient in the backward pass; `use_bytes`: that of
     its cotangent at the use, where autodiff's per-microbatch reduction runs, if
     wider (None: `compute_bytes`); `summed_in_use`: the use sums the cotangent of its
     copy over every batch axis at once; `summed_by_the_loop`: the loop only adds its
-    reduced gradient into the accumulator (`plan_events`)."""
+    reduced gradient into the accumulator (`plan_events`); `stacked_per_layer`: the
+    leaf's leading dimension stacks layers, whose gradients the backward pass
+    reduces one at a time (its per-microbatch events have as many pieces, each of
+    one layer's shape; the accumulator is reduced whole);
+    `zero1`: the optimizer updates each device's shard of the leaf (ZeRO-1), so the
+    once-per-step reduction is sliced to it and XLA reduce-scatters it inside the
+    slice before it crosses, whatever its size."""
     param_elements = local_elements(shape, leaf.param_spec, mesh_shape)
+    # Per microbatch the backward pass reduces one layer's array at a time.
+    layers, layer = (shape[0], 1) if stacked_per_layer and shape else (1, 0)
     events = []
     if param_elements < MIN_ELEMENTS:
         return events
@@ -140,24 +204,36 @@ def leaf_events(
         item = use_bytes or compute_bytes
         elements = param_elements
         gathered = leaf.axes(PER_USE)
+        whole_over = ()
         if item > compute_bytes or summed_in_use:
             # Gathered, then cast up: the transpose reduces the wide cotangent over
             # these axes, casts it, then reduce-scatters the gathered axes; XLA does
             # not reorder the two across the cast, so this runs at the gathered size.
             # Summed in the use: one psum over these axes and the gathered ones.
             elements *= math.prod(mesh_shape[a] for a in gathered)
+            whole_over = gathered
         sliced = bool(summed_in_use and gathered)
         if sliced:
             per_mb = leaf.axes(PER_MICROBATCH, PER_USE)
         nbytes = elements * item
-        events.append(Event(per_mb, nbytes, num_microbatches, False, True, item, sliced))
+        piece = local_shape(shape, leaf.param_spec, mesh_shape, whole_over)[layer:]
+        # A gathered copy's sum is sliced to the shard: no piece is used whole.
+        piece = None if sliced else piece
+        events.append(
+            Event(per_mb, nbytes, num_microbatches, False, True, item, sliced, layers, piece)
+        )
     if leaf.scatter:
         nbytes = param_elements * compute_bytes
-        events.append(Event(leaf.scatter, nbytes, num_microbatches, True, True, compute_bytes))
+        events.append(
+            Event(leaf.scatter, nbytes, num_microbatches, True, True, compute_bytes, pieces=layers)
+        )
     if leaf.per_step:
         acc_elements = local_elements(shape, leaf.accumulator_spec, mesh_shape)
         nbytes = acc_elements * accum_bytes
-        events.append(Event(leaf.per_step, nbytes, 1, False, False, accum_bytes))
+        # ZeRO-1 slices the sum to each device's shard: XLA reduce-scatters it
+        # inside the slice first, so it crosses as the shard whatever its size.
+        whole = None if zero1 else local_shape(shape, leaf.accumulator_spec, mesh_shape)
+        events.append(Event(leaf.per_step, nbytes, 1, False, False, accum_bytes, piece_shape=whole))
     if summed_by_the_loop:
         events = [
             moved_after_the_loop(e, accum_bytes) if e.in_loop and not e.sliced else e
@@ -177,6 +253,8 @@ def plan_events(
     use_dtypes: Any = None,
     summed_in_use: Any = None,
     summed_by_the_loop: Any = None,
+    stacked_per_layer: Any = None,
+    zero1: bool = False,
 ) -> list[Event]:
     """Every reduction event of the step (`params`: arrays or ShapeDtypeStructs).
 
@@ -195,7 +273,12 @@ def plan_events(
     whose reduced per-microbatch gradient the microbatch loop only adds into its
     accumulator (not one stacked per layer by a layer scan that loops): XLA moves
     its per-microbatch reductions after the loop (`moved_after_the_loop`), and
-    its events say so."""
+    its events say so. `stacked_per_layer`: None, or a tree of bools, true for a
+    leaf whose leading dimension stacks layers: the backward pass reduces its
+    gradient one layer at a time, so each per-microbatch event reduces that many
+    arrays of a layer's size (which decides how XLA sends them across slices:
+    `Event.crossing_bytes`). `zero1`: the optimizer state is sharded over the
+    in-slice batch axes (ZeRO-1; `leaf_events`)."""
     sizes = dict(plan.mesh_shape)
     accum_bytes = np.dtype(accum_dtype).itemsize
     leaves = jax.tree.leaves(plan.leaves, is_leaf=_is_leaf_plan)
@@ -214,9 +297,12 @@ def plan_events(
     by_loop = [False] * len(shapes)
     if summed_by_the_loop is not None:
         by_loop = jax.tree.leaves(summed_by_the_loop)
+    stacked = [False] * len(shapes)
+    if stacked_per_layer is not None:
+        stacked = jax.tree.leaves(stacked_per_layer)
     events = []
-    rows = zip(leaves, shapes, dtypes, uses, summed, by_loop, strict=True)
-    for leaf, shape, dtype, use, whole, moves in rows:
+    rows = zip(leaves, shapes, dtypes, uses, summed, by_loop, stacked, strict=True)
+    for leaf, shape, dtype, use, whole, moves, per_layer in rows:
         events += leaf_events(
             leaf,
             shape,
@@ -227,6 +313,8 @@ def plan_events(
             use_bytes=None if use is None else np.dtype(use).itemsize,
             summed_in_use=whole,
             summed_by_the_loop=moves,
+            stacked_per_layer=per_layer,
+            zero1=zero1,
         )
     return events
 
@@ -240,18 +328,16 @@ def bytes_per_axis(
     """({axis: operand bytes per step inside the loop}, {... after it}).
 
     An event over several axes counts toward each (as a collective whose replica
-    groups span them all does in hlo_tools). A cross-slice axis of an event that also
-    spans in-slice axes counts the in-slice shard (operand / their size): XLA reduces
-    across slices after reduce-scattering inside the slice, so that is what crosses;
-    a shard of fewer than MIN_ELEMENTS elements is left out, as hlo_tools' filter
-    leaves out the array that carries it."""
+    groups span them all does in hlo_tools). A cross-slice axis of an event counts
+    what crosses the slices (`Event.crossing_bytes`: the in-slice shard of a large
+    array, a small one whole)."""
     sliced = set(slice_axes)
     inside = {a: 0 for a in batch_axes}
     outside = dict(inside)
     for e in events:
         g = math.prod(mesh_shape[a] for a in e.axes if a not in sliced) if sliced else 1
         for a in e.axes:
-            nbytes = e.nbytes // g if a in sliced else e.nbytes
+            nbytes = e.crossing_bytes(g) if a in sliced else e.nbytes
             if nbytes < MIN_ELEMENTS * e.itemsize:
                 continue
             (inside if e.in_loop else outside)[a] += nbytes * e.times
@@ -264,16 +350,17 @@ def wire_seconds(
     """Seconds per execution of `event` on each link (ring collectives).
 
     In-slice axes: a ring all-reduce puts 2(g-1)/g of the operand on each chip's
-    ICI, a reduce-scatter (g-1)/g. Cross-slice axes run on the in-slice shard
-    (XLA reduce-scatters inside the slice, all-reduces across, gathers back):
-    2(s-1)/s of operand/g on each chip's DCN."""
+    ICI, a reduce-scatter (g-1)/g. Cross-slice axes run on what crosses
+    (`Event.crossing_bytes`: the in-slice shard of a large array, as XLA
+    reduce-scatters inside the slice, all-reduces across, gathers back; a small
+    array whole): 2(s-1)/s of it on each chip's DCN."""
     sliced = set(slice_axes)
     g = math.prod(mesh_shape[a] for a in event.axes if a not in sliced)
     s = math.prod(mesh_shape[a] for a in event.axes if a in sliced)
     ring = (1 if event.scatter else 2) * (g - 1) / g
     out = {ICI: ring * event.nbytes / hw.ici_bytes_per_s, DCN: 0.0}
     if s > 1:
-        out[DCN] = 2 * (s - 1) / s * (event.nbytes / g) / hw.dcn_bytes_per_s
+        out[DCN] = 2 * (s - 1) / s * event.crossing_bytes(g) / hw.dcn_bytes_per_s
     return out
 
 
@@ -291,6 +378,8 @@ def predict(
     use_dtypes: Any = None,
     summed_in_use: Any = None,
     summed_by_the_loop: Any = None,
+    stacked_per_layer: Any = None,
+    zero1: bool = False,
 ) -> Cost:
     """The plan's predicted cost (formulas: docs/cost_model.md, "Time model").
 
@@ -298,7 +387,8 @@ def predict(
     (trainer.flops); `overlapped_after_loop`: the after-loop reductions run inside
     the last microbatch's backward pass (schedule 'overlapped_ring': rings are async), so
     they hide under it up to its length; `gradient_dtypes`, `use_dtypes`,
-    `summed_in_use`, `summed_by_the_loop`: as in `plan_events`.
+    `summed_in_use`, `summed_by_the_loop`, `stacked_per_layer`, `zero1`: as in
+    `plan_events`.
     """
     sizes = dict(plan.mesh_shape)
     events = plan_events(
@@ -311,6 +401,8 @@ def predict(
         use_dtypes=use_dtypes,
         summed_in_use=summed_in_use,
         summed_by_the_loop=summed_by_the_loop,
+        stacked_per_layer=stacked_per_layer,
+        zero1=zero1,
     )
     inside, outside = bytes_per_axis(events, plan.batch_axes, sizes, plan.slice_axes)
     links = {ICI: 0.0, DCN: 0.0}

@@ -207,7 +207,14 @@ def events(run: Any) -> list:
         num_microbatches=run.config.gradient_accumulation_steps,
         compute_dtype=run.config.dtype,
         accum_dtype=run.config.accum_dtype,
-        **cost_inputs(traits, params, run.plan, run.config.scan_layers),
+        **cost_inputs(
+            traits,
+            params,
+            run.plan,
+            run.config.model,
+            run.config.parallelism,
+            run.config.accumulation,
+        ),
     )
 
 

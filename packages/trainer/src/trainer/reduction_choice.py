@@ -176,25 +176,44 @@ def gradient_traits(model: Any, params: Any) -> GradientTraits:
     return GradientTraits(backward, at_use, model.param_summed_in_use, stacked)
 
 
-def summed_by_the_loop(stacked: bool, layers: int, scan_layers: bool, fused: bool) -> bool:
-    """Whether the microbatch loop only sums a leaf's reduced per-microbatch gradient
-    (so XLA moves its reduction after the loop: docs/cost_model.md, "What XLA
-    moves"): true unless the gradient comes out of a layer scan that loops, stacked
-    per layer. A stack's scan loops when `scan_layers` is on and it has more than
-    one layer (`layers`, its leading dimension); a one-layer scan XLA unrolls into
-    the microbatch loop, and there the loop sums its gradient too, unless
-    accumulation is fused into the scan (`fused`: accum.ReductionPlan.fused_applies),
-    which updates the accumulator's layer slice inside the scan body."""
-    if not stacked or not scan_layers:
+def summed_by_the_loop(stacked: bool, layers: int, scatters: bool, fused_in_scan: bool) -> bool:
+    """Whether XLA moves a leaf's per-microbatch reductions after the microbatch loop
+    (docs/cost_model.md, "What XLA moves"): the loop must only sum its reduced
+    gradient. A gradient stacked per layer (`stacked`) of more than one layer
+    (`layers`, its leading dimension) comes out of the backward layer loop, scanned
+    or unrolled (scan_layers), stacked, not summed: it stays. A one-layer stack's
+    gradient is summed like the others', unless accumulation is fused into the layer
+    scan (`fused_in_scan`), whose body adds it into the accumulator's layer slice.
+    accum's own per-microbatch reduce-scatters (`scatters`: hierarchical) move only
+    under the fused schedule; the plain schedule's add of the scattered tree keeps
+    every one in the loop."""
+    if scatters and not fused_in_scan:
+        return False
+    if not stacked:
         return True
-    return layers == 1 and not fused
+    return layers == 1 and not fused_in_scan
 
 
-def loop_sums(traits: GradientTraits, params: Any, plan: Any, scan_layers: bool) -> Any:
+def fuses_in_scan(model: ModelConfig, accumulation: AccumulationConfig, plan: Any) -> bool:
+    """Whether accumulation runs inside the backward layer scan: a scanned model
+    (train_step falls back to the plain schedule without the scan), a schedule other
+    than plain, and a plan the fused schedule fuses (`ReductionPlan.fused_applies`)."""
+    schedule = accumulation.gradient_accumulation_schedule
+    return model.scan_layers and schedule != "plain" and plan.fused_applies
+
+
+def loop_sums(
+    traits: GradientTraits,
+    params: Any,
+    plan: Any,
+    model: ModelConfig,
+    accumulation: AccumulationConfig,
+) -> Any:
     """accum.cost's `summed_by_the_loop` tree for `plan`: `summed_by_the_loop` per leaf."""
-    return jax.tree.map(
-        lambda stacked, x: summed_by_the_loop(
-            stacked, x.shape[0] if x.shape else 1, scan_layers, plan.fused_applies
+    fused = fuses_in_scan(model, accumulation, plan)
+    return plan.map(
+        lambda leaf, stacked, x: summed_by_the_loop(
+            stacked, x.shape[0] if x.shape else 1, bool(leaf.scatter), fused
         ),
         traits.layer_stacked,
         params,
@@ -202,22 +221,33 @@ def loop_sums(traits: GradientTraits, params: Any, plan: Any, scan_layers: bool)
 
 
 def cost_inputs(
-    traits: GradientTraits | None, params: Any, plan: Any, scan_layers: bool
+    traits: GradientTraits | None,
+    params: Any,
+    plan: Any,
+    model: ModelConfig,
+    parallelism: ParallelismConfig,
+    accumulation: AccumulationConfig,
 ) -> dict[str, Any]:
-    """accum.cost's per-leaf keyword arguments (plan_events, predict) for `plan` from
-    the model's `gradient_traits` (None: every leaf in the compute dtype, nothing moved)."""
+    """accum.cost's keyword arguments (plan_events, predict) for `plan` from the
+    model's `gradient_traits` (None: every leaf in the compute dtype, nothing moved)
+    and the run's groups: where accumulation runs (`loop_sums`) and whether the
+    optimizer state is sharded over the data axes (ZeRO-1: shard_optimizer_over_data)."""
+    zero1 = parallelism.shard_optimizer_over_data
     if traits is None:
-        return {}
+        return {"zero1": zero1}
     return {
+        "zero1": zero1,
         "gradient_dtypes": traits.backward,
         "use_dtypes": traits.at_use,
         "summed_in_use": traits.summed_in_use,
-        "summed_by_the_loop": loop_sums(traits, params, plan, scan_layers),
+        "summed_by_the_loop": loop_sums(traits, params, plan, model, accumulation),
+        "stacked_per_layer": traits.layer_stacked,
     }
 
 
 def predict_all(
     model: ModelConfig,
+    parallelism: ParallelismConfig,
     accumulation: AccumulationConfig,
     data: DataConfig,
     candidates: dict[str, accum.ReductionPlan],
@@ -237,7 +267,7 @@ def predict_all(
             accum_dtype=accumulation.accum_dtype,
             # Only rings run async under the last backward (aot_async.md).
             overlapped_after_loop=accumulation.gradient_accumulation_schedule == "overlapped_ring",
-            **cost_inputs(grad_dtypes, params, plan, model.scan_layers),
+            **cost_inputs(grad_dtypes, params, plan, model, parallelism, accumulation),
         )
         for policy, plan in candidates.items()
     }
@@ -278,7 +308,7 @@ def choose(config: Config, ctx: Any, params: Any, devices: list, grad_dtypes: An
     hw, note = hardware_for(parallelism, accumulation, devices)
     candidates = plans(parallelism, accumulation, ctx, params)
     costs = predict_all(
-        config.model, accumulation, config.data, candidates, params, hw, grad_dtypes
+        config.model, parallelism, accumulation, config.data, candidates, params, hw, grad_dtypes
     )
     order = auto_order(costs, candidates, config.gradient_accumulation_steps)
     if config.gradient_accumulation_steps == 1:
