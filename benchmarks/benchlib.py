@@ -38,20 +38,23 @@ def machine() -> str:
 
 
 def revision() -> str:
-    """`git describe --always --dirty` of the checkout (dirty: uncommitted source edits)."""
+    """The checkout's short commit, with "-dirty" where a file outside
+    benchmarks/results differs from it (a page another benchmark just rewrote does
+    not change what this one measures)."""
     import subprocess
 
+    def git(*args: str) -> str:
+        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True)
+        return out.stdout.strip()
+
     try:
-        out = subprocess.run(
-            ["git", "describe", "--always", "--dirty"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
+        commit = git("describe", "--always")
+        changed = git(
+            "status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results"
         )
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-    return out.stdout.strip()
+    return commit + ("-dirty" if changed else "")
 
 
 def header(title: str, command: str, notes: Sequence[str] = ()) -> list[str]:
