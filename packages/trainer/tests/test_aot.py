@@ -281,19 +281,25 @@ def test_v5e8_per_microbatch_reduction_is_caught(tmp_path):
         hlo_tools.assert_reduced_once_per_step(text)
 
 
-def _two_v5e8_slices_zero1(tmp_path, policy: str):
-    """tagtrain-test, ZeRO-1, GA=4 on 2 x v5e-8 (dcn_data=2 x data=8) under the
-    gradient reduction `policy`, compiled: (the AotResult, its parsed program)."""
+def _two_v5e8_slices(tmp_path, **overrides):
+    """tagtrain-test, GA=4 on 2 x v5e-8 (dcn_data=2 x data=8) with `overrides`,
+    compiled: (the AotResult, its parsed program)."""
     config = _config(
         tmp_path,
         **TEST_V5E8,
         compile_topology_num_slices="2",
         dcn_data_parallelism="2",
-        shard_optimizer_over_data="true",
-        gradient_reduction_policy=policy,
+        **overrides,
     )
     result = aot.compile_for_topology(config)
     return result, hlo_tools.parse(result.compiled.as_text())
+
+
+def _two_v5e8_slices_zero1(tmp_path, policy: str):
+    """`_two_v5e8_slices` with ZeRO-1 under the gradient reduction `policy`."""
+    return _two_v5e8_slices(
+        tmp_path, shard_optimizer_over_data="true", gradient_reduction_policy=policy
+    )
 
 
 def test_two_v5e8_slices_hierarchical(tmp_path):
@@ -394,15 +400,7 @@ SLOW_VARIANTS = {"hierarchical-unscanned", "per_microbatch-unscanned"}
     ],
 )
 def test_two_v5e8_slices_variants_bytes_equal_the_cost_model(tmp_path, variant):
-    config = _config(
-        tmp_path,
-        **TEST_V5E8,
-        compile_topology_num_slices="2",
-        dcn_data_parallelism="2",
-        **TWO_SLICE_VARIANTS[variant],
-    )
-    result = aot.compile_for_topology(config)
-    module = hlo_tools.parse(result.compiled.as_text())
+    result, module = _two_v5e8_slices(tmp_path, **TWO_SLICE_VARIANTS[variant])
     pred_in, pred_out = reduction_bytes.predicted(result.run)
     got_in, got_out = reduction_bytes.counted(module, dict(result.run.ctx.mesh.shape), ["data"])
     assert (got_in["data"], got_out["data"]) == (pred_in["data"], pred_out["data"])

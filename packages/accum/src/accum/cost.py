@@ -51,7 +51,7 @@ from accum.plan import (
     ReductionPlan,
     _is_leaf_plan,
 )
-from pspec_tags import mesh_axes_used
+from pspec_tags import entry_axes, mesh_axes_used, partitions
 
 # Arrays of at most this many local elements (scalars, tiny biases) are left out on
 # both sides: hlo_tools' gradient filter drops them, as it drops the loss sums.
@@ -157,12 +157,12 @@ def local_shape(
     """One device's shard shape of an array of `shape` laid out on `spec`, the mesh
     axes in `whole` left unsplit (a copy gathered over them)."""
     kept = set(whole)
-    out = []
-    for i, d in enumerate(shape):
-        entry = spec[i] if i < len(spec) else None
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        out.append(d // math.prod(mesh_shape[a] for a in axes if a not in kept))
-    return tuple(out)
+    entries = partitions(spec)
+    entries += (None,) * (len(shape) - len(entries))  # a short spec leaves the rest whole
+    return tuple(
+        d // math.prod(mesh_shape[a] for a in entry_axes(e) if a not in kept)
+        for d, e in zip(shape, entries, strict=True)
+    )
 
 
 def leaf_events(
@@ -216,9 +216,10 @@ def leaf_events(
         if sliced:
             per_mb = leaf.axes(PER_MICROBATCH, PER_USE)
         nbytes = elements * item
-        piece = local_shape(shape, leaf.param_spec, mesh_shape, whole_over)[layer:]
         # A gathered copy's sum is sliced to the shard: no piece is used whole.
-        piece = None if sliced else piece
+        piece = (
+            None if sliced else local_shape(shape, leaf.param_spec, mesh_shape, whole_over)[layer:]
+        )
         events.append(
             Event(per_mb, nbytes, num_microbatches, False, True, item, sliced, layers, piece)
         )
