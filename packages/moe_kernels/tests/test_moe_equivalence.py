@@ -30,6 +30,7 @@ class Case:
     # With k=1 and renormalization every combine weight is exactly 1 and the
     # router gradient is pure rounding noise; such cases turn it off.
     norm: bool = True
+    grouped: str = "auto"  # moe_kernels.grouped.IMPLS; auto is ragged_dot on CPU
 
     def config(self) -> MoEConfig:
         return MoEConfig(
@@ -42,6 +43,7 @@ class Case:
             score_func=self.score_func,
             num_shared_experts=self.shared,
             norm_topk_prob=self.norm,
+            grouped_matmul=self.grouped,
         )
 
 
@@ -57,6 +59,19 @@ CASES = {
     # expert axis, so the layer takes the local-experts + psum path.
     "ep4-uneven-batch6": Case(ep=4, k=2, groups=(2, 1), batch=6, seq=3, empty=(3,)),
     "ep2-fsdp2-k2-auto": Case(ep=2, k=2, fsdp=2, groups=(4, 2), explicit=False),
+    # The padded-blocks grouped matmul (GPU's default): the all-to-all path with
+    # empty experts, the local path with foreign rows past sum(sizes), one expert
+    # shard holding all experts, and auto mode.
+    "ep4-k2-groups-empty-blocks": Case(
+        ep=4, k=2, groups=(4, 2), empty=(0, 5), grouped="padded_blocks"
+    ),
+    "ep4-uneven-batch6-blocks": Case(
+        ep=4, k=2, groups=(2, 1), batch=6, seq=3, empty=(3,), grouped="padded_blocks"
+    ),
+    "ep1-k2-groups-blocks": Case(ep=1, k=2, groups=(4, 2), grouped="padded_blocks"),
+    "ep2-fsdp2-k2-auto-blocks": Case(
+        ep=2, k=2, fsdp=2, groups=(4, 2), explicit=False, grouped="padded_blocks"
+    ),
 }
 
 

@@ -6,6 +6,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from moe_kernels.grouped import IMPLS as GROUPED_IMPLS
+
 # Logical axis names of every parameter, by parameter name. The trainer maps
 # them to mesh axes with its logical rules (`pspec_tags.logical_to_spec`).
 #   gate        (D, E)   router kernel; its expert dim stays replicated
@@ -71,6 +73,9 @@ class MoEConfig:
         all-to-all at ceil(T*Z/EP * capacity_factor) rows and drops what
         overflows. None, the earlier spelling of 0, is stored as 0.0.
     precision: matmul precision (`jax.lax.Precision` name or None).
+    grouped_matmul: how the sparse path runs the experts' grouped matmuls
+        (grouped.IMPLS): 'ragged_dot', 'padded_blocks', or 'auto' (padded_blocks
+        on GPU, ragged_dot elsewhere).
 
     Inconsistent values are refused when the config is built:
 
@@ -100,6 +105,7 @@ class MoEConfig:
     param_axes: Any = DEFAULT_PARAM_AXES
     capacity_factor: float = 0.0
     precision: str | None = "highest"
+    grouped_matmul: str = "auto"
 
     def __post_init__(self):
         axes = self.param_axes
@@ -128,6 +134,10 @@ class MoEConfig:
             )
         if self.score_func not in SCORE_FUNCS:
             raise ValueError(f"score_func={self.score_func!r} is not one of {SCORE_FUNCS}")
+        if self.grouped_matmul not in GROUPED_IMPLS:
+            raise ValueError(
+                f"grouped_matmul={self.grouped_matmul!r} is not one of {GROUPED_IMPLS}"
+            )
         if self.topk_method not in TOPK_METHODS:
             raise ValueError(f"topk_method={self.topk_method!r} is not one of {TOPK_METHODS}")
         if self.topk_method == "greedy" and self.n_groups != 1:

@@ -36,6 +36,8 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from moe_kernels.config import DEFAULT_RULES, MoEConfig
+from moe_kernels.grouped import resolve as resolve_grouped
+from moe_kernels.grouped import swiglu_grouped
 from moe_kernels.routing import route
 from pspec_tags import (
     MODES,
@@ -257,18 +259,11 @@ def _swiglu_dense(x_TxD, wi0_DxF, wi1_DxF, wo_FxD, precision):
     return jnp.dot(jax.nn.silu(h0) * h1, wo_FxD, precision=precision)
 
 
-def _swiglu_grouped(rows_xD, wi0_ExDxF, wi1_ExDxF, wo_ExFxD, sizes_E, precision):
-    """SwiGLU over rows sorted by expert; rows past `sum(sizes_E)` come out zero."""
-    h0 = lax.ragged_dot(rows_xD, wi0_ExDxF, sizes_E, precision=precision)
-    h1 = lax.ragged_dot(rows_xD, wi1_ExDxF, sizes_E, precision=precision)
-    return lax.ragged_dot(jax.nn.silu(h0) * h1, wo_ExFxD, sizes_E, precision=precision)
-
-
 def _inverse(perm: jax.Array) -> jax.Array:
     return jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype))
 
 
-def _routed_local(x_TxD, ids_A, k, kernels, e_start, e_local, precision, vary_axis=None):
+def _routed_local(x_TxD, ids_A, k, kernels, e_start, e_local, grouped, vary_axis=None):
     """Run the assignments whose expert lives on this shard; others give zero rows."""
     if vary_axis is not None:
         # The row gather below has indices that differ per expert shard. JAX
@@ -284,11 +279,11 @@ def _routed_local(x_TxD, ids_A, k, kernels, e_start, e_local, precision, vary_ax
     order_A = jnp.argsort(key_A, stable=True)
     sizes_E = jnp.bincount(key_A, length=e_local).astype(jnp.int32)
     rows_AxD = x_TxD[order_A // k]
-    out_AxD = _swiglu_grouped(rows_AxD, *kernels, sizes_E, precision)
+    out_AxD = swiglu_grouped(rows_AxD, *kernels, sizes_E, **grouped)
     return out_AxD[_inverse(order_A)], jnp.zeros((), jnp.int32)
 
 
-def _routed_all_to_all(x_TxD, ids_A, k, kernels, plan, e_local, capacity, precision):
+def _routed_all_to_all(x_TxD, ids_A, k, kernels, plan, e_local, capacity, grouped):
     """Expert parallelism: dispatch rows to their expert's shard and bring them back.
 
     Padded all-to-all: block (source, destination) holds `capacity` rows; with
@@ -321,7 +316,7 @@ def _routed_all_to_all(x_TxD, ids_A, k, kernels, plan, e_local, capacity, precis
     # id e_local, sorts last and past sum(sizes), so it computes to zero).
     order_I = jnp.argsort(recv_ids_I, stable=True)
     sizes_E = jnp.bincount(recv_ids_I, length=e_local).astype(jnp.int32)
-    out_IxD = _swiglu_grouped(recv_WxYxD.reshape(-1, d)[order_I], *kernels, sizes_E, precision)
+    out_IxD = swiglu_grouped(recv_WxYxD.reshape(-1, d)[order_I], *kernels, sizes_E, **grouped)
     back_WxYxD = lax.all_to_all(
         out_IxD[_inverse(order_I)].reshape(ep, capacity, d), axis, 0, 0, tiled=True
     )
@@ -335,9 +330,13 @@ def _capacity(config: MoEConfig, n_assign: int, ep: int) -> int:
     return max(1, min(n_assign, math.ceil(n_assign / ep * config.capacity_factor)))
 
 
-def _layer_body(x_BxSxD, params, *, config: MoEConfig, plan: _Plan | None, sparse: bool):
+def _layer_body(
+    x_BxSxD, params, *, config: MoEConfig, plan: _Plan | None, sparse: bool, platform: str
+):
     """One shard's MoE: route, routed experts (sparse or dense), shared experts."""
     precision = _precision(config)
+    # The grouped matmul's implementation for the platform the program is built for.
+    grouped = {"impl": resolve_grouped(config.grouped_matmul, platform), "precision": precision}
     specs = plan.specs if plan is not None else {}
     ep = plan.ep if plan is not None else 1
 
@@ -367,13 +366,13 @@ def _layer_body(x_BxSxD, params, *, config: MoEConfig, plan: _Plan | None, spars
         if plan is not None and plan.a2a:
             cap = _capacity(config, ids_A.shape[0], ep)
             out_AxD, dropped = _routed_all_to_all(
-                x_TxD, ids_A, k, kernels, plan, e_local, cap, precision
+                x_TxD, ids_A, k, kernels, plan, e_local, cap, grouped
             )
         else:
             vary = None if ep == 1 else plan.expert_axis
             start = 0 if ep == 1 else lax.axis_index(plan.expert_axis) * e_local
             out_AxD, dropped = _routed_local(
-                x_TxD, ids_A, k, kernels, start, e_local, precision, vary
+                x_TxD, ids_A, k, kernels, start, e_local, grouped, vary
             )
         routed_TxD = jnp.einsum(
             "tkd,tk->td", out_AxD.reshape(b * s, k, d).astype(jnp.float32), weights_TxZ
@@ -422,7 +421,10 @@ def _moe(x_BxSxD, params, *, config, mesh, rules, mode, keep_tags, sparse, recom
     params = {name: _as_device_array(w) for name, w in params.items()}
     _check_params(params, config, x_BxSxD.shape[-1])
     if mesh is None:
-        y, shard_stats = _layer_body(x_BxSxD, params, config=config, plan=None, sparse=sparse)
+        platform = jax.default_backend()
+        y, shard_stats = _layer_body(
+            x_BxSxD, params, config=config, plan=None, sparse=sparse, platform=platform
+        )
         return y, _finish_stats(shard_stats)
     mode = mode or _infer_mode(mesh)
     if mode not in MODES:
@@ -448,8 +450,12 @@ def _moe(x_BxSxD, params, *, config, mesh, rules, mode, keep_tags, sparse, recom
         "dropped": stat_spec,
     }
 
+    # The mesh's devices say what the program is compiled for (an AOT topology's
+    # compile-only devices included), not the backend this process runs on.
+    platform = mesh.devices.flat[0].platform
+
     def body(x, p):
-        return _layer_body(x, p, config=config, plan=plan, sparse=sparse)
+        return _layer_body(x, p, config=config, plan=plan, sparse=sparse, platform=platform)
 
     layer = jax.shard_map(
         body,

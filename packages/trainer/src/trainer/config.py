@@ -111,12 +111,27 @@ class ModelConfig:
         "experts as grouped (ragged) matmuls over sorted tokens; false: dense one-hot "
         "(compiled effect: benchmarks/results/perf_keys.md)",
     )
+    # How the sparse path runs the experts' grouped matmuls (moe_kernels.grouped):
+    # jax.lax.ragged_dot, which XLA:GPU rewrites into a dense matmul over every
+    # expert, or padded blocks of one expert each (batched matmuls). auto: blocks
+    # on GPU, ragged_dot elsewhere (benchmarks/results/device_check.md).
+    grouped_matmul: Literal["auto", "ragged_dot", "padded_blocks"] = _key(
+        "auto", "sparse experts' grouped matmul: ragged_dot, padded_blocks, auto (blocks on GPU)"
+    )
     # 0 = never drop a token (all-to-all blocks sized for every assignment);
     # c > 0 caps each expert-parallel block at c x its fair share and drops overflow.
     capacity_factor: float = _key(
         0.0, "expert-parallel block cap in fair shares, overflow dropped (0: no drop)"
     )
     base_num_query_heads: int = _key(4, "attention heads")
+    # The attention kernel (model/attention_kernel.py; MaxText's key, whose values
+    # include dot_product and cudnn_flash_te): dot_product materializes the
+    # (B, H, S, S) scores in f32; cudnn_flash is cuDNN's fused attention (GPU, bf16,
+    # head dims <= 128, sequence not sharded). auto: cudnn_flash where it applies.
+    attention: Literal["auto", "dot_product", "cudnn_flash"] = _key(
+        "auto",
+        "attention kernel: dot_product, cudnn_flash (GPU), auto (cudnn_flash where it applies)",
+    )
     # > 0: queries through a low-rank bottleneck (wq_a, q_norm, wq_b; DeepSeek-V3);
     # 0: one plain query projection `wq` (DeepSeek-V2-Lite, HF q_lora_rank null).
     q_lora_rank: int = _key(32, "query low-rank bottleneck (0: one plain query projection)")

@@ -8,7 +8,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import pspec_tags as pt
 from trainer.config import ModelConfig
+from trainer.model import attention_kernel
 from trainer.model.layers import BSE, RMSNorm
 from trainer.model.params import param
 from trainer.model.rope import rope, softmax_scale
@@ -74,6 +76,8 @@ class MLA(nnx.Module):
         self.wo_HxVxD = param(rngs, (h, c.v_head_dim, d), NAMES.wo, fan_in=h * c.v_head_dim)
         self.config, self.ctx = config, ctx
         self.dtype = jnp.dtype(config.dtype)
+        # "dot_product" or "cudnn_flash": attention_kernel decides "auto" once.
+        self.kernel = attention_kernel.resolve(config, ctx)
 
     def _queries(self, x_BxSxD: jax.Array) -> jax.Array:
         """q_BxSxHxK before RoPE: through the low-rank path, or the plain one."""
@@ -139,17 +143,64 @@ class MLA(nnx.Module):
 
         # qk_head_dim^-0.5, with YaRN's mscale correction when rope_type=yarn.
         scale = softmax_scale(c)
-        logits_BxHxSxU = ctx.einsum(
-            "bshk,bthk->bhst", q_BxSxHxK * scale, k_BxUxHxK, out=NAMES.scores
-        ).astype(jnp.float32)
-        causal = positions_BxS[:, None, :, None] >= kv_positions_BxU[:, None, None, :]
-        same_doc = segments_BxS[:, None, :, None] == kv_segments_BxU[:, None, None, :]
-        logits_BxHxSxU = jnp.where(causal & same_doc, logits_BxHxSxU, -1e30)
-        probs_BxHxSxU = jax.nn.softmax(logits_BxHxSxU, axis=-1).astype(dt)
-        out_BxSxHxO = ctx.einsum("bhst,bthv->bshv", probs_BxHxSxU, v_BxUxHxO, out=NAMES.q)
+        if self.kernel == "cudnn_flash":
+            out_BxSxHxO = self._cudnn_flash(
+                q_BxSxHxK, k_BxUxHxK, v_BxUxHxO, segments_BxS, kv_segments_BxU, scale
+            )
+        else:
+            out_BxSxHxO = self._dot_product(
+                q_BxSxHxK, k_BxUxHxK, v_BxUxHxO, positions_BxS, segments_BxS,
+                kv_positions_BxU, kv_segments_BxU, scale,
+            )  # fmt: skip
         return ctx.einsum(
             "bshv,hvd->bsd",
             out_BxSxHxO,
             ctx.weight(self.wo_HxVxD[...].astype(dt), NAMES.wo),
             out=NAMES.out,
         )
+
+    def _dot_product(self, q, k, v, positions_BxS, segments_BxS, kv_pos_BxU, kv_seg_BxU, scale):
+        """Attention as einsums and a softmax over materialized (B, H, S, U) scores."""
+        ctx = self.ctx
+        logits_BxHxSxU = ctx.einsum("bshk,bthk->bhst", q * scale, k, out=NAMES.scores).astype(
+            jnp.float32
+        )
+        causal = positions_BxS[:, None, :, None] >= kv_pos_BxU[:, None, None, :]
+        same_doc = segments_BxS[:, None, :, None] == kv_seg_BxU[:, None, None, :]
+        logits_BxHxSxU = jnp.where(causal & same_doc, logits_BxHxSxU, -1e30)
+        probs_BxHxSxU = jax.nn.softmax(logits_BxHxSxU, axis=-1).astype(self.dtype)
+        return ctx.einsum("bhst,bthv->bshv", probs_BxHxSxU, v, out=NAMES.q)
+
+    def _cudnn_flash(self, q, k, v, segments_BxS, kv_seg_BxU, scale, implementation="cudnn"):
+        """cuDNN's fused (flash) attention: no (B, H, S, U) scores in memory.
+
+        Causal by index and within a document by segment id (the packed rows'
+        positions restart with each document, so this is the `_dot_product` mask).
+        cuDNN wants one head dim for q, k and v: v is zero-padded to q's and the
+        padding sliced off the output. Runs per shard in a shard_map over the
+        activations' own specs (batch, heads): an activation carries no tag, and
+        the custom call needs no partitioning rule (attention_kernel.py checks
+        that the sequence is not sharded). `implementation="xla"` runs the same
+        call through JAX's reference kernel (how the CPU tests check the mask).
+        """
+        ctx = self.ctx
+        v_dim, k_dim = v.shape[-1], q.shape[-1]
+
+        def local(q, k, v, seg_q, seg_kv):
+            v_pad = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, k_dim - v_dim)))
+            mask_Bx1xSxU = (seg_q[:, :, None] == seg_kv[:, None, :])[:, None]
+            out = jax.nn.dot_product_attention(
+                q, k, v_pad, mask=mask_Bx1xSxU, is_causal=True, scale=scale,
+                implementation=implementation,
+            )  # fmt: skip
+            return out[..., :v_dim]
+
+        if ctx.manual:
+            return local(q, k, v, segments_BxS, kv_seg_BxU)
+        q_spec, kv_spec = ctx.spec(NAMES.q, q.shape), ctx.spec(NAMES.kv, k.shape)
+        return jax.shard_map(
+            local,
+            mesh=ctx.mesh,
+            in_specs=(q_spec, kv_spec, kv_spec, pt.truncate(q_spec, 2), pt.truncate(kv_spec, 2)),
+            out_specs=q_spec,
+        )(q, k, v, segments_BxS, kv_seg_BxU)

@@ -28,6 +28,7 @@ def moe_config(config: ModelConfig) -> moe_kernels.MoEConfig:
         # Same meaning on both sides: 0 = no token dropped.
         capacity_factor=config.capacity_factor,
         precision=None,
+        grouped_matmul=config.grouped_matmul,
     )
 
 

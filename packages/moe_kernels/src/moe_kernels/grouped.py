@@ -1,0 +1,99 @@
+"""Grouped SwiGLU over rows sorted by expert: two implementations, one contract.
+
+`swiglu_grouped(rows_AxD, wi0_ExDxF, wi1_ExDxF, wo_ExFxD, sizes_E, impl=...)` runs
+rows `[start_e, start_e + sizes_E[e])` through expert e's SwiGLU; rows past
+`sum(sizes_E)` come out zero. Shapes: A rows, D embed, E experts, F expert hidden,
+N blocks, M rows per block.
+
+- `ragged_dot`: `jax.lax.ragged_dot`, three grouped matmuls. XLA:TPU runs them as
+  grouped matmuls. XLA:GPU (through JAX 0.11) rewrites each into a dense matmul
+  over every expert (rows times E x D), E times the FLOPs and bytes of the
+  routed experts: benchmarks/results/device_check.md.
+- `padded_blocks`: each expert's rows padded to a multiple of M and cut into
+  blocks of M rows that belong to one expert; the SwiGLU is three batched
+  matmuls over the blocks, each block against its expert's weights (gathered per
+  block). Padding costs at most E x (M - 1) rows of FLOPs, the weight gathers
+  N x D x F per kernel; no matmul runs over foreign experts.
+
+`IMPLS` names them; `auto` picks padded_blocks on GPU and ragged_dot elsewhere
+(`resolve`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+IMPLS = ("auto", "ragged_dot", "padded_blocks")
+
+
+def resolve(impl: str, platform: str) -> str:
+    """The implementation `impl` stands for on `platform` ("gpu", "tpu", "cpu")."""
+    if impl not in IMPLS:
+        raise ValueError(f"grouped_matmul={impl!r} is not one of {IMPLS}")
+    if impl != "auto":
+        return impl
+    return "padded_blocks" if platform in ("gpu", "cuda", "rocm") else "ragged_dot"
+
+
+def block_rows(num_rows: int, num_groups: int) -> int:
+    """Rows per block M: half a group's mean share, a power of two in [64, 512].
+
+    Larger blocks make larger matmuls and fewer weight gathers; smaller ones pad
+    less (at most num_groups x (M - 1) rows). On one H200 at 16,384 rows over 16
+    experts, 512 ran fastest of 128/256/512 (benchmarks/results/device_check.md).
+    """
+    half_share = max(1, num_rows // (2 * num_groups))
+    m = 1 << (half_share.bit_length() - 1)  # the power of two at or below
+    return min(512, max(64, m))
+
+
+def swiglu_grouped(rows_AxD, wi0_ExDxF, wi1_ExDxF, wo_ExFxD, sizes_E, *, impl, precision=None):
+    """SwiGLU of each row with its group's expert weights; see the module docstring."""
+    if impl == "ragged_dot":
+        h0 = lax.ragged_dot(rows_AxD, wi0_ExDxF, sizes_E, precision=precision)
+        h1 = lax.ragged_dot(rows_AxD, wi1_ExDxF, sizes_E, precision=precision)
+        return lax.ragged_dot(jax.nn.silu(h0) * h1, wo_ExFxD, sizes_E, precision=precision)
+    if impl == "padded_blocks":
+        return _swiglu_blocks(rows_AxD, wi0_ExDxF, wi1_ExDxF, wo_ExFxD, sizes_E, precision)
+    raise ValueError(f"impl={impl!r} is not one of {IMPLS[1:]}")
+
+
+def _block_layout(sizes_E: jax.Array, num_rows: int, m: int):
+    """(destination row of each input row in the padded layout, expert of each block).
+
+    Rows past sum(sizes_E) get destination N*M, out of range: dropped on the way
+    in, zero on the way out.
+    """
+    e = sizes_E.shape[0]
+    num_blocks = -(-num_rows // m) + e  # each group pads by less than one block
+    padded_E = (sizes_E + m - 1) // m * m
+    ends_E = jnp.cumsum(sizes_E)
+    padded_ends_E = jnp.cumsum(padded_E)
+    row_A = jnp.arange(num_rows)
+    group_A = jnp.searchsorted(ends_E, row_A, side="right")  # E for rows past the end
+    g_A = jnp.minimum(group_A, e - 1)
+    offset_A = row_A - (ends_E[g_A] - sizes_E[g_A])
+    dest_A = jnp.where(group_A < e, padded_ends_E[g_A] - padded_E[g_A] + offset_A, num_blocks * m)
+    block_start_N = jnp.arange(num_blocks) * m
+    # Blocks past the last group's padding hold only zero rows: any expert will do.
+    expert_N = jnp.minimum(jnp.searchsorted(padded_ends_E, block_start_N, side="right"), e - 1)
+    return dest_A, expert_N, num_blocks
+
+
+def _swiglu_blocks(rows_AxD, wi0_ExDxF, wi1_ExDxF, wo_ExFxD, sizes_E, precision):
+    a, d = rows_AxD.shape
+    m = block_rows(a, sizes_E.shape[0])
+    dest_A, expert_N, n = _block_layout(sizes_E, a, m)
+    padded_NxMxD = (
+        jnp.zeros((n * m, d), rows_AxD.dtype).at[dest_A].set(rows_AxD, mode="drop").reshape(n, m, d)
+    )
+    # Each block's expert weights, gathered per block (the transpose sums the
+    # blocks' weight gradients back into their expert).
+    h0_NxMxF = jnp.einsum("nmd,ndf->nmf", padded_NxMxD, wi0_ExDxF[expert_N], precision=precision)
+    h1_NxMxF = jnp.einsum("nmd,ndf->nmf", padded_NxMxD, wi1_ExDxF[expert_N], precision=precision)
+    out_NxMxD = jnp.einsum(
+        "nmf,nfd->nmd", jax.nn.silu(h0_NxMxF) * h1_NxMxF, wo_ExFxD[expert_N], precision=precision
+    )
+    return out_NxMxD.reshape(n * m, d).at[dest_A].get(mode="fill", fill_value=0)
