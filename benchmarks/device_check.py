@@ -1,8 +1,9 @@
 """Device check: the trainer on this host's accelerator, deferred (plain and fused) vs
-per-microbatch reduction.
+per-microbatch reduction, against a plain-JAX dense reference.
 
-deepseek3-small with GA=4 on one GPU (on CPU: tagtrain-tiny on 8 virtual devices,
-so CI keeps the script working), a few steps per path. Per path: median step
+deepseek3-small with per_device_batch_size=8 and GA=4 on one GPU (on CPU:
+tagtrain-tiny on 8 virtual devices, so CI keeps the script working), 20 steps per
+path on one fixed batch (the loss must fall on every path). Per path: median step
 time after the first step, tokens/s, MFU (trainer.flops), peak memory
 (`memory_stats()['peak_bytes_in_use']`, a high-water mark that never resets, so
 every path runs in a process of its own), compiled memory per device, the
@@ -10,7 +11,12 @@ gradient-reduction bytes per step in the microbatch loop and after it, and the
 share of those bytes the compiled schedule overlaps with compute
 (hlo_tools.overlap_report). `--variant NAME:key=value,...` adds a path: the
 deferred one with those overrides (a key the trainer lacks gives an error row).
-If deepseek3-small does not fit, a 6-layer cut of it runs instead.
+If deepseek3-small does not fit, a 6-layer cut of it runs instead. Also, each in
+a process of its own: a 2-step profile of the deferred path on a GPU (kernels per
+step, kernel time by category: gpu_profile.py); the step-1 gradients of the
+plain and fused schedules against each other and against an f32 run (a 6-layer
+cut); the dense reference (dense_reference.py: same width, heads, sequence and
+FLOPs per token), whose MFU tagtrain's is divided by.
 
     benchmarks/device_check.sh [--cpu] [--steps N] [--variant bf16:accum_dtype=bfloat16]
 
@@ -40,11 +46,11 @@ PATHS = {
     "per_microbatch": {"gradient_reduction_policy": "per_microbatch", **PLAIN},
 }
 SHAPES = {
-    "accelerator": {"model_name": "deepseek3-small", "per_device_batch_size": "2"},
+    "accelerator": {"model_name": "deepseek3-small", "per_device_batch_size": "8"},
     "fallback": {
         "model_name": "deepseek3-small",
         "base_num_decoder_layers": "6",
-        "per_device_batch_size": "1",
+        "per_device_batch_size": "2",
     },
     "cpu": {"model_name": "tagtrain-tiny", "per_device_batch_size": "1"},
 }
@@ -55,7 +61,7 @@ GIB = 1 << 30
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu", action="store_true", help="8 virtual CPU devices, tagtrain-tiny")
-    p.add_argument("--steps", type=int, default=0, help="steps per path (default 6; 3 on CPU)")
+    p.add_argument("--steps", type=int, default=0, help="steps per path (default 20; 3 on CPU)")
     p.add_argument("--ga", type=int, default=4, help="gradient_accumulation_steps")
     p.add_argument("--variant", action="append", default=[], help="NAME:key=value,... (repeat)")
     p.add_argument("--out", default="", help="results folder (default benchmarks/results)")
@@ -74,12 +80,23 @@ def variant(text: str) -> tuple[str, dict[str, str]]:
 
 
 def child(spec: dict) -> dict:
-    """One path in this process: build, compile, step; the measurements as a dict."""
+    """One measurement in this process (spec["kind"]: path, grads, reference)."""
     import jax
 
     if spec["cpu"]:
         jax.config.update("jax_num_cpu_devices", 8)
+    kind = spec.get("kind", "path")
+    if kind == "grads":
+        return gradient_check(spec)
+    if kind == "reference":
+        return reference(spec)
+    return train_path(spec)
+
+
+def train_path(spec: dict) -> dict:
+    """One path: build, compile, step on a fixed batch; the measurements as a dict."""
     import benchlib as bl
+    import jax
 
     import hlo_tools as ht
     from trainer import flops
@@ -88,11 +105,13 @@ def child(spec: dict) -> dict:
     out = {"device": device.device_kind, "devices": jax.device_count()}
     try:
         step = bl.TrainerStep(spec["overrides"])
-        times = []
+        times, losses = [], []
         for _ in range(spec["steps"]):
             start = time.perf_counter()
             _, metrics = jax.block_until_ready(step.step())
             times.append(time.perf_counter() - start)
+            losses.append(float(metrics["loss"]))
+        profile = profile_steps(step, 2) if spec.get("profile") else None
     except Exception as e:  # an OOM or a key this trainer lacks: a row, not a crash
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         oom = "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
@@ -121,9 +140,96 @@ def child(spec: dict) -> dict:
         "reduce_mib_in_loop": step.reduction_bytes("in_loop") / (1 << 20),
         "reduce_mib_after": step.reduction_bytes("outside") / (1 << 20),
         "overlapped": overlap,
-        "loss": float(metrics["loss"]),
+        "loss": losses[0],
+        "loss_last": losses[-1],
+        "falls": losses[-1] < losses[0],
         "compile_s": step.compile_s,
+        "profile": profile,
     }
+
+
+def profile_steps(step, count: int) -> dict:
+    """Kernels per step and kernel time by category over `count` profiled steps."""
+    import tempfile
+
+    import gpu_profile
+    import jax
+
+    trace = tempfile.mkdtemp(prefix="device_check_trace_")
+    jax.profiler.start_trace(trace)
+    for _ in range(count):
+        jax.block_until_ready(step.step())
+    jax.profiler.stop_trace()
+    return gpu_profile.read(trace, count)
+
+
+def gradient_check(spec: dict) -> dict:
+    """Step-1 gradients of the plain and fused schedules, and of plain in f32.
+
+    Relative differences of the whole gradient (norm of the difference over the
+    norm): fused vs plain in the compute dtype, and each against the f32 run, so
+    "agree" reads against the rounding bf16 itself brings.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import accum
+    from trainer import run as run_lib
+    from trainer import train_step
+    from trainer.config import make_config
+
+    def grads(overrides, schedule):
+        config = make_config({"enable_tensorboard": "false", **overrides})
+        run = run_lib.setup(config, jax.devices())
+        loss_fn = train_step.make_loss_fn(config.model, run.model, run.state["router"], None)
+
+        def fn(params, batch):
+            return accum.accumulate_gradients(
+                loss_fn, params, batch, num_microbatches=config.gradient_accumulation_steps,
+                plan=run.plan, schedule=schedule, accum_dtype=jnp.float32,
+            )[2]  # fmt: skip
+
+        with jax.set_mesh(run.ctx.mesh):
+            out = jax.jit(fn)(run.state["params"], run_lib.batch_for(run, 0))
+        return np.concatenate([np.ravel(np.asarray(g, np.float32)) for g in jax.tree.leaves(out)])
+
+    overrides = spec["overrides"]
+    try:
+        plain, fused = grads(overrides, "plain"), grads(overrides, "fused")
+        f32 = grads({**overrides, "dtype": "float32"}, "plain")
+    except Exception as e:  # noqa: BLE001 - a row, not a crash
+        return {"status": f"error: {str(e).strip().splitlines()[0][:160]}"}
+
+    def rel(a, b):
+        return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+    return {
+        "status": "ok",
+        "fused_vs_plain": rel(fused, plain),
+        "plain_vs_f32": rel(plain, f32),
+        "fused_vs_f32": rel(fused, f32),
+    }
+
+
+def reference(spec: dict) -> dict:
+    """The plain-JAX dense reference on this host, at the trainer shape's FLOPs per token."""
+    import dense_reference
+    import jax
+
+    from trainer import flops
+    from trainer.config import make_config
+
+    config = make_config(spec["overrides"])
+    batch = config.per_device_batch_size * config.gradient_accumulation_steps
+    try:
+        out = dense_reference.measure(config.model, config.data, int(batch), spec["steps"])
+    except Exception as e:  # noqa: BLE001 - a row, not a crash
+        return {"status": f"error: {str(e).strip().splitlines()[0][:160]}"}
+    device = jax.devices()[0]
+    peak = flops.peak_tflops(config.output, device.device_kind)
+    mfu = out["flops_per_token"] * out["tokens_per_s"] / (peak * 1e12) if peak else None
+    return {"status": "ok", "device": device.device_kind, "mfu": mfu, **out}
 
 
 def run_path(spec: dict, timeout: float) -> dict:
@@ -174,7 +280,9 @@ def page(args, shape: dict, rows: list[dict], notes: list[str]) -> list[str]:
         "grad reduce MiB/step in loop",
         "after loop",
         "overlapped",
-        "loss",
+        "loss step 1",
+        "loss last step",
+        "falls",
         "compile s",
         "status",
     )
@@ -191,12 +299,76 @@ def page(args, shape: dict, rows: list[dict], notes: list[str]) -> list[str]:
             fmt(r.get("reduce_mib_after"), ".2f"),
             fmt(r.get("overlapped"), ".0%"),
             fmt(r.get("loss"), ".4f"),
+            fmt(r.get("loss_last"), ".4f"),
+            {True: "yes", False: "NO"}.get(r.get("falls"), "-"),
             fmt(r.get("compile_s")),
             r["status"],
         )
         for r in rows
     ]
-    return lines + bl.table(columns, body, "ll" + "r" * 10 + "l")
+    return lines + bl.table(columns, body, "ll" + "r" * 12 + "l")
+
+
+def side_checks(args, shape: dict, steps: int, start: float) -> dict:
+    """The gradient check (a 6-layer cut on an accelerator) and the dense reference."""
+    ga = {"gradient_accumulation_steps": str(args.ga)}
+    grads_shape = SHAPES["cpu"] if args.cpu else SHAPES["fallback"]
+    specs = {
+        "grads": {"kind": "grads", "overrides": {**grads_shape, **ga}},
+        "reference": {"kind": "reference", "overrides": {**shape, **ga}, "steps": steps},
+    }
+    out = {}
+    for name, spec in specs.items():
+        left = args.budget_s - (time.monotonic() - start)
+        if left <= 0:
+            out[name] = {"status": "skipped: time budget spent"}
+            continue
+        out[name] = run_path({"cpu": args.cpu, **spec}, timeout=left + 60)
+    return out
+
+
+def side_lines(rows: list[dict], extras: dict) -> list[str]:
+    """The page's sections after the paths' table: profile, gradients, reference."""
+    lines = []
+    profile = next((r["profile"] for r in rows if r.get("profile")), None)
+    if profile:
+        total = sum(profile["ms_per_step_by_category"].values())
+        lines += [
+            "",
+            f"Kernels per step (2-step profile of the first path): "
+            f"{profile['kernels_per_step']:,.0f}; GPU kernel time {total:.1f} ms per step:",
+            "",
+        ]
+        by_time = sorted(profile["ms_per_step_by_category"].items(), key=lambda kv: -kv[1])
+        lines += [f"- {cat}: {ms:.1f} ms ({ms / total:.1%})" for cat, ms in by_time]
+    g = extras.get("grads", {})
+    lines += ["", "Gradients agree (step 1, fused vs plain schedule, and each vs an f32 run):", ""]
+    if g.get("status") == "ok":
+        lines.append(
+            f"- fused vs plain {g['fused_vs_plain']:.2e}; plain vs f32 {g['plain_vs_f32']:.2e}; "
+            f"fused vs f32 {g['fused_vs_f32']:.2e} (relative norm of the difference)"
+        )
+    else:
+        lines.append(f"- {g.get('status', 'not run')}")
+    ref = extras.get("reference", {})
+    lines += ["", "Plain-JAX dense reference (benchmarks/dense_reference.py):", ""]
+    if ref.get("status") == "ok":
+        s = ref["shape"]
+        first = next((r for r in rows if r.get("status") == "ok" and r.get("mfu")), None)
+        ratio = (
+            f"; tagtrain's MFU / reference's: {first['mfu'] / ref['mfu']:.2f}"
+            if (first and ref.get("mfu"))
+            else ""
+        )
+        lines.append(
+            f"- {s['layers']} layers, width {s['d']}, {s['heads']} heads of {s['head']}, MLP "
+            f"{s['mlp']}, vocab {s['vocab']}, attention {ref['attention']}: "
+            f"{ref['step_ms']:.1f} ms per step, {ref['tokens_per_s']:,.0f} tokens/s, "
+            f"MFU {fmt(ref['mfu'], '.1%')}{ratio}"
+        )
+    else:
+        lines.append(f"- {ref.get('status', 'not run')}")
+    return lines
 
 
 def main(argv=None) -> int:
@@ -205,7 +377,7 @@ def main(argv=None) -> int:
         print("RESULT " + json.dumps(child(json.loads(args.child))), flush=True)
         return 0
     args.cpu = args.cpu or not accelerator()
-    steps = args.steps or (3 if args.cpu else 6)
+    steps = args.steps or (3 if args.cpu else 20)
     paths = dict(PATHS)
     paths.update({name: {**PATHS["deferred"], **o} for name, o in map(variant, args.variant)})
     start = time.monotonic()
@@ -223,7 +395,15 @@ def main(argv=None) -> int:
             spec = {
                 "cpu": args.cpu,
                 "steps": steps,
-                "overrides": {**shape, "gradient_accumulation_steps": str(args.ga), **overrides},
+                # The learning-rate schedule spans the steps run (warmup, then decay).
+                "overrides": {
+                    **shape,
+                    "gradient_accumulation_steps": str(args.ga),
+                    "steps": str(steps),
+                    **overrides,
+                },
+                # The first path's kernels, profiled on an accelerator.
+                "profile": not args.cpu and not rows,
             }
             # A started path may run past the budget by up to a minute: still under 8.
             rows.append({**row, **run_path(spec, timeout=left + 60)})
@@ -244,9 +424,17 @@ def main(argv=None) -> int:
     ]
     if shape_name == "fallback":
         notes.append("deepseek3-small ran out of memory: the fallback shape ran instead")
+    extras = side_checks(args, shape, steps, start)
     import benchlib as bl
 
-    bl.write("device_check", page(args, shape, rows, notes), rows, args.out)
+    lines = page(args, shape, rows, notes) + side_lines(rows, extras)
+    # The profile is on the page; the CSV keeps one flat row per path.
+    bl.write(
+        "device_check",
+        lines,
+        [{k: v for k, v in r.items() if k != "profile"} for r in rows],
+        args.out,
+    )
     return 0 if any(r.get("status") == "ok" for r in rows) else 1
 
 

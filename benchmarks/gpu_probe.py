@@ -1,6 +1,7 @@
 """One-off GPU probe (issue #43): what to change, measured on the device in one call.
 
-    benchmarks/gpu_probe.sh   (PYTHONPATH = packages/*/src; writes $OUT/probe.json)
+    PYTHONPATH=$(printf '%s:' $PWD/packages/*/src) python3 benchmarks/gpu_probe.py
+    (writes $OUT/probe.json; the 2026-12-04 H200 run is benchmarks/results/gpu_probe.json)
 
 Parts, each in its own process (a JAX process holds the GPU's memory):
   grads   step-1 gradients of the plain and fused schedules, per leaf (6-layer cut)
@@ -229,6 +230,7 @@ def part_step(arg):
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import benchlib as bl
+    import gpu_profile
 
     from trainer import flops
 
@@ -264,57 +266,10 @@ def part_step(arg):
             jax.block_until_ready(step.step())
         jax.profiler.stop_trace()
         try:
-            res["profile"] = read_profile(d)
+            res["profile"] = gpu_profile.read(d, 2)
         except Exception as err:  # noqa: BLE001
             res["profile"] = {"error": str(err)[:300]}
     return res
-
-
-CATEGORIES = (
-    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "dot")),
-    ("attention(cudnn)", ("cudnn", "fmha", "flash")),
-    ("transpose", ("transpose",)),
-    ("copy", ("memcpy", "copy", "memset")),
-    ("dynamic-update-slice", ("dynamic_update_slice",)),
-    ("dynamic-slice", ("dynamic_slice",)),
-    ("convert", ("convert",)),
-    ("broadcast", ("broadcast",)),
-    ("reduce", ("reduce",)),
-    ("select", ("select",)),
-    ("scatter/sort/gather", ("scatter", "sort", "gather", "concatenate")),
-    ("collective", ("nccl", "all_reduce", "all-reduce")),
-)
-
-
-def category(name: str) -> str:
-    low = name.lower()
-    for cat, keys in CATEGORIES:
-        if any(k in low for k in keys):
-            return cat
-    return "other"
-
-
-def read_profile(d):
-    import glob
-
-    from jax.profiler import ProfileData
-
-    path = sorted(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True))[-1]
-    pd = ProfileData.from_file(path)
-    by_cat, by_name, count = {}, {}, 0
-    for plane in pd.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if "stream" not in line.name.lower():
-                continue
-            for ev in line.events:
-                dur = ev.duration_ns / 1e6
-                count += 1
-                by_cat[category(ev.name)] = by_cat.get(category(ev.name), 0) + dur
-                by_name[ev.name] = by_name.get(ev.name, 0) + dur
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:40]
-    return {"kernels_2_steps": count, "ms_by_category": by_cat, "top": top}
 
 
 PARTS = {"grads": part_grads, "ops": part_ops, "step": part_step}

@@ -8,7 +8,8 @@ N blocks, M rows per block.
 - `ragged_dot`: `jax.lax.ragged_dot`, three grouped matmuls. XLA:TPU runs them as
   grouped matmuls. XLA:GPU (through JAX 0.11) rewrites each into a dense matmul
   over every expert (rows times E x D), E times the FLOPs and bytes of the
-  routed experts: benchmarks/results/device_check.md.
+  routed experts (benchmarks/results/gpu_probe.json, "ops"; the step with each:
+  benchmarks/results/device_check.md).
 - `padded_blocks`: each expert's rows padded to a multiple of M and cut into
   blocks of M rows that belong to one expert; the SwiGLU is three batched
   matmuls over the blocks, each block against its expert's weights (gathered per
@@ -42,7 +43,7 @@ def block_rows(num_rows: int, num_groups: int) -> int:
 
     Larger blocks make larger matmuls and fewer weight gathers; smaller ones pad
     less (at most num_groups x (M - 1) rows). On one H200 at 16,384 rows over 16
-    experts, 512 ran fastest of 128/256/512 (benchmarks/results/device_check.md).
+    experts, 512 ran fastest of 128/256/512 (benchmarks/results/gpu_probe.json, "ops").
     """
     half_share = max(1, num_rows // (2 * num_groups))
     m = 1 << (half_share.bit_length() - 1)  # the power of two at or below
@@ -72,14 +73,22 @@ def _block_layout(sizes_E: jax.Array, num_rows: int, m: int):
     ends_E = jnp.cumsum(sizes_E)
     padded_ends_E = jnp.cumsum(padded_E)
     row_A = jnp.arange(num_rows)
-    group_A = jnp.searchsorted(ends_E, row_A, side="right")  # E for rows past the end
+    # A row's group is the number of group ends at or before it (E for rows past
+    # the last group). A compare-and-sum, not jnp.searchsorted: that lowers to a
+    # while loop of small kernels on GPU.
+    group_A = _count_at_or_below(ends_E, row_A)
     g_A = jnp.minimum(group_A, e - 1)
     offset_A = row_A - (ends_E[g_A] - sizes_E[g_A])
     dest_A = jnp.where(group_A < e, padded_ends_E[g_A] - padded_E[g_A] + offset_A, num_blocks * m)
     block_start_N = jnp.arange(num_blocks) * m
     # Blocks past the last group's padding hold only zero rows: any expert will do.
-    expert_N = jnp.minimum(jnp.searchsorted(padded_ends_E, block_start_N, side="right"), e - 1)
+    expert_N = jnp.minimum(_count_at_or_below(padded_ends_E, block_start_N), e - 1)
     return dest_A, expert_N, num_blocks
+
+
+def _count_at_or_below(ends_E: jax.Array, values: jax.Array) -> jax.Array:
+    """For each value, how many of the (sorted) ends are <= it: searchsorted(side="right")."""
+    return jnp.sum(ends_E[None, :] <= values[:, None], axis=1, dtype=jnp.int32)
 
 
 def _swiglu_blocks(rows_AxD, wi0_ExDxF, wi1_ExDxF, wo_ExFxD, sizes_E, precision):
