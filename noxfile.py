@@ -95,8 +95,9 @@ def slow(session: nox.Session) -> None:
 
 @nox.session
 def aot(session: nox.Session) -> None:
-    """Compiles for TPU topologies on this CPU host (libtpu from the `tpu` extra)."""
-    _sync(session, "tpu")
+    """Compiles for TPU and GPU topologies on this CPU host (libtpu from the `tpu`
+    extra, jax's CUDA plugin and ptxas from the `gpu` extra)."""
+    _sync(session, "tpu", "gpu")
     # The full AOT matrix is also marked slow: `-s slow_aot` (or pytest -m "aot and slow").
     session.run("pytest", "-m", "aot and not slow", *session.posargs, env=CPU_ENV)
 

@@ -194,8 +194,9 @@ def test_topology_names_and_chip_counts():
 def test_unknown_topology_fails_before_compiling(tmp_path):
     done = _train("compile_topology=v5e-9", cwd=tmp_path)
     assert done.returncode == 2
-    assert "compile_topology='v5e-9' is not a known TPU topology" in done.stderr
+    assert "compile_topology='v5e-9' is not a known TPU or GPU topology" in done.stderr
     assert "v5e-8" in done.stderr and "v5p-128" in done.stderr and "v6e-4" in done.stderr
+    assert "h100-8" in done.stderr and "h200-1" in done.stderr
     assert "model:" not in done.stdout
 
 

@@ -133,7 +133,7 @@ def test_planner_prints_the_table_and_refuses_bad_input(capsys, monkeypatch):
     assert {"deferred", "hierarchical", "per_microbatch"} <= set(rows)
     assert "<- chosen" in out and "predicted only, nothing compiled" in out
     assert plan_reduction.main(["compile_topology=v9x-8"]) == 2
-    assert "compile_topology='v9x-8' is not a known TPU topology" in capsys.readouterr().err
+    assert "compile_topology='v9x-8' is not a known TPU or GPU topology" in capsys.readouterr().err
     assert plan_reduction.main(["model_name=tagtrain-test"]) == 2
     assert "plan-reduction needs compile_topology=" in capsys.readouterr().err
     assert plan_reduction.main([*args, "reduction_hardware=v4"]) == 2

@@ -1,4 +1,5 @@
-"""hlo_tools: collective accounting for compiled XLA HLO text.
+"""hlo_tools: collective accounting for compiled XLA HLO text (and, for XLA:GPU,
+the kernels a step launches: `kernels_per_step` over the dump's thunk sequence).
 
 Standard library only; the helpers taking a jitted function import JAX when called.
 
@@ -85,6 +86,7 @@ from hlo_tools.slices import (
     slice_traffic,
     split_by_slice,
 )
+from hlo_tools.thunks import KernelCount, format_kernels, kernels_per_step
 from hlo_tools.traffic import traffic
 
 __version__ = "0.1.0"
@@ -102,6 +104,7 @@ __all__ = [
     "HloModule",
     "HloParseError",
     "Instruction",
+    "KernelCount",
     "Loop",
     "Overlap",
     "TupleType",
@@ -118,6 +121,7 @@ __all__ = [
     "crosses_slices",
     "format_slice_traffic",
     "format_overlap",
+    "format_kernels",
     "format_table",
     "gradient_reductions_outside",
     "in_loop_reductions",
@@ -126,6 +130,7 @@ __all__ = [
     "OVERLAPPED_SCOPE",
     "is_gradient_reduction",
     "is_ring_reduction",
+    "kernels_per_step",
     "overlap_report",
     "overlap_summary",
     "parse",

@@ -1,5 +1,6 @@
 """`train compile_topology=v5e-8 ...`: compile the real train step for a TPU
-topology on this (CPU) host with libtpu, without running it.
+topology (with libtpu) or a GPU one (`h100-8`, with jax's CUDA plugin) on this
+(CPU) host, without running it.
 
 The state is built as ShapeDtypeStructs with their shardings
 (`run.abstract_setup`), so even the 671B shape compiles without allocating a
@@ -13,6 +14,12 @@ for N such slices joined over DCN: the mesh's dcn_ axes (dcn_data_parallelism,
 default -1: all the slices) span them, the ici_ axes one slice.
 Needs libtpu: `uv run --extra tpu train compile_topology=v5e-8 ...`.
 
+GPU topologies (gpu_topology.py) are named chip-GPUs per host (h100-8, h200-1);
+`compile_topology_num_slices=K` compiles for K such hosts, the dcn_ axes across
+them. Needs the gpu extra: `uv run --extra gpu train compile_topology=h100-8 ...`.
+Their report adds the kernels the step launches (the thunk sequence of XLA's
+dump, weighted by loop trip counts) and their mix.
+
 `compile_for_topology` and `main` take the whole Config: they build the run
 (`run.abstract_setup`) and write under run_dir; `resolve` takes the parallelism group.
 """
@@ -21,8 +28,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
+import tempfile
 from typing import Any
 
+from trainer import gpu_topology
 from trainer.config import Config, ConfigError, ParallelismConfig, mesh_shape
 
 GIB = 1024**3
@@ -30,10 +40,12 @@ GIB = 1024**3
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
-    name: str  # v5e-8
-    libtpu_name: str  # v5e:2x4
-    chips: int  # per slice
+    name: str  # v5e-8, h100-8
+    libtpu_name: str  # v5e:2x4; for a GPU topology the device kind (NVIDIA H200)
+    chips: int  # per slice (TPU) or per host (GPU)
     hbm_gib: float  # per chip
+    platform: str = "tpu"  # or "gpu"
+    chip: str = ""  # gpu_topology.CHIPS key (GPU topologies)
 
 
 _GRID_2D = {
@@ -69,6 +81,10 @@ def _known() -> dict[str, Topology]:
     for chips, grid in _GRID_3D.items():
         name = f"v5p-{2 * chips}"
         out[name] = Topology(name, f"v5p:{grid}", chips, HBM_GIB["v5p"])
+    for chip_name, chip in gpu_topology.CHIPS.items():
+        for gpus in gpu_topology.GPUS_PER_HOST:
+            name = f"{chip_name}-{gpus}"
+            out[name] = Topology(name, chip.description, gpus, chip.hbm_gib, "gpu", chip_name)
     return out
 
 
@@ -84,7 +100,8 @@ def resolve(parallelism: ParallelismConfig) -> Topology:
     topo = TOPOLOGIES.get(parallelism.compile_topology)
     if topo is None:
         raise ConfigError(
-            f"compile_topology={parallelism.compile_topology!r} is not a known TPU topology; "
+            f"compile_topology={parallelism.compile_topology!r} is not a known TPU or GPU "
+            "topology; "
             f"known: {', '.join(TOPOLOGIES)}"
         )
     slices = parallelism.compile_topology_num_slices
@@ -97,8 +114,12 @@ def resolve(parallelism: ParallelismConfig) -> Topology:
 
 def devices_for(topo: Topology, num_slices: int) -> list:
     """Compile-only TPU devices, slice-major; with several slices they carry their
-    `slice_index`, so the mesh is the hybrid one (slices.device_array)."""
+    `slice_index`, so the mesh is the hybrid one (slices.device_array). For a GPU
+    topology, `num_slices` hosts of its GPUs, host-major."""
     from jax.experimental import topologies
+
+    if topo.platform == "gpu":
+        return gpu_topology.devices(topo.chip, topo.chips, num_slices)
 
     from trainer.slices import slice_major
 
@@ -114,6 +135,7 @@ class AotResult:
     compiled: Any
     hlo_path: str
     memory: dict[str, int]
+    kernels: Any = None  # hlo_tools.KernelCount (GPU topologies)
 
     @property
     def hbm_bytes(self) -> int:
@@ -158,36 +180,50 @@ def compile_for_topology(config: Config, hlo_path: str | None = None) -> AotResu
     devices = devices_for(topo, slices)
     run = run_lib.abstract_setup(config, devices)
     records = {}  # id(compiled) -> the trace-time record of its lowering
+    dumps = {}  # id(compiled) -> its XLA dump directory (GPU: the thunk sequence)
+    scratch = tempfile.mkdtemp(prefix="tagtrain_aot_") if topo.platform == "gpu" else None
 
     def compile_run(run):
         # The record names the parameters in a TagLostError's message.
         with jax.set_mesh(run.ctx.mesh), accum.verdict.recording() as record:
             lowered = run.step_fn.lower(run.state, run_lib.abstract_batch(run))
         with jax.set_mesh(run.ctx.mesh):
-            # The mesh holds the topology's devices, so this is the TPU option set.
+            # The mesh holds the topology's devices, so this is their platform's
+            # option set (TPU's flags; none for a GPU).
             options = xla_options.for_mesh(run.config.parallelism, run.ctx.mesh)
+            if scratch:  # one directory per compile: auto may compile several policies
+                options["xla_dump_to"] = tempfile.mkdtemp(dir=scratch)
             compiled = lowered.compile(compiler_options=options)
         records[id(compiled)] = record
+        dumps[id(compiled)] = options.get("xla_dump_to")
         return compiled
 
     def rebuild(policy):
         return run_lib.abstract_setup(reduction_choice.with_policy(config, policy), devices)
 
-    # gradient_reduction_policy=auto: a step over HBM gives way to the next policy.
-    run, compiled = reduction_choice.compile_first_fitting(
-        run, compile_run, rebuild, int(topo.hbm_gib * GIB), lambda c: memory_of(c)["total"]
-    )
-    record = records[id(compiled)]
-    run.compiled = compiled
-    suffix = f"x{slices}" if slices > 1 else ""
-    hlo_path = hlo_path or os.path.join(config.run_dir, f"aot_{topo.name}{suffix}.hlo")
-    os.makedirs(os.path.dirname(os.path.abspath(hlo_path)), exist_ok=True)
-    text = compiled.as_text()
-    with open(hlo_path, "w") as f:
-        f.write(text)
+    try:
+        # gradient_reduction_policy=auto: a step over HBM gives way to the next policy.
+        run, compiled = reduction_choice.compile_first_fitting(
+            run, compile_run, rebuild, int(topo.hbm_gib * GIB), lambda c: memory_of(c)["total"]
+        )
+        record = records[id(compiled)]
+        run.compiled = compiled
+        suffix = f"x{slices}" if slices > 1 else ""
+        hlo_path = hlo_path or os.path.join(config.run_dir, f"aot_{topo.name}{suffix}.hlo")
+        os.makedirs(os.path.dirname(os.path.abspath(hlo_path)), exist_ok=True)
+        text = compiled.as_text()
+        with open(hlo_path, "w") as f:
+            f.write(text)
+        kernels = None
+        if scratch:  # the thunk sequence is kept beside the HLO, for a reader
+            thunks_path = hlo_path.removesuffix(".hlo") + ".thunks.txt"
+            kernels = gpu_topology.kernels_of_dump(dumps[id(compiled)], text, thunks_path)
+    finally:
+        if scratch:  # the dump (LLVM IR, PTX of every kernel) is large: not kept
+            shutil.rmtree(scratch, ignore_errors=True)
     # After writing the HLO, so a TagLostError's program can be inspected.
     accum.check_compiled(text, "raise", record)
-    return AotResult(topo, slices, run, compiled, hlo_path, memory_of(compiled))
+    return AotResult(topo, slices, run, compiled, hlo_path, memory_of(compiled), kernels)
 
 
 def report_lines(result: AotResult) -> list[str]:
@@ -200,8 +236,13 @@ def report_lines(result: AotResult) -> list[str]:
     config = run.config
     slices = f" x {result.num_slices} slices" if result.num_slices > 1 else ""
     devices = run.ctx.mesh.size
+    if topo.platform == "gpu":
+        slices = f" x {result.num_slices} hosts" if result.num_slices > 1 else ""
+        where = f"{topo.chips} x {topo.libtpu_name} per host, {devices} GPUs"
+    else:
+        where = f"{topo.libtpu_name}, {devices} chips"
     lines = [
-        f"topology: {topo.name}{slices} ({topo.libtpu_name}, {devices} chips, "
+        f"topology: {topo.name}{slices} ({where}, "
         f"{topo.hbm_gib:g} GiB HBM each); compiled on this host, not run",
         report.mesh_line(dict(run.ctx.mesh.shape), config.shard_mode),
         report.params_line_of(config.model, run.state["params"]),
@@ -227,6 +268,8 @@ def report_lines(result: AotResult) -> list[str]:
     # The table without hlo_tools' generic verdict: the summary above knows which
     # mesh axes may reduce per iteration (FSDP's) and which may not.
     lines += hlo_tools.format_table(hlo_tools.parse(text), verdict_line=False).splitlines()
+    if result.kernels is not None:
+        lines += gpu_topology.report_lines(result.kernels, run, result.hlo_path)
     command = run_lib.hlo_report_command(run, result.hlo_path)
     lines.append(f"wrote compiled HLO to {result.hlo_path} (inspect with: {command})")
     return lines
@@ -237,6 +280,8 @@ def main(config: Config, hlo_path: str | None = None) -> int:
     import jax
 
     topo = resolve(config.parallelism)  # ConfigError before libtpu loads
+    if topo.platform == "gpu":
+        gpu_topology.require_plugin()  # ConfigError: how to install it
     print(f"model: {config.model_name}", flush=True)
     try:
         result = compile_for_topology(config, hlo_path)

@@ -267,9 +267,13 @@ class ParallelismConfig:
     # Never join a process group (MaxText's key): one process even on a detected
     # cluster or with JAX_COORDINATOR_ADDRESS set (distributed.py).
     skip_jax_distributed_system: bool = _key(False, "never join a multi-process group")
-    # AOT (aot.py): compile the step for a TPU topology on this host, do not train.
-    compile_topology: str = _key("", "AOT: compile for this TPU topology (e.g. v5e-8), no training")
-    compile_topology_num_slices: int = _key(1, "AOT: slices of compile_topology")
+    # AOT (aot.py): compile the step for a TPU or GPU topology on this host, do not train.
+    compile_topology: str = _key(
+        "", "AOT: compile for this TPU or GPU topology (e.g. v5e-8, h100-8), no training"
+    )
+    compile_topology_num_slices: int = _key(
+        1, "AOT: slices (TPU) or hosts (GPU) of compile_topology"
+    )
 
     def ici_parallelism(self) -> dict[str, int]:
         """Requested size per in-slice mesh axis (before -1 is filled)."""

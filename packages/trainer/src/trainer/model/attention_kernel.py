@@ -21,7 +21,10 @@ CUDNN_MAX_HEAD_DIM = 128
 def cudnn_flash_blockers(config: ModelConfig, ctx: ShardCtx) -> list[str]:
     """Why cudnn_flash cannot run this model on this mesh (empty: it can)."""
     blockers = []
-    devices = getattr(ctx.mesh, "devices", None)  # an AbstractMesh has none
+    # An AbstractMesh (plan-reduction's) has no devices: its `.devices` raises
+    # ValueError, which getattr's default does not catch.
+    abstract = isinstance(ctx.mesh, jax.sharding.AbstractMesh)
+    devices = None if abstract else ctx.mesh.devices
     platforms = {d.platform for d in (devices.flat if devices is not None else jax.devices())}
     if platforms != {"gpu"}:
         blockers.append(f"the mesh's devices are {sorted(platforms)}, not GPUs")
