@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -168,6 +169,11 @@ def accumulate_gradients(
     _check_option(on_tag_lost)
     if plan is None:
         plan = plan_for(params, batch)
+    check_schedule(schedule, plan)  # an unknown schedule is named before any tracing
+    if schedule != "plain" and plan.path == "auto" and plan.mode != "explicit":
+        # The fused and overlapped schedules are the tags path's; on an auto mesh
+        # XLA places every reduction, as before the local path existed.
+        plan = dataclasses.replace(plan, path="tags")
     plan = choose_path(
         loss_fn, params, batch, num_microbatches=num_microbatches, plan=plan, rng=rng
     )
@@ -187,7 +193,6 @@ def accumulate_gradients(
             grad_shardings=grad_shardings,
             accum_dtype=accum_dtype,
         )
-    check_schedule(schedule, plan)
     overlap = schedule in OVERLAPPED
     mode = plan.mode
     microbatches = split_microbatches(batch, num_microbatches)

@@ -147,7 +147,7 @@ def add(
     # Each call is one microbatch: any reduction over these axes in it is one
     # per microbatch (the mark accum.verdict looks for).
     watched = plan.strict_axes if plan.mode == "explicit" else ()
-    with traced(plan), marked(ADD_SCOPE, watched, dict(plan.mesh_shape)):
+    with traced(plan, "add"), marked(ADD_SCOPE, watched, dict(plan.mesh_shape)):
         return _add(acc, loss_fn, params, microbatch, rng, on_tag_lost, schedule == "fused")
 
 

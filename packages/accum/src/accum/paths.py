@@ -19,6 +19,7 @@ errors, saying which in the plan (`summary()`, `table()`, `path_reason`).
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -30,13 +31,19 @@ from accum.plan import ReductionPlan, make_plan
 from accum.seed import value_and_grad
 from accum.tags import tag_reduced
 
+# JAX's ValueErrors about a tagged value: flax unpacking a tagged spec, a reshape
+# onto a spec that lost the tag.
+_REFUSAL = re.compile(r"unreduced/reduced set|must be (?:un)?reduced over|(?:un)?reduced axes")
+
 
 def _tags_refused(error: Exception) -> bool:
     """Whether `error` is the model refusing tags (not a bug in the model)."""
     if type(error).__name__ == "ShardingTypeError" or isinstance(error, NotImplementedError):
         return True
-    text = str(error)
-    return isinstance(error, ValueError) and ("reduced" in text or "unreduced" in text)
+    # flax unpacking a tagged spec: "Using *pspec is dangerous when PartitionSpec has
+    # non-empty unreduced/reduced set". Other ValueErrors (no mesh context, shapes)
+    # are the caller's to see, as on the tags path.
+    return isinstance(error, ValueError) and _REFUSAL.search(str(error)) is not None
 
 
 def local_plan(plan: ReductionPlan, params: Any, reason: str) -> ReductionPlan:

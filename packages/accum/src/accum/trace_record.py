@@ -43,6 +43,9 @@ class TraceRecord:
     # source lines: (file basename, line) of the innermost user frames.
     lines: dict[str, set[tuple]] = dataclasses.field(default_factory=dict)
     plans: dict[int, Any] = dataclasses.field(default_factory=dict)
+    # Trace numbers of `accum.add` bodies (the others are microbatch loops): an
+    # op XLA hoists out of a loop keeps the loop's trace number in its op_name.
+    adds: set[int] = dataclasses.field(default_factory=set)
     # True under `compile_checked`: the trace-time analysis reports here instead of warning.
     checked: bool = True
 
@@ -72,10 +75,11 @@ def active_record() -> TraceRecord | None:
 
 
 @contextlib.contextmanager
-def traced(plan: Any) -> Iterator[int]:
+def traced(plan: Any, kind: str = "loop") -> Iterator[int]:
     """Register the enclosing record (a fresh, unchecked one outside
-    `compile_checked`) under a new number, note `plan` in it, and open the
-    name scope `accum_trace[<number>]` around the block."""
+    `compile_checked`) under a new number, note `plan` (and whether the block
+    is an `accum.add` body, `kind="add"`) in it, and open the name scope
+    `accum_trace[<number>]` around the block."""
     outer = active_record()
     record = outer if outer is not None else TraceRecord(checked=False)
     with _LOCK:
@@ -84,6 +88,8 @@ def traced(plan: Any) -> Iterator[int]:
         while len(_REGISTRY) > _KEEP:
             _REGISTRY.popitem(last=False)
     record.plans[number] = plan
+    if kind == "add":
+        record.adds.add(number)
     _RECORDING.record = record
     try:
         with jax.named_scope(f"{TRACE_SCOPE}[{number}]"):
@@ -105,6 +111,13 @@ def records_in(text: str) -> dict[int, TraceRecord]:
         return {n: _REGISTRY[n] for n in sorted(numbers) if n in _REGISTRY}
 
 
+def is_add(number: int | None) -> bool:
+    """Whether trace `number` is a registered `accum.add` body."""
+    with _LOCK:
+        record = _REGISTRY.get(number)
+    return record is not None and number in record.adds
+
+
 def merged(records: list[TraceRecord]) -> TraceRecord | None:
     """One record holding what all of `records` hold (None for none)."""
     unique = list({id(r): r for r in records}.values())
@@ -121,6 +134,7 @@ def merged(records: list[TraceRecord]) -> TraceRecord | None:
             for k, v in getattr(r, name).items():
                 getattr(out, name).setdefault(k, []).extend(v)
         out.plans.update(r.plans)
+        out.adds |= r.adds
     return out
 
 

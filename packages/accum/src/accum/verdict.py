@@ -40,6 +40,7 @@ from accum.plan import PER_STEP, SCATTER, _is_leaf_plan
 from accum.trace_record import (  # noqa: F401 - recording, active_record: re-exported
     TraceRecord,
     active_record,
+    is_add,
     merged,
     record_params,
     recording,
@@ -143,7 +144,10 @@ def _mark_for(
         return ("loop", strict, _watched(strict, plan), sizes, loop, number)
     mark = _mark_of(c.op_name, ADD_SCOPE)
     number = trace_number(c.op_name)
-    if mark is None and (number not in plans or c.loops):
+    # Unmarked and outside every loop: an `accum.add` body's op, judged by its
+    # plan; a microbatch loop's op that XLA hoisted after the loop (its
+    # op_name keeps the loop's trace number) runs once per step: not a finding.
+    if mark is None and (number not in plans or c.loops or not is_add(number)):
         return None
     strict, sizes = mark or ((), dict(plans[number].mesh_shape))
     return ("add", strict, _watched(strict, plans.get(number)), sizes, None, number)
@@ -325,22 +329,29 @@ def _blame(finding: Finding, record: TraceRecord | None) -> str:
 
 def _by_plan(finding: Finding, record: TraceRecord | None) -> bool:
     """Whether a reduction over axes that only some gradients defer is one the
-    plan asked for: every parameter it carries (`_blamed`) is reduced over those
-    axes per use or per microbatch. Unnamed (no record, no parameter of its
-    shape) or carrying a deferred gradient: not asked for."""
+    plan asked for. Judged per reduced array (XLA combines many into one
+    all-reduce): an array is accounted for when one of the parameters it may
+    carry (`_blamed`, narrowed to those of its shape) is reduced over those axes
+    per use or per microbatch; a reduce-scatter lowered as an all-reduce has the
+    same shape as a replicated weight's gradient, and which of the two it is the
+    text does not say, so the doubt goes to the plan. An array that only
+    deferring parameters can carry is not asked for; so is an unnamed one."""
     plan = None if record is None else record.plans.get(finding.trace)
     names = _blamed(finding, record)[0]
     if plan is None or not names:
         return False
-    # A whole gradient of the reduced array's shape beats one layer of a larger one.
-    dims = {tuple(sorted(a.dims)) for a in finding.collective.arrays if a.elements > MAX_ELEMENTS}
-    whole = [n for n in names if {tuple(sorted(s)) for s in record.shapes.get(n, ())} & dims]
-    names = whole or names
     flat = jax.tree_util.tree_flatten_with_path(plan.leaves, is_leaf=_is_leaf_plan)[0]
     leaves = {jax.tree_util.keystr(path): leaf for path, leaf in flat}
     axes = set(finding.axes)
-    deferring = [n for n in names if n not in leaves or set(leaves[n].tagged) & axes]
-    return not deferring
+    asked = {n for n in names if n in leaves and not set(leaves[n].tagged) & axes}
+    for array in finding.collective.arrays:
+        if array.elements <= MAX_ELEMENTS:
+            continue
+        dims = tuple(sorted(array.dims))
+        shaped = [n for n in names if any(dims in _slice_shapes(s) for s in record.shapes[n])]
+        if not set(shaped or names) & asked:
+            return False
+    return True
 
 
 def _params_shaped_like(c: hlo_tools.Collective, record: TraceRecord) -> list[str]:
