@@ -384,9 +384,14 @@ def _stack_loss(decay):
 
         h, (sums, _) = accum.scan_layers(body, mb["x"], p["stack"])
         loss = jnp.sum(h * h * mb["weight"][:, None]) + 0.1 * jnp.sum(sums)
+        weight = jnp.sum(mb["weight"])
         if decay:
-            loss = loss + 1e-2 * jnp.sum(p["stack"]["w"] * p["stack"]["w"])
-        return loss, {"weight": jnp.sum(mb["weight"])}
+            # Scaled by the weight (the README's rule for terms of the parameters
+            # alone): the same on the tags path (fused) and on the local path an
+            # auto mesh takes by default (plain), where an unscaled term would be
+            # added once per device.
+            loss = loss + 1e-2 * weight * jnp.sum(p["stack"]["w"] * p["stack"]["w"])
+        return loss, {"weight": weight}
 
     return loss_fn
 

@@ -32,8 +32,10 @@ from accum.gating import (
 )
 from accum.guard import find_dropped_tags
 from accum.microbatch import split_microbatches
+from accum.paths import choose_path
 from accum.plan import (
     BY_XLA,
+    PATHS,
     PER_MICROBATCH,
     PER_STEP,
     PER_USE,
@@ -62,6 +64,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BY_XLA",
     "ON_TAG_LOST",
+    "PATHS",
     "PER_MICROBATCH",
     "PER_STEP",
     "PER_USE",
@@ -79,6 +82,7 @@ __all__ = [
     "check_compiled",
     "check_schedule",
     "check_zero1_compatible",
+    "choose_path",
     "compile_checked",
     "data_is_only_batch_axis",
     "deferred_axes",

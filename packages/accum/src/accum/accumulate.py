@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -11,7 +12,9 @@ import jax.numpy as jnp
 from accum.fused_accumulate import fused_microbatch
 from accum.gating import plan_for
 from accum.guard import find_dropped_tags, report_dropped_tags
+from accum.local import local_accumulate
 from accum.microbatch import split_microbatches
+from accum.paths import choose_path
 from accum.plan import ReductionPlan
 from accum.schedule import OVERLAPPED, Schedule, check_schedule
 from accum.seed import value_and_grad as seeded_value_and_grad
@@ -23,7 +26,8 @@ from accum.tags import (
     tag_reduced,
     unreduced_zeros,
 )
-from accum.verdict import LOOP_SCOPE, marked, record_params
+from accum.trace_record import record_params, traced
+from accum.verdict import LOOP_SCOPE, marked
 from accum.verdict import check_option as _check_option
 from pspec_tags import find_untagged
 
@@ -165,7 +169,30 @@ def accumulate_gradients(
     _check_option(on_tag_lost)
     if plan is None:
         plan = plan_for(params, batch)
-    check_schedule(schedule, plan)
+    check_schedule(schedule, plan)  # an unknown schedule is named before any tracing
+    if schedule != "plain" and plan.path == "auto" and plan.mode != "explicit":
+        # The fused and overlapped schedules are the tags path's; on an auto mesh
+        # XLA places every reduction, as before the local path existed.
+        plan = dataclasses.replace(plan, path="tags")
+    plan = choose_path(
+        loss_fn, params, batch, num_microbatches=num_microbatches, plan=plan, rng=rng
+    )
+    if plan.path == "local":
+        if schedule != "plain":
+            raise ValueError(
+                f"schedule={schedule!r} needs the tags path; this plan takes the local "
+                f"path ({plan.path_reason or 'asked for'}): use schedule='plain'"
+            )
+        return local_accumulate(
+            loss_fn,
+            params,
+            batch,
+            num_microbatches=num_microbatches,
+            plan=plan,
+            rng=rng,
+            grad_shardings=grad_shardings,
+            accum_dtype=accum_dtype,
+        )
     overlap = schedule in OVERLAPPED
     mode = plan.mode
     microbatches = split_microbatches(batch, num_microbatches)
@@ -207,11 +234,12 @@ def accumulate_gradients(
     looped = num_microbatches - 1 if overlap else num_microbatches
     if overlap:
         xs = jax.tree.map(lambda x: x[:looped], xs)
-    record_params(compute_params)
-    # The mark the compiled verdict (accum.verdict) looks for: a reduction over
-    # these axes inside this loop's `while` runs once per microbatch.
+    # The marks the compiled verdict (accum.verdict) looks for: a reduction over
+    # these axes inside this loop's `while` runs once per microbatch; the trace
+    # number finds this plan (and the parameters' names) from the compiled text.
     watched = plan.strict_axes if mode == "explicit" else ()
-    with marked(LOOP_SCOPE, watched, dict(plan.mesh_shape)):
+    with traced(plan), marked(LOOP_SCOPE, watched, dict(plan.mesh_shape)):
+        record_params(compute_params)
         acc, (loss_sums, auxes) = jax.lax.scan(body, acc0, xs)
     # Per-microbatch losses/aux are stacked by the scan and summed here: scalars.
     loss_sum = jnp.sum(loss_sums, axis=0)

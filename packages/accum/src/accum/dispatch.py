@@ -30,7 +30,8 @@ from accum.gating import plan_for
 from accum.plan import ReductionPlan
 from accum.schedule import OVERLAPPED, Schedule, check_schedule
 from accum.tags import reduce_to, scatter_into, tag_reduced, unreduced_zeros, zeros_of_type
-from accum.verdict import ADD_SCOPE, marked, record_params
+from accum.trace_record import record_params, traced
+from accum.verdict import ADD_SCOPE, marked
 
 
 @jax.tree_util.register_dataclass
@@ -146,7 +147,7 @@ def add(
     # Each call is one microbatch: any reduction over these axes in it is one
     # per microbatch (the mark accum.verdict looks for).
     watched = plan.strict_axes if plan.mode == "explicit" else ()
-    with marked(ADD_SCOPE, watched, dict(plan.mesh_shape)):
+    with traced(plan, "add"), marked(ADD_SCOPE, watched, dict(plan.mesh_shape)):
         return _add(acc, loss_fn, params, microbatch, rng, on_tag_lost, schedule == "fused")
 
 

@@ -75,6 +75,7 @@ def plan_for(
     batch_axes: Iterable[str] | None = None,
     slice_axes: Iterable[str] = (),
     per_parameter: bool = False,
+    path: str = "auto",
 ) -> ReductionPlan:
     """The reduction plan of `params` read from the values themselves: `make_plan`
     with the mesh and specs of `params`' explicit shardings and the batch axes of
@@ -89,6 +90,11 @@ def plan_for(
     reduces a batch axis that shards any parameter per microbatch for all, as
     plain matmuls outside shard_map need (JAX types their gradient as unreduced
     over every batch axis they contract).
+    `path`: 'auto' (default: `accumulate_gradients` tries the tags and falls
+    back to the local path when the model does not trace under them; auto
+    meshes take the local path), 'tags' or 'local' (accum.paths). On an auto
+    mesh, whose types hold no shardings, the batch axes default to every mesh
+    axis of size > 1 (pass `batch_axes` to keep some for the model).
     `accumulate_gradients` and `start` call it when given no plan.
 
     Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
@@ -99,16 +105,26 @@ def plan_for(
     "per microbatch over ('data',) (policy per_microbatch)"
     """
     leaves = jax.tree.leaves(params)
+    mode = resolve_mode(mode, params)
+    sizes = mesh_shape_of(leaves)
     axes = tuple(batch_axes) if batch_axes is not None else batch_axes_of(batch)
-    return make_plan(
+    if mode == "auto":  # its types carry no shardings: the mesh set by `jax.set_mesh`
+        sizes = sizes or dict(jax.sharding.get_abstract_mesh().shape)
+    if mode == "auto" and path != "tags":
+        # Auto mode cannot defer with tags: the local path does.
+        axes = axes if batch_axes is not None else tuple(a for a, n in sizes.items() if n > 1)
+        path = "auto" if axes and policy == "deferred" else "tags"
+    plan = make_plan(
         params,
         batch_axes=axes,
-        mesh_shape=mesh_shape_of(leaves),
+        mesh_shape=sizes,
         policy=policy,
-        mode=resolve_mode(mode, params),
+        mode=mode,
         slice_axes=slice_axes,
         per_parameter=per_parameter,
+        path=path,
     )
+    return plan
 
 
 def deferred_axes(params: Any, batch_axes: Iterable[str]) -> tuple[str, ...]:

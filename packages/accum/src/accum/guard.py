@@ -52,7 +52,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from accum.seed import cotangent_like
-from accum.verdict import MAX_ELEMENTS, active_record
+from accum.trace_record import active_record
+from accum.verdict import MAX_ELEMENTS
 from pspec_tags import (
     entry_axes,
     mesh_axes_used,
@@ -598,11 +599,10 @@ def report_dropped_tags(
     if not found:
         return
     record = active_record()
-    if record is not None:
-        for name, sites in found.items():
-            record.suspects.setdefault(name, []).extend(sites)
-        return
-    if on_tag_lost == "ignore":
+    for name, sites in found.items() if record is not None else ():
+        record.suspects.setdefault(name, []).extend(sites)
+    # Under compile_checked the compiled verdict decides; a user's own jit gets the warning.
+    if (record is not None and record.checked) or on_tag_lost == "ignore":
         return
     lines = [
         f"{len(found)} parameter(s) may have their gradient (or a value computed from them) "

@@ -55,7 +55,8 @@ def split_microbatches(batch: Any, num_microbatches: int) -> Any:
     """Stack `batch` into `num_microbatches` microbatches along a new leading dimension.
 
     Every leaf's leading dimension is the batch; `ValueError` names both numbers
-    when it does not divide. Under explicit sharding the split moves no data.
+    when it does not divide. A 0-d leaf is broadcast: each microbatch gets it.
+    Under explicit sharding the split moves no data.
 
     Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
 
@@ -65,10 +66,14 @@ def split_microbatches(batch: Any, num_microbatches: int) -> Any:
     n = int(num_microbatches)
     if n < 1:
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
-    leaves = jax.tree.leaves(batch)
+    leaves = [leaf for leaf in jax.tree.leaves(batch) if jnp.ndim(leaf) > 0]
     if not leaves:
-        raise ValueError("batch has no array leaves")
+        raise ValueError("batch has no array leaves with a batch dimension")
     b = _lead_size(leaves)
     if b % n:
         raise ValueError(f"batch size {b} is not divisible by num_microbatches {n}")
-    return jax.tree.map(lambda x: _split_leaf(x, n), batch)
+    # A 0-d leaf (a temperature, a step number) has no rows to split: every
+    # microbatch gets the same value.
+    return jax.tree.map(
+        lambda x: jnp.broadcast_to(x, (n,)) if jnp.ndim(x) == 0 else _split_leaf(x, n), batch
+    )

@@ -40,6 +40,7 @@ from accum.shards import add_axes_to_free_dims
 from pspec_tags import mesh_axes_used, partitions, reduced_axes, spec_of, untagged
 
 POLICIES = ("deferred", "per_microbatch", "hierarchical")
+PATHS = ("auto", "tags", "local")
 
 PER_USE = "per use"
 PER_MICROBATCH = "per microbatch"
@@ -110,6 +111,12 @@ class ReductionPlan:
     slice_axes: tuple[str, ...]
     treedef: Any  # the parameters' tree structure
     leaf_list: tuple[LeafPlan, ...]  # flattened, so the plan hashes (a static jit argument)
+    # How gradients stay per-device sums (accum.paths): "tags" (reduced/unreduced
+    # types), "local" (each microbatch inside a shard_map over the batch axes) or
+    # "auto" (chosen when accumulating); `path_reason` says why.
+    path: str = "tags"
+    path_reason: str = ""
+    gated_by: tuple[str, ...] = ()  # parameters whose sharding made a batch axis per microbatch
 
     @property
     def leaves(self) -> Any:
@@ -167,10 +174,23 @@ class ReductionPlan:
 
     def summary(self) -> str:
         """One line: the policy and which axes are reduced when."""
-        if self.mode != "explicit":
-            return "placed by XLA (auto mode carries no reduced/unreduced tags)"
         if not self.batch_axes:
             return "nothing to defer (no mesh axis shards the tokens)"
+        why = f" ({self.path_reason})" if self.path_reason else ""
+        if self.path == "local":
+            return (
+                f"local path: each microbatch in a shard_map over {self.batch_axes}, gradients "
+                f"summed per device, reduced once per step{why}"
+            )
+        if self.mode != "explicit":
+            return (
+                "placed by XLA: every gradient reduced per microbatch (auto mode carries no "
+                f"reduced/unreduced tags; path='local' defers){why}"
+            )
+        return self._tags() + why
+
+    def _tags(self) -> str:
+        """The summary of the tags path."""
         if self.policy == "per_microbatch":
             return f"per microbatch over {self.batch_axes} (policy per_microbatch)"
         per_use = self.axes(PER_USE)
@@ -181,6 +201,20 @@ class ReductionPlan:
                 f"reduce-scattered per microbatch over {self.axes(SCATTER)} into sharded "
                 f"accumulators{also}"
             )
+        if not self.deferred_axes:
+            by = ", ".join(self.gated_by[:3]) + (" ..." if len(self.gated_by) > 3 else "")
+            return (
+                f"defers nothing: every gradient reduced per microbatch over {self.batch_axes}, "
+                f"because parameter(s) {by} are sharded over them (per_parameter=True defers "
+                "the others; path='local' defers all)"
+            )
+        gated = self.axes(PER_MICROBATCH)
+        also += (
+            f"; per microbatch over {gated} for all, because {', '.join(self.gated_by[:3])} "
+            "are sharded over them"
+            if gated and self.gated_by
+            else ""
+        )
         return f"deferred to once per step over {self.deferred_axes} (grads stay unreduced){also}"
 
     def table(self, group_depth: int = 2) -> list[str]:
@@ -200,7 +234,12 @@ class ReductionPlan:
         ]
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()  # noqa: E731
-        return [fmt(header), *(fmt(r) for r in rows)]
+        lines = [fmt(header), *(fmt(r) for r in rows)]
+        if self.path == "local" or self.path_reason:
+            lines.insert(
+                0, f"path: {self.path}" + (f" ({self.path_reason})" * bool(self.path_reason))
+            )
+        return lines
 
 
 def _spec_and_shape(leaf: Any) -> tuple[P, tuple[int, ...]]:
@@ -220,9 +259,17 @@ def is_floating(leaf: Any) -> bool:
 
 
 def _when(
-    axis: str, used: set[str], policy: str, mode: str, sliced: set[str], gated: set[str]
+    axis: str,
+    used: set[str],
+    policy: str,
+    mode: str,
+    sliced: set[str],
+    gated: set[str],
+    path: str = "tags",
 ) -> str:
     """The one decision: when `axis`'s partial sums of a leaf sharded over `used` are reduced."""
+    if path == "local":  # gathered at the shard_map's entry; summed per device
+        return PER_STEP
     if mode != "explicit":
         return BY_XLA
     if axis in used:
@@ -243,6 +290,7 @@ def make_plan(
     mode: str = "explicit",
     slice_axes: Iterable[str] = (),
     per_parameter: bool = True,
+    path: str = "tags",
 ) -> ReductionPlan:
     """The reduction plan of `params` (arrays or ShapeDtypeStructs with shardings:
     the layout the model computes with, not ZeRO-1's masters).
@@ -253,7 +301,10 @@ def make_plan(
     it per use and defers the others (the model gathers such leaves with a
     tagged reshard, or consumes them in a shard_map); False: a batch axis that
     shards any parameter is reduced per microbatch for all (plain matmuls).
-    Raises PlanError for a policy that cannot apply.
+    `path`: "tags" (default), "local" (each microbatch in a shard_map over the
+    batch axes: any model, auto meshes too) or "auto" (tags, else local,
+    decided by `accumulate_gradients`; accum.paths). Raises PlanError for a
+    policy that cannot apply.
 
     Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
 
@@ -263,6 +314,10 @@ def make_plan(
     """
     if policy not in POLICIES:
         raise PlanError(f"gradient reduction policy {policy!r} is not one of {POLICIES}")
+    if path not in PATHS:
+        raise PlanError(f"accumulation path {path!r} is not one of {PATHS}")
+    if path == "local" and policy != "deferred":
+        raise PlanError(f"the local path defers every batch axis; policy {policy!r} needs tags")
     sizes = dict(mesh_shape)
     batch = tuple(a for a in sizes if a in set(batch_axes) and sizes[a] > 1)
     sliced = {a for a in slice_axes if sizes.get(a, 1) > 1}
@@ -276,12 +331,17 @@ def make_plan(
     used_anywhere = {
         a for spec, _ in jax.tree.leaves(specs, is_leaf=is_pair) for a in mesh_axes_used(spec)
     }
-    gated = set() if per_parameter else used_anywhere & set(batch)
+    gated = set() if per_parameter or path == "local" else used_anywhere & set(batch)
+    gated_by = tuple(
+        jax.tree_util.keystr(k)
+        for k, (spec, _) in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_pair)[0]
+        if set(mesh_axes_used(spec)) & gated
+    )
 
     def plan_leaf(leaf, spec_shape):
         spec, shape = spec_shape
         used = set(mesh_axes_used(spec))
-        when = tuple((a, _when(a, used, policy, mode, sliced, gated)) for a in batch)
+        when = tuple((a, _when(a, used, policy, mode, sliced, gated, path)) for a in batch)
         if not is_floating(leaf):  # integer leaves get no gradient worth reducing
             when = tuple((a, PER_MICROBATCH if w != BY_XLA else w) for a, w in when)
         leaf_plan = LeafPlan(when, spec, spec)
@@ -294,7 +354,9 @@ def make_plan(
     leaves = jax.tree.map(plan_leaf, params, specs)
     flat, treedef = jax.tree.flatten(leaves, is_leaf=_is_leaf_plan)
     slices = tuple(a for a in sizes if a in sliced)
-    return ReductionPlan(policy, mode, tuple(sizes.items()), batch, slices, treedef, tuple(flat))
+    return ReductionPlan(
+        policy, mode, tuple(sizes.items()), batch, slices, treedef, tuple(flat), path, "", gated_by
+    )
 
 
 def reduced_at_use(source: P | None, target: P | None, batch_axes: Iterable[str]) -> frozenset[str]:

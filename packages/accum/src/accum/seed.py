@@ -81,9 +81,36 @@ def value_and_grad(fun: Callable, argnums: int | tuple[int, ...] = 0) -> Callabl
         return untagged(loss), (loss, aux)
 
     def wrapped(*args: Any) -> Any:
+        if argnums == 0:
+            return _trainable_only(differentiated, *args)
         (_, (loss, aux)), grads = jax.value_and_grad(differentiated, argnums=argnums, has_aux=True)(
             *args
         )
         return (loss, aux), grads
 
     return wrapped
+
+
+def _trainable_only(differentiated: Callable, params: Any, *args: Any) -> Any:
+    """Differentiate with respect to the floating leaves of `params` only.
+
+    Integer and boolean leaves (a step counter, a mask, an index table kept
+    with the weights) are not trainable: `jax.grad` would raise a TypeError on
+    them. They are closed over, and their "gradient" is zeros of their own
+    dtype, so an optimizer's update leaves them as they are.
+    """
+    leaves, treedef = jax.tree.flatten(params)
+    trainable = [jnp.issubdtype(jnp.result_type(leaf), jnp.inexact) for leaf in leaves]
+
+    def of_trainable(floats: list, *args: Any) -> Any:
+        it = iter(floats)
+        full = [next(it) if t else leaf for leaf, t in zip(leaves, trainable, strict=True)]
+        return differentiated(jax.tree.unflatten(treedef, full), *args)
+
+    floats = [leaf for leaf, t in zip(leaves, trainable, strict=True) if t]
+    (_, (loss, aux)), grads = jax.value_and_grad(of_trainable, has_aux=True)(floats, *args)
+    it = iter(grads)
+    full = [
+        next(it) if t else jnp.zeros_like(leaf) for leaf, t in zip(leaves, trainable, strict=True)
+    ]
+    return (loss, aux), jax.tree.unflatten(treedef, full)

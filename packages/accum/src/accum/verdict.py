@@ -29,14 +29,24 @@ import contextlib
 import dataclasses
 import os
 import re
-import threading
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 
 import hlo_tools
+from accum.plan import PER_STEP, SCATTER, _is_leaf_plan
+from accum.trace_record import (  # noqa: F401 - recording, active_record: re-exported
+    TraceRecord,
+    active_record,
+    is_add,
+    merged,
+    record_params,
+    recording,
+    records_in,
+    trace_number,
+)
 from hlo_tools.frames import Frame, StackFrames
 from pspec_tags import TagLostError
 
@@ -87,59 +97,6 @@ def _mark_of(op_name: str, kind: str) -> tuple[tuple[str, ...], dict[str, int]] 
     return axes, {a: int(n) for a, n in sizes.items()}
 
 
-# ---------------------------------------------------------------- what the trace knew
-
-
-@dataclasses.dataclass
-class TraceRecord:
-    """What tracing one accumulation learned, for the error message: each
-    gradient's global and per-device shapes (a gradient resharded onto a
-    replicated spec is reduced whole), and the trace-time analysis's suspects."""
-
-    shapes: dict[str, set[tuple[int, ...]]] = dataclasses.field(default_factory=dict)
-    suspects: dict[str, list[str]] = dataclasses.field(default_factory=dict)
-    dropped: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # forward tag drops
-    # (source lines, primitive) of each backward equation a gradient flows through;
-    # source lines: (file basename, line) of the innermost user frames.
-    lines: dict[str, set[tuple]] = dataclasses.field(default_factory=dict)
-
-
-_RECORDING = threading.local()
-
-
-@contextlib.contextmanager
-def recording() -> Iterator[TraceRecord]:
-    """Collect what accumulations traced inside this block learn; while it is
-    open the trace-time analysis reports to it instead of warning."""
-    record = TraceRecord()
-    previous = getattr(_RECORDING, "record", None)
-    _RECORDING.record = record
-    try:
-        yield record
-    finally:
-        _RECORDING.record = previous
-
-
-def active_record() -> TraceRecord | None:
-    """The record of the enclosing `recording()` block, None outside one."""
-    return getattr(_RECORDING, "record", None)
-
-
-def record_params(params: Any) -> None:
-    """Note each parameter's global and per-device gradient shapes (blame by shape)."""
-    record = active_record()
-    if record is None:
-        return
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        aval = jax.typeof(leaf)
-        sharding = getattr(aval, "sharding", None)
-        try:
-            local = tuple(sharding.shard_shape(aval.shape))
-        except (AttributeError, TypeError, ValueError):
-            local = tuple(aval.shape)
-        record.shapes[jax.tree_util.keystr(path)] = {local, tuple(aval.shape)}
-
-
 # ---------------------------------------------------------------- the compiled fact
 
 
@@ -151,6 +108,8 @@ class Finding:
     axes: tuple[str, ...]
     where: str  # "loop" (accumulate_gradients) or "add" (accum.add)
     frames: tuple[Frame, ...]
+    strict: bool = True  # over an axis every gradient defers (the mark's); else judged per leaf
+    trace: int | None = None  # the accumulation's trace number (accum.trace_record)
 
     @property
     def bytes_per_step(self) -> int:
@@ -163,16 +122,41 @@ def _largest_array(c: hlo_tools.Collective) -> int:
 
 
 def _mark_for(
-    c: hlo_tools.Collective,
-) -> tuple[str, tuple, dict, hlo_tools.Loop | None] | None:
-    """("loop"|"add", axes, mesh shape, the marked loop's while instruction or
-    None for `accum.add`) when `c` runs under a mark, else None."""
-    for loop in reversed(c.loops):
+    c: hlo_tools.Collective, plans: Mapping[int, Any]
+) -> tuple[str, tuple, tuple, dict, hlo_tools.Loop | None, int | None] | None:
+    """("loop"|"add", strict axes, watched axes, mesh shape, the marked loop's
+    while instruction or None for `accum.add`, trace number) when `c` runs
+    inside an accumulation's microbatch loop or `add` body, else None.
+
+    The strict axes come from the name scope (every gradient defers them); the
+    watched ones add each axis some gradient defers, read from the plan of the
+    trace the op_name names (`plans`): a reduction over those is judged per leaf.
+    """
+    for loop in c.loops:  # outermost first: the microbatch loop encloses the model's
+        number = trace_number(loop.op_name)
         mark = _mark_of(loop.op_name, LOOP_SCOPE)
-        if mark is not None:
-            return ("loop", *mark, loop)
+        if mark is None and number not in plans:
+            continue
+        strict, sizes = mark or ((), {})
+        plan = plans.get(number)
+        if plan is not None:
+            sizes = sizes or dict(plan.mesh_shape)
+        return ("loop", strict, _watched(strict, plan), sizes, loop, number)
     mark = _mark_of(c.op_name, ADD_SCOPE)
-    return None if mark is None else ("add", *mark, None)
+    number = trace_number(c.op_name)
+    # Unmarked and outside every loop: an `accum.add` body's op, judged by its
+    # plan; a microbatch loop's op that XLA hoisted after the loop (its
+    # op_name keeps the loop's trace number) runs once per step: not a finding.
+    if mark is None and (number not in plans or c.loops or not is_add(number)):
+        return None
+    strict, sizes = mark or ((), dict(plans[number].mesh_shape))
+    return ("add", strict, _watched(strict, plans.get(number)), sizes, None, number)
+
+
+def _watched(strict: tuple[str, ...], plan: Any) -> tuple[str, ...]:
+    """`strict` and the axes `plan` defers for some gradient (none without a plan)."""
+    deferred = () if plan is None else plan.axes(PER_STEP, SCATTER)
+    return tuple(dict.fromkeys((*strict, *deferred)))
 
 
 def _carry(module: Any, loop: hlo_tools.Loop | None) -> str:
@@ -224,14 +208,19 @@ def accumulates(module: Any, c: hlo_tools.Collective, carry: str) -> bool:
     )
 
 
-def in_loop_reductions(text: str, module: hlo_tools.HloModule | None = None) -> list[Finding]:
+def in_loop_reductions(
+    text: str, module: hlo_tools.HloModule | None = None, plans: Mapping[int, Any] | None = None
+) -> list[Finding]:
     """Gradient reductions over a watched axis inside a marked loop or `accum.add` body.
 
     Each all-reduce / reduce-scatter (start forms included; TPU async fusions
     counted once, by hlo_tools) with an array of more than `MAX_ELEMENTS`
     elements, whose replica groups span a watched axis of its mark, made by the
     backward pass (`in_backward`) and whose result the loop accumulates
-    (`accumulates`): a gradient's reduction, not an activation's.
+    (`accumulates`): a gradient's reduction, not an activation's. `plans`
+    ({trace number: ReductionPlan}; default: the registered traces the text
+    names) add the axes some gradient defers: a finding over those alone has
+    `strict=False`, and `check_compiled` judges it per parameter.
 
     Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
 
@@ -248,7 +237,9 @@ def in_loop_reductions(text: str, module: hlo_tools.HloModule | None = None) -> 
     ...  accum.in_loop_reductions(text)]
     [('all-reduce', ('data',), 2)]
     """
-    if LOOP_SCOPE not in text and ADD_SCOPE not in text:
+    if plans is None:
+        plans = {n: r.plans[n] for n, r in records_in(text).items() if n in r.plans}
+    if LOOP_SCOPE not in text and ADD_SCOPE not in text and not plans:
         return []  # nothing marked: no deferred axis to watch
     # `module`: `text` already parsed by the caller (the trainer's startup summary).
     module = module or hlo_tools.parse(text)
@@ -258,13 +249,14 @@ def in_loop_reductions(text: str, module: hlo_tools.HloModule | None = None) -> 
             continue
         if _largest_array(c) <= MAX_ELEMENTS:
             continue
-        mark = _mark_for(c)
+        mark = _mark_for(c, plans)
         if mark is None:
             continue
-        where, axes, mesh_shape, loop = mark
+        where, strict, axes, mesh_shape, loop, number = mark
         spanned = tuple(a for a in axes if hlo_tools.spans_mesh_axis(c, mesh_shape, a))
         if spanned and in_backward(c.op_name) and accumulates(module, c, _carry(module, loop)):
-            found.append(Finding(c, spanned, where, ()))
+            is_strict = any(a in strict for a in spanned)
+            found.append(Finding(c, spanned, where, (), is_strict, number))
     if not found:
         return found
     # Source lines only for what is reported: the tables are a pass over the text.
@@ -291,7 +283,7 @@ def user_frames(frames: tuple[Frame, ...], depth: int = 2) -> str:
     return ", called from ".join(map(str, chosen)) or "?"
 
 
-def _blame(finding: Finding, record: TraceRecord | None) -> str:
+def _blamed(finding: Finding, record: TraceRecord | None) -> tuple[list[str], str]:
     """The parameters whose gradient the collective carries.
 
     Candidates are the parameters whose per-device or global gradient (or one
@@ -303,7 +295,7 @@ def _blame(finding: Finding, record: TraceRecord | None) -> str:
     forward layout op dropped; else all.
     """
     if record is None:
-        return "(no trace record: compile with accum.compile_checked to name it)"
+        return [], ""
     c = finding.collective
     by_shape = _params_shaped_like(c, record)
     key, prims = _user_key(finding.frames), _primitives(c.op_name)
@@ -321,8 +313,45 @@ def _blame(finding: Finding, record: TraceRecord | None) -> str:
         ("by shape", by_shape),
     ):
         if names:
-            return f"{', '.join(map(_display, names))} ({why})"
-    return "no parameter of this shape (a value computed from the parameters)"
+            return names, why
+    return [], ""
+
+
+def _blame(finding: Finding, record: TraceRecord | None) -> str:
+    """`_blamed` as the message prints it."""
+    if record is None:
+        return "(no trace record: compile with accum.compile_checked to name it)"
+    names, why = _blamed(finding, record)
+    if not names:
+        return "no parameter of this shape (a value computed from the parameters)"
+    return f"{', '.join(map(_display, names))} ({why})"
+
+
+def _by_plan(finding: Finding, record: TraceRecord | None) -> bool:
+    """Whether a reduction over axes that only some gradients defer is one the
+    plan asked for. Judged per reduced array (XLA combines many into one
+    all-reduce): an array is accounted for when one of the parameters it may
+    carry (`_blamed`, narrowed to those of its shape) is reduced over those axes
+    per use or per microbatch; a reduce-scatter lowered as an all-reduce has the
+    same shape as a replicated weight's gradient, and which of the two it is the
+    text does not say, so the doubt goes to the plan. An array that only
+    deferring parameters can carry is not asked for; so is an unnamed one."""
+    plan = None if record is None else record.plans.get(finding.trace)
+    names = _blamed(finding, record)[0]
+    if plan is None or not names:
+        return False
+    flat = jax.tree_util.tree_flatten_with_path(plan.leaves, is_leaf=_is_leaf_plan)[0]
+    leaves = {jax.tree_util.keystr(path): leaf for path, leaf in flat}
+    axes = set(finding.axes)
+    asked = {n for n in names if n in leaves and not set(leaves[n].tagged) & axes}
+    for array in finding.collective.arrays:
+        if array.elements <= MAX_ELEMENTS:
+            continue
+        dims = tuple(sorted(array.dims))
+        shaped = [n for n in names if any(dims in _slice_shapes(s) for s in record.shapes[n])]
+        if not set(shaped or names) & asked:
+            return False
+    return True
 
 
 def _params_shaped_like(c: hlo_tools.Collective, record: TraceRecord) -> list[str]:
@@ -419,7 +448,12 @@ def check_compiled(text: str, on_tag_lost: str = "raise", record: TraceRecord | 
     check_option(on_tag_lost)
     if on_tag_lost == "ignore":
         return []
-    findings = in_loop_reductions(text)
+    records = records_in(text)
+    record = merged([r for r in (record, *records.values()) if r is not None])
+    plans = {n: r.plans[n] for n, r in records.items() if n in r.plans}
+    findings = in_loop_reductions(text, plans=plans)
+    # An axis only some gradients defer: judged per parameter against the plan.
+    findings = [f for f in findings if f.strict or not _by_plan(f, record)]
     if findings:
         text = message(findings, record)
         if on_tag_lost == "warn":
