@@ -86,6 +86,72 @@ def _block_layout(sizes_E: jax.Array, num_rows: int, m: int):
     return dest_A, expert_N, num_blocks
 
 
+def swiglu_by_expert(x_TxD, key_A, k, wi0_ExDxF, wi1_ExDxF, wo_ExFxD, *, precision=None):
+    """Each assignment's SwiGLU through its expert, by padded blocks, without sorting.
+
+    Assignment a is token a // k sent to expert key_A[a]; key_A == E marks an
+    assignment for no local expert (zero out). Each assignment's slot in the padded
+    layout is its expert's padded start plus its rank among that expert's
+    assignments in token order (what a stable sort by expert would give), so the
+    rows go in with one scatter and come out with one gather: no argsort, no
+    inverse permutation (on GPU, sorts, gathers and scatters were a quarter of the
+    step's kernel time: benchmarks/results/device_check.md). Returns out_AxD in
+    assignment order.
+    """
+    a = key_A.shape[0]
+    e, d = wi0_ExDxF.shape[0], x_TxD.shape[-1]
+    m = block_rows(a, e)
+    onehot_AxE = (key_A[:, None] == jnp.arange(e)[None, :]).astype(jnp.int32)
+    sizes_E = jnp.sum(onehot_AxE, axis=0)
+    # Rank within the expert: the running count of that expert's assignments.
+    rank_A = jnp.sum(jnp.cumsum(onehot_AxE, axis=0) * onehot_AxE, axis=1) - 1
+    padded_E = (sizes_E + m - 1) // m * m
+    padded_ends_E = jnp.cumsum(padded_E)
+    num_blocks = -(-a // m) + e
+    g_A = jnp.minimum(key_A, e - 1)
+    dest_A = jnp.where(key_A < e, padded_ends_E[g_A] - padded_E[g_A] + rank_A, num_blocks * m)
+    expert_N = jnp.minimum(_count_at_or_below(padded_ends_E, jnp.arange(num_blocks) * m), e - 1)
+    rows_AxD = jnp.repeat(x_TxD, k, axis=0)  # assignment a reads token a // k
+    padded_NxMxD = (
+        jnp.zeros((num_blocks * m, d), x_TxD.dtype)
+        .at[dest_A]
+        .set(rows_AxD, mode="drop", unique_indices=True)
+        .reshape(num_blocks, m, d)
+    )
+    out_NxMxD = _blocks_swiglu(padded_NxMxD, wi0_ExDxF, wi1_ExDxF, wo_ExFxD, expert_N, precision)
+    return (
+        out_NxMxD.reshape(num_blocks * m, d)
+        .at[dest_A]
+        .get(mode="fill", fill_value=0, unique_indices=True)
+    )
+
+
+def _blocks_swiglu(padded_NxMxD, wi0_ExDxF, wi1_ExDxF, wo_ExFxD, expert_N, precision):
+    """The SwiGLU of each block of rows with its expert's weights."""
+    h0_NxMxF = jnp.einsum(
+        "nmd,ndf->nmf", padded_NxMxD, _per_block(wi0_ExDxF, expert_N), precision=precision
+    )
+    h1_NxMxF = jnp.einsum(
+        "nmd,ndf->nmf", padded_NxMxD, _per_block(wi1_ExDxF, expert_N), precision=precision
+    )
+    return jnp.einsum(
+        "nmf,nfd->nmd",
+        jax.nn.silu(h0_NxMxF) * h1_NxMxF,
+        _per_block(wo_ExFxD, expert_N),
+        precision=precision,
+    )
+
+
+def _per_block(w_ExIxJ, expert_N):
+    """Each block's expert weights, w[expert_N], as a matmul with the block-to-expert
+    one-hot: exact (one nonzero term per sum), and its transpose sums the blocks'
+    weight gradients into their experts as a matmul too, not a scatter-add of N
+    weight-sized slices. Plain einsums, so sharding tags and varying types flow as
+    through the layer's other matmuls."""
+    onehot_NxE = jax.nn.one_hot(expert_N, w_ExIxJ.shape[0], dtype=w_ExIxJ.dtype)
+    return jnp.einsum("ne,eij->nij", onehot_NxE, w_ExIxJ)
+
+
 def _count_at_or_below(ends_E: jax.Array, values: jax.Array) -> jax.Array:
     """For each value, how many of the (sorted) ends are <= it: searchsorted(side="right")."""
     return jnp.sum(ends_E[None, :] <= values[:, None], axis=1, dtype=jnp.int32)
@@ -98,11 +164,5 @@ def _swiglu_blocks(rows_AxD, wi0_ExDxF, wi1_ExDxF, wo_ExFxD, sizes_E, precision)
     padded_NxMxD = (
         jnp.zeros((n * m, d), rows_AxD.dtype).at[dest_A].set(rows_AxD, mode="drop").reshape(n, m, d)
     )
-    # Each block's expert weights, gathered per block (the transpose sums the
-    # blocks' weight gradients back into their expert).
-    h0_NxMxF = jnp.einsum("nmd,ndf->nmf", padded_NxMxD, wi0_ExDxF[expert_N], precision=precision)
-    h1_NxMxF = jnp.einsum("nmd,ndf->nmf", padded_NxMxD, wi1_ExDxF[expert_N], precision=precision)
-    out_NxMxD = jnp.einsum(
-        "nmf,nfd->nmd", jax.nn.silu(h0_NxMxF) * h1_NxMxF, wo_ExFxD[expert_N], precision=precision
-    )
+    out_NxMxD = _blocks_swiglu(padded_NxMxD, wi0_ExDxF, wi1_ExDxF, wo_ExFxD, expert_N, precision)
     return out_NxMxD.reshape(n * m, d).at[dest_A].get(mode="fill", fill_value=0)

@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_kernels.config import DEFAULT_RULES, MoEConfig
 from moe_kernels.grouped import resolve as resolve_grouped
-from moe_kernels.grouped import swiglu_grouped
+from moe_kernels.grouped import swiglu_by_expert, swiglu_grouped
 from moe_kernels.routing import route
 from pspec_tags import (
     MODES,
@@ -276,6 +276,10 @@ def _routed_local(x_TxD, ids_A, k, kernels, e_start, e_local, grouped, vary_axis
     mine_A = (local_A >= 0) & (local_A < e_local)
     # Foreign assignments sort last under key e_local and fall past sum(sizes).
     key_A = jnp.where(mine_A, local_A, e_local)
+    if grouped["impl"] == "padded_blocks":
+        # Slots by rank within the expert: no sort, no inverse permutation.
+        out_AxD = swiglu_by_expert(x_TxD, key_A, k, *kernels, precision=grouped["precision"])
+        return out_AxD, jnp.zeros((), jnp.int32)
     order_A = jnp.argsort(key_A, stable=True)
     sizes_E = jnp.bincount(key_A, length=e_local).astype(jnp.int32)
     rows_AxD = x_TxD[order_A // k]
