@@ -579,6 +579,36 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_target_length=1024,
         routed_scaling_factor=2.5,
     ),
+    # Sized to fill one H200 (141 GB): about 5.0B parameters, 1.2B active per token.
+    # f32 weights, Adam's two moments and the f32 gradient accumulator take 16 bytes a
+    # parameter (~86 GB), leaving the rest for activations at per_device_batch_size 2
+    # (`train compile_topology=h200-1 model_name=deepseek3-h200 per_device_batch_size=2
+    # gradient_accumulation_steps=16` compiles it for one H200 from a CPU host).
+    # Most parameters sit in 32 experts (top-4 plus 2 shared), so the routed
+    # matmuls are large enough to keep the GPU's matrix units busy; head dims of at
+    # most 128 (96 + 32 for queries and keys, 128 for values) keep cuDNN's fused
+    # attention available.
+    "deepseek3-h200": dict(
+        vocab_size=32_768,
+        base_emb_dim=2048,
+        base_num_decoder_layers=24,
+        first_num_dense_layers=1,
+        base_mlp_dim=8192,
+        base_moe_mlp_dim=1024,
+        num_experts=32,
+        num_experts_per_tok=4,
+        shared_experts=2,
+        n_routing_groups=4,
+        topk_routing_group=2,
+        base_num_query_heads=16,
+        q_lora_rank=768,
+        kv_lora_rank=512,
+        qk_nope_head_dim=96,
+        qk_rope_head_dim=32,
+        v_head_dim=128,
+        max_target_length=1024,
+        routed_scaling_factor=2.5,
+    ),
     # MaxText's deepseek3-tiny: 61 layers (3 dense) of emb 64, 16 experts top-8.
     "deepseek3-tiny": dict(
         _MAXTEXT_DEEPSEEK3,
