@@ -20,22 +20,52 @@ pytest.importorskip("flax")
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples" / "flax"))
 common = importlib.import_module("common")
 
-EXAMPLES = ["nnx_mlp", "linen_transformer", "cnn_l2", "scan_frozen"]
-MESHES = {"explicit_data8": ("explicit", 1), "auto_data4_model2": ("auto", 2)}
+EXAMPLES = [
+    "nnx_mlp",
+    "linen_transformer",
+    "cnn_l2",
+    "scan_frozen",
+    "bf16_master",
+    "nnx_scan_remat",
+]
+MESHES = {
+    "explicit_data8": ("explicit", 1),
+    "auto_data4_model2": ("auto", 2),
+    # Explicit data x model: the batch over data only, the model axis left to the model.
+    "explicit_data4_model2": ("explicit", 2),
+}
+CASES = [(name, mesh) for name in EXAMPLES for mesh in ("explicit_data8", "auto_data4_model2")]
+CASES += [("nnx_mlp", "explicit_data4_model2"), ("linen_transformer", "explicit_data4_model2")]
 
 
-@pytest.mark.parametrize("mesh_name", list(MESHES))
-@pytest.mark.parametrize("name", EXAMPLES)
+def _no_in_loop_reduction(text):
+    """No gradient-sized reduction inside a loop; some reduction after it."""
+    module = hlo_tools.parse(text)
+    reductions = [c for c in hlo_tools.collectives(module) if c.kind in hlo_tools.REDUCTION_KINDS]
+    big = [c.type_str for c in reductions if c.loops and max(a.elements for a in c.arrays) > 8]
+    assert not big, big
+    assert any(not c.loops for c in reductions)
+
+
+@pytest.mark.parametrize(("name", "mesh_name"), CASES)
 def test_example_full_batch_gradients_and_no_in_loop_reduction(name, mesh_name):
     mesh = common.make_mesh(*MESHES[mesh_name])
-    loss_fn, params, batch = importlib.import_module(name).setup(mesh)
+    example = importlib.import_module(name)
+    loss_fn, params, batch = example.setup(mesh)
+    # bf16_master: bf16 compute, sums kept in f32, compared at bf16's precision.
+    accum_dtype = getattr(example, "ACCUM_DTYPE", None)
+    rtol, atol = getattr(example, "RTOL", 2e-4), getattr(example, "ATOL", 1e-6)
 
     def step(p, b):
-        return accum.accumulate_gradients(loss_fn, p, b, num_microbatches=2)
+        return accum.accumulate_gradients(
+            loss_fn, p, b, num_microbatches=2, accum_dtype=accum_dtype
+        )
 
     with jax.set_mesh(mesh):
         compiled = accum.compile_checked(step, params, batch)
         _, aux, grads = compiled(params, batch)
+    if accum_dtype is not None:
+        assert {g.dtype for g in jax.tree.leaves(grads)} == {np.dtype(accum_dtype)}
 
     def full(p, b):
         loss_sum, full_aux = loss_fn(p, b)
@@ -44,16 +74,45 @@ def test_example_full_batch_gradients_and_no_in_loop_reduction(name, mesh_name):
     # The reference: one jax.grad over the whole batch on one device, no mesh.
     ref = jax.jit(jax.grad(full))(*jax.device_get((params, batch)))
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref), strict=True):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
+    _no_in_loop_reduction(compiled.as_text())
+
+
+def _device_microbatch_groups(rows, devices=8, n=2):
+    """The rows each (device, microbatch) sees on the local path: device d's
+    block of rows, microbatch i its rows i, i+n, ... (accum.local)."""
+    block = rows // devices
+    return [np.arange(d * block + i, (d + 1) * block, n) for d in range(devices) for i in range(n)]
+
+
+@pytest.mark.parametrize("mesh_name", ["explicit_data8", "auto_data4_model2"])
+def test_batchnorm_statistics_per_device_rows_and_running_averages(mesh_name):
+    """Stock linen BatchNorm: gradients and new running averages are those of
+    DDP (statistics over each device's rows of each microbatch, averaged)."""
+    mesh = common.make_mesh(*MESHES[mesh_name])
+    example = importlib.import_module("batchnorm")
+    loss_fn, variables, batch = example.setup(mesh)
+    optimizer = example.optax.sgd(0.1)
+    opt_state = optimizer.init(variables["params"])
+    with jax.set_mesh(mesh):
+        compiled = accum.compile_checked(
+            lambda v, o, b: example.step(loss_fn, optimizer, v, o, b), variables, opt_state, batch
+        )
+        new, _, _, grads = compiled(variables, opt_state, batch)
+    variables, batch = jax.device_get((variables, batch))
+    groups = [jax.tree.map(lambda x, g=g: x[g], batch) for g in _device_microbatch_groups(64)]
+    per_group = [jax.grad(lambda v, b=b: loss_fn(v, b)[0])(variables) for b in groups]
+    ref = jax.tree.map(lambda *g: sum(g) / 64, *per_group)
+    stats = [loss_fn(variables, b)[1]["batch_stats"] for b in groups]
+    ref_stats = jax.tree.map(lambda *s: sum(s) / 64, *stats)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=1e-6)
-    text = compiled.as_text()
-    in_loop = [c for c in hlo_tools.collectives(hlo_tools.parse(text)) if c.loops]
-    big = [
-        c
-        for c in in_loop
-        if c.kind in hlo_tools.REDUCTION_KINDS and max(a.elements for a in c.arrays) > 8
-    ]
-    assert not big, [c.type_str for c in big]
-    assert any(
-        c.kind in hlo_tools.REDUCTION_KINDS and not c.loops
-        for c in hlo_tools.collectives(hlo_tools.parse(text))
-    )
+    new_stats = new["batch_stats"]
+    for got, want in zip(jax.tree.leaves(new_stats), jax.tree.leaves(ref_stats), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    # The statistics moved (momentum 0.9 from zeros): the aux carried them.
+    old_mean = variables["batch_stats"]["BatchNorm_0"]["mean"]
+    assert not np.allclose(new_stats["BatchNorm_0"]["mean"], old_mean)
+    assert not np.any(jax.tree.leaves(grads["batch_stats"]))  # not trained
+    _no_in_loop_reduction(compiled.as_text())

@@ -27,6 +27,8 @@ from accum.accumulate import (
 )
 from accum.fused_accumulate import fused_microbatch
 from accum.gating import plan_for
+from accum.local import local_add, local_finish, local_zeros
+from accum.paths import choose_path
 from accum.plan import ReductionPlan
 from accum.schedule import OVERLAPPED, Schedule, check_schedule
 from accum.tags import reduce_to, scatter_into, tag_reduced, unreduced_zeros, zeros_of_type
@@ -41,8 +43,10 @@ class Accumulator:
 
     `grads` are typed by `plan`'s accumulators in explicit mode (per-device
     partial sums over the per-step axes: reshard them, or call `finish`, before
-    reading); `loss_sum` and `aux` are plain sums; `count` is the number of
-    microbatches added (it also folds the RNG, matching `accumulate_gradients`).
+    reading); on the local path (`plan.path == "local"`) each is
+    (devices, *param shape), one row of partial sums per device. `loss_sum` and
+    `aux` are plain sums; `count` is the number of microbatches added (it also
+    folds the RNG, matching `accumulate_gradients`).
     """
 
     grads: Any
@@ -74,8 +78,11 @@ def start(
 
     Nothing is computed: `loss_fn` is only traced for the structure of its aux.
     The plan is `plan`, or `accum.plan_for(params, microbatch)` as in
-    `accumulate_gradients` (batch axes read from `microbatch`'s shardings). Call under
-    `jax.jit` (static `loss_fn`): the unreduced zeros need a traced context.
+    `accumulate_gradients` (batch axes read from `microbatch`'s shardings), its
+    path chosen as there (`accum.choose_path`): on the local path the gradient
+    sums are held per device, in a leading dimension of one row per device
+    sharded over the batch axes, until `finish`. Call under `jax.jit` (static
+    `loss_fn`): the unreduced zeros need a traced context.
 
     Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
 
@@ -87,7 +94,19 @@ def start(
     """
     if plan is None:
         plan = plan_for(params, microbatch)
+    plan = choose_path(loss_fn, params, microbatch, num_microbatches=1, plan=plan, rng=rng)
     args = (microbatch,) if rng is None else (microbatch, rng)
+    if plan.path == "local":  # per-device sums in a leading device dimension (accum.local)
+        loss_shape, aux_shape = jax.eval_shape(loss_fn, params, *args)
+        if "weight" not in aux_shape:
+            raise KeyError("loss_fn's aux must hold 'weight' (the number of counted targets)")
+        return Accumulator(
+            grads=local_zeros(params, plan, accum_dtype),
+            loss_sum=jnp.zeros((), jnp.float32),
+            aux=jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shape),
+            count=jnp.zeros((), jnp.uint32),
+            plan=plan,
+        )
     # Traced with the tags `add` will use, so unreduced loss/aux sums get
     # unreduced zeros (the same type: adding them moves nothing).
     loss_shape, aux_shape = jax.eval_shape(
@@ -144,6 +163,22 @@ def add(
             f"add: schedule={schedule!r} reduces inside the last microbatch's backward; "
             "add accumulates one microbatch (finish reduces): use 'plain' or 'fused'"
         )
+    if plan.path == "local":
+        if schedule != "plain":
+            raise ValueError(
+                f"add: schedule={schedule!r} needs the tags path; this accumulator takes the "
+                f"local path ({plan.path_reason or 'asked for'}): use schedule='plain'"
+            )
+        grads, loss_sum, aux = local_add(
+            acc.grads, acc.count, loss_fn, params, microbatch, rng, plan
+        )
+        return Accumulator(
+            grads=grads,
+            loss_sum=acc.loss_sum + loss_sum.astype(acc.loss_sum.dtype),
+            aux=jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc.aux, aux),
+            count=acc.count + 1,
+            plan=plan,
+        )
     # Each call is one microbatch: any reduction over these axes in it is one
     # per microbatch (the mark accum.verdict looks for).
     watched = plan.strict_axes if plan.mode == "explicit" else ()
@@ -195,5 +230,8 @@ def finish(acc: Accumulator, *, grad_shardings: Any = None) -> tuple[jax.Array, 
     >>> float(loss), grads.tolist()[:2]  # as accumulate_gradients over the whole batch
     (8.0, [1.0, 1.0])
     """
-    grads = reduce_to(acc.grads, final_targets(acc.plan, grad_shardings), acc.mode)
+    if acc.plan.path == "local":
+        grads = local_finish(acc.grads, acc.plan, grad_shardings)
+    else:
+        grads = reduce_to(acc.grads, final_targets(acc.plan, grad_shardings), acc.mode)
     return normalize(acc.loss_sum, acc.aux, grads)

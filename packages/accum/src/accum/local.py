@@ -33,7 +33,7 @@ from accum.plan import ReductionPlan, is_floating
 from accum.seed import value_and_grad
 from accum.tags import reduce_to, safe_inverse
 from accum.trace_record import record_params, traced
-from accum.verdict import LOOP_SCOPE, marked
+from accum.verdict import ADD_SCOPE, LOOP_SCOPE, marked
 
 
 def _local_split(x: jax.Array, n: int) -> jax.Array:
@@ -52,6 +52,30 @@ def _device_index(axes: tuple[str, ...]) -> jax.Array:
     return index
 
 
+def _varying(params: Any, axes: tuple[str, ...]) -> Any:
+    """A varying copy of the (replicated) weights inside the shard_map: the
+    gradient of each device's loss with respect to it stays that device's
+    partial sum (autodiff adds no psum)."""
+    return jax.tree.map(lambda p: lax.pcast(p, axes, to="varying"), params)
+
+
+def _zeros(p: jax.Array, accum_dtype: Any) -> jax.Array:
+    """A zero accumulator like `p`, in `accum_dtype` for floating leaves."""
+    return jnp.zeros_like(p, accum_dtype if is_floating(p) and accum_dtype else None)
+
+
+def _device_grads(loss_fn, varying, microbatch, rng, index, device) -> tuple:
+    """(loss_sum, aux, grads) of this device's rows of one microbatch; dropout
+    keys folded with the microbatch `index` and the `device`."""
+    args = (microbatch,)
+    if rng is not None:
+        args += (jax.random.fold_in(jax.random.fold_in(rng, index), device),)
+    (loss_sum, aux), grads = value_and_grad(loss_fn)(varying, *args)
+    if "weight" not in aux:
+        raise KeyError("loss_fn's aux must hold 'weight' (the number of counted targets)")
+    return loss_sum, aux, grads
+
+
 def local_accumulate(
     loss_fn: Callable,
     params: Any,
@@ -66,28 +90,20 @@ def local_accumulate(
     """`accumulate_gradients` on the local path (module docstring); same result."""
     axes = plan.batch_axes
     n = num_microbatches
-    batch_spec = jax.tree.map(lambda x: P() if x.ndim == 0 else P(axes), batch)
+    batch_spec = _batch_specs(batch, axes)
 
     def body(params, batch, *maybe_rng):
         rng = maybe_rng[0] if maybe_rng else None
         microbatches = jax.tree.map(lambda x: _local_split(x, n), batch)
         # TAG: a varying copy of the weights: the gradient of each device's loss
         # with respect to it stays that device's partial sum (no psum in the loop).
-        varying = jax.tree.map(lambda p: lax.pcast(p, axes, to="varying"), params)
-        acc0 = jax.tree.map(
-            lambda p: jnp.zeros_like(p, accum_dtype if is_floating(p) and accum_dtype else None),
-            varying,
-        )
+        varying = _varying(params, axes)
+        acc0 = jax.tree.map(lambda p: _zeros(p, accum_dtype), varying)
         device = _device_index(axes)
 
         def step(acc, xs):
             index, microbatch = xs
-            args = (microbatch,)
-            if rng is not None:
-                args += (jax.random.fold_in(jax.random.fold_in(rng, index), device),)
-            (loss_sum, aux), grads = value_and_grad(loss_fn)(varying, *args)
-            if "weight" not in aux:
-                raise KeyError("loss_fn's aux must hold 'weight' (the number of counted targets)")
+            loss_sum, aux, grads = _device_grads(loss_fn, varying, microbatch, rng, index, device)
             acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
             return acc, (loss_sum, aux)
 
@@ -111,10 +127,73 @@ def local_accumulate(
             out_specs=P(),
             axis_names=set(axes),
         )(*args)
+    return loss, aux, _placed(grads, plan, grad_shardings)
+
+
+def _placed(grads: Any, plan: ReductionPlan, grad_shardings: Any) -> Any:
+    """Reduced gradients on `grad_shardings`, by default (explicit mode) each on
+    its parameter's own layout: a batch-sharded parameter was gathered at the
+    shard_map's entry, so this is a slice, no reduction."""
     if grad_shardings is None and plan.mode == "explicit":
-        # Each gradient back on its parameter's own layout (a batch-sharded
-        # parameter was gathered at the shard_map's entry): a slice, no reduction.
         grad_shardings = plan.map(lambda leaf: leaf.param_spec)
-    if grad_shardings is not None:
-        grads = reduce_to(grads, grad_shardings, plan.mode)
-    return loss, aux, grads
+    return grads if grad_shardings is None else reduce_to(grads, grad_shardings, plan.mode)
+
+
+# ------------------------------------------------- start / add / finish (accum.dispatch)
+#
+# Between dispatches each device's partial sums live in one global array per
+# parameter with a leading device dimension, sharded over the batch axes (each
+# device holds its own row): `add` adds into its row locally, `finish` sums the
+# rows, the one reduction.
+
+
+def _batch_specs(tree: Any, axes: tuple[str, ...]) -> Any:
+    """Each leaf's rows over `axes` (0-d leaves replicated)."""
+    return jax.tree.map(lambda x: P() if jnp.ndim(x) == 0 else P(axes), tree)
+
+
+def local_zeros(params: Any, plan: ReductionPlan, accum_dtype: Any) -> Any:
+    """`start`'s accumulator on the local path: zeros of shape (devices, *param)."""
+    axes = plan.batch_axes
+
+    def body(params):
+        return jax.tree.map(lambda p: _zeros(p, accum_dtype)[None], _varying(params, axes))
+
+    return jax.shard_map(body, in_specs=P(), out_specs=P(axes), axis_names=set(axes))(params)
+
+
+def local_add(
+    grads: Any, count: jax.Array, loss_fn: Callable, params: Any, microbatch: Any, rng: Any, plan
+) -> tuple[Any, jax.Array, Any]:
+    """`add` on the local path: (grads plus this microbatch's, loss sum, aux sum).
+    Gradients stay in each device's row; the loss and aux (scalars) are summed."""
+    axes = plan.batch_axes
+
+    def body(grads, params, microbatch, count, *maybe_rng):
+        rng = maybe_rng[0] if maybe_rng else None
+        loss_sum, aux, new = _device_grads(
+            loss_fn, _varying(params, axes), microbatch, rng, count, _device_index(axes)
+        )
+        grads = jax.tree.map(lambda a, g: a + g.astype(a.dtype)[None], grads, new)
+        return grads, *lax.psum((loss_sum, aux), axes)
+
+    args = (grads, params, microbatch, count, *(() if rng is None else (rng,)))
+    specs = (P(axes), P(), _batch_specs(microbatch, axes), P(), P())[: len(args)]
+    with traced(plan, "add"), marked(ADD_SCOPE, axes, dict(plan.mesh_shape)):
+        record_params(params)
+        return jax.shard_map(
+            body, in_specs=specs, out_specs=(P(axes), P(), P()), axis_names=set(axes)
+        )(*args)
+
+
+def local_finish(grads: Any, plan: ReductionPlan, grad_shardings: Any) -> Any:
+    """`finish`'s one reduction on the local path: the devices' rows summed,
+    then each gradient on `grad_shardings` (default: its parameter's layout)."""
+    axes = plan.batch_axes
+    summed = jax.shard_map(
+        lambda g: lax.psum(jax.tree.map(lambda x: x[0], g), axes),
+        in_specs=P(axes),
+        out_specs=P(),
+        axis_names=set(axes),
+    )(grads)
+    return _placed(summed, plan, grad_shardings)

@@ -36,7 +36,7 @@ from typing import Any
 import jax
 
 import hlo_tools
-from accum.plan import PER_STEP, SCATTER, _is_leaf_plan
+from accum.plan import PER_STEP, _is_leaf_plan
 from accum.trace_record import (  # noqa: F401 - recording, active_record: re-exported
     TraceRecord,
     active_record,
@@ -155,7 +155,8 @@ def _mark_for(
 
 def _watched(strict: tuple[str, ...], plan: Any) -> tuple[str, ...]:
     """`strict` and the axes `plan` defers for some gradient (none without a plan)."""
-    deferred = () if plan is None else plan.axes(PER_STEP, SCATTER)
+    # Not SCATTER: those axes are reduce-scattered per microbatch by design.
+    deferred = () if plan is None else plan.axes(PER_STEP)
     return tuple(dict.fromkeys((*strict, *deferred)))
 
 
@@ -328,18 +329,16 @@ def _blame(finding: Finding, record: TraceRecord | None) -> str:
 
 
 def _by_plan(finding: Finding, record: TraceRecord | None) -> bool:
-    """Whether a reduction over axes that only some gradients defer is one the
-    plan asked for. Judged per reduced array (XLA combines many into one
-    all-reduce): an array is accounted for when one of the parameters it may
-    carry (`_blamed`, narrowed to those of its shape) is reduced over those axes
-    per use or per microbatch; a reduce-scatter lowered as an all-reduce has the
-    same shape as a replicated weight's gradient, and which of the two it is the
-    text does not say, so the doubt goes to the plan. An array that only
-    deferring parameters can carry is not asked for; so is an unnamed one."""
+    """Whether a reduction over axes only some gradients defer is the plan's.
+    Judged per reduced array (XLA combines many): one a parameter of its shape
+    reduced per use or per microbatch may carry is the plan's (a reduce-scatter
+    lowered to an all-reduce looks like a replicated weight's gradient), as is
+    one no parameter explains (an FSDP gather's transpose in a shard_map); one
+    only deferring parameters can carry is not."""
     plan = None if record is None else record.plans.get(finding.trace)
-    names = _blamed(finding, record)[0]
-    if plan is None or not names:
-        return False
+    names = [] if plan is None else _blamed(finding, record)[0]
+    if not names:
+        return plan is not None
     flat = jax.tree_util.tree_flatten_with_path(plan.leaves, is_leaf=_is_leaf_plan)[0]
     leaves = {jax.tree_util.keystr(path): leaf for path, leaf in flat}
     axes = set(finding.axes)

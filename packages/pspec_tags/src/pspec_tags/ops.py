@@ -86,12 +86,15 @@ def broadcast_param(param: jax.Array, like: jax.Array) -> jax.Array:
 def embed_lookup(table: jax.Array, ids: jax.Array, out_spec: P | None = None) -> jax.Array:
     """Rows `table[ids]`, tag-safe: gradients of a reduced table stay unreduced.
 
-    `table[ids]` trips JAX's "dangerous pspec" check on a tagged table, and
-    `.at[ids].get(out_sharding=...)` first reshards the table to an untagged
-    spec (dropping the tag) and gathers `ids` onto every device. Explicit mode
-    therefore looks up inside `jax.shard_map`: each device gathers its own ids
-    from its block of the table, whose in_spec carries the table's tags, so the
-    cotangent is a local scatter-add that stays unreduced (no psum in the body).
+    `table[ids]` trips JAX's "dangerous pspec" check on a tagged table.
+    `.at[ids].get(out_sharding=...)` works but, on JAX 0.10.2, reshards the
+    table to an untagged spec and all-gathers `ids` (and, in the backward, the
+    activation cotangents) onto every device each microbatch; its transpose
+    still gives the table an unreduced cotangent, so no gradient is reduced in
+    the loop (docs/accum.md, "What the model must do"). Explicit mode here looks
+    up inside `jax.shard_map` instead: each device gathers its own ids from its
+    block of the table, whose in_spec carries the table's tags, so the cotangent
+    is a local scatter-add that stays unreduced, with no collective at all.
 
     The table's first (vocab) dim must be unsharded. The output is sharded like
     `ids`, plus the table's embedding-dim partition; `out_spec` reshards it after.
