@@ -13,6 +13,14 @@ one `psum` after the loop is the step's only gradient reduction. Any model runs
 unchanged inside; axes that are not batch axes stay as they are (explicit or
 auto), so a model axis keeps its sharding.
 
+Closures: on an auto mesh JAX passes a value `loss_fn` closes over (a jitted
+step's argument: BatchNorm's running averages, a traced temperature) into the
+shard_map, replicated. On an explicit mesh JAX 0.10.2 refuses it at the first
+op that reads it, before any hoisting could see it (`jax.closure_convert` must
+trace inside the shard_map to get its types right, and hits the same check;
+traced outside, its jaxpr carries the outer mesh); `_closures_refused` turns
+that NotImplementedError into a one-line error saying what to do.
+
 What differs from the full batch: a value the model computes over the batch
 dimension (a batch norm's statistics, a contrastive loss's negatives) sees the
 device's rows of the microbatch, as under `pmap` or DDP. Dropout keys are
@@ -62,6 +70,25 @@ def _varying(params: Any, axes: tuple[str, ...]) -> Any:
 def _zeros(p: jax.Array, accum_dtype: Any) -> jax.Array:
     """A zero accumulator like `p`, in `accum_dtype` for floating leaves."""
     return jnp.zeros_like(p, accum_dtype if is_floating(p) and accum_dtype else None)
+
+
+_CLOSURE = "Closing over inputs to shard_map"
+
+
+def _closures_refused(call: Callable, *args: Any) -> Any:
+    """`call(*args)`; JAX's refusal of a closed-over explicit-mesh value as a
+    one-line error naming the fix (module docstring)."""
+    try:
+        return call(*args)
+    except NotImplementedError as error:
+        if _CLOSURE not in str(error):
+            raise
+        got = str(error).rsplit("Got input with shape ", 1)[-1].split("\n")[0]
+        raise ValueError(
+            f"accum local path: loss_fn closes over an array on an explicit mesh ({got}), "
+            "which JAX's shard_map refuses: pass it through the params or the batch "
+            "(examples/flax/batchnorm.py), or use an auto mesh"
+        ) from None
 
 
 def _device_grads(loss_fn, varying, microbatch, rng, index, device) -> tuple:
@@ -121,12 +148,15 @@ def local_accumulate(
     args = (params, batch) if rng is None else (params, batch, rng)
     with traced(plan):
         record_params(params)
-        loss, aux, grads = jax.shard_map(
-            body,
-            in_specs=(P(), batch_spec, P())[: len(args)],
-            out_specs=P(),
-            axis_names=set(axes),
-        )(*args)
+        loss, aux, grads = _closures_refused(
+            jax.shard_map(
+                body,
+                in_specs=(P(), batch_spec, P())[: len(args)],
+                out_specs=P(),
+                axis_names=set(axes),
+            ),
+            *args,
+        )
     return loss, aux, _placed(grads, plan, grad_shardings)
 
 
@@ -181,9 +211,12 @@ def local_add(
     specs = (P(axes), P(), _batch_specs(microbatch, axes), P(), P())[: len(args)]
     with traced(plan, "add"), marked(ADD_SCOPE, axes, dict(plan.mesh_shape)):
         record_params(params)
-        return jax.shard_map(
-            body, in_specs=specs, out_specs=(P(axes), P(), P()), axis_names=set(axes)
-        )(*args)
+        return _closures_refused(
+            jax.shard_map(
+                body, in_specs=specs, out_specs=(P(axes), P(), P()), axis_names=set(axes)
+            ),
+            *args,
+        )
 
 
 def local_finish(grads: Any, plan: ReductionPlan, grad_shardings: Any) -> Any:
