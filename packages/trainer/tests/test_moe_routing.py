@@ -192,3 +192,21 @@ def test_plot_metrics_draws_the_moe_charts(tmp_path):
     assert [a.shape for a in shown] == [(4, 5), (4, 5)]
     np.testing.assert_allclose(shown[0], 1.0)
     np.testing.assert_allclose(shown[1][0], [s / ((s + 3) / 4) for s in range(1, 6)])
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(ici_data_parallelism="1", ici_fsdp_parallelism="4", ici_expert_parallelism="2",
+             expert_shard_attention_option="context"),
+        dict(ici_data_parallelism="4", ici_expert_parallelism="2", shard_mode="auto"),
+    ],
+    ids=["fsdp+expert(context)", "data+expert-auto"],
+)  # fmt: skip
+def test_z_loss_matches_one_device(layout, runner):
+    """The router z-loss on a sequence-sharded residual and in auto mode equals one
+    device's (the per-token z is laid out like the loss weights before they meet)."""
+    (ref,), _ = runner(1, devices=1, **Z)
+    (m,), _ = runner(1, **layout, **Z)
+    np.testing.assert_allclose(m["router_z_loss"], ref["router_z_loss"], rtol=1e-4)
+    np.testing.assert_allclose(m["loss"], ref["loss"], rtol=1e-4)

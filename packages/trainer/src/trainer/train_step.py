@@ -12,6 +12,7 @@ import optax
 
 import accum
 import moe_kernels
+import pspec_tags as pt
 from trainer import model as model_lib
 from trainer.config import AccumulationConfig, ModelConfig, TrainingConfig
 from trainer.loss import cross_entropy_sum, token_cross_entropy, weighted_sums
@@ -118,6 +119,11 @@ def _router_z_loss(model: ModelConfig, stats: dict, mb: dict, keep: bool, aux: d
     type-check). `aux["router_z_sum"]` keeps the scaled sum for the metric.
     """
     z_BxS = jnp.sum(stats["router_z_BxS"], axis=0)  # the MoE layers' terms, per token
+    spec = pt.spec_of(mb["weights"])
+    if spec is not None and pt.spec_of(z_BxS) != spec:
+        # TAG: an activation (no tag) onto the weights' layout (the residual's may shard
+        # the sequence where the batch does not): the product below stays elementwise.
+        z_BxS = jax.reshard(z_BxS, spec)
     weights_BxS = mb["weights"].astype(jnp.float32) * model.moe_z_loss_coeff
     z_sum, _ = weighted_sums(z_BxS, weights_BxS, keep_unreduced=keep)
     aux["router_z_sum"] = z_sum
