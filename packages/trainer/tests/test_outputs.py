@@ -268,6 +268,7 @@ def test_startup_says_checkpoints_off_only_when_nothing_is_saved(saving):
     # line whenever the run did not start from load_parameters_path.
     checkpoints = types.SimpleNamespace(describe=lambda: "checkpoints: DIR (every 100 steps)")
     run = types.SimpleNamespace(
+        config=make_config({}),
         source=None,
         evaluator=None,
         checkpoints=checkpoints if saving else None,

@@ -1,6 +1,12 @@
 """moe_kernels: DeepSeek routing and grouped expert matmuls that keep their sharding tags."""
 
-from moe_kernels.config import DEFAULT_PARAM_AXES, DEFAULT_RULES, MoEConfig
+from moe_kernels.capacity import CapacityPlan, capacity_plan
+from moe_kernels.config import (
+    DEFAULT_PARAM_AXES,
+    DEFAULT_RULES,
+    MoEConfig,
+    fitting_expert_counts,
+)
 from moe_kernels.layer import dense_moe, init_params, param_shapes, param_specs, sparse_moe
 from moe_kernels.module import MoE, RoutingBias
 from moe_kernels.routing import route, update_routing_bias
@@ -8,12 +14,15 @@ from moe_kernels.routing import route, update_routing_bias
 __version__ = "0.1.0"
 
 __all__ = [
+    "CapacityPlan",
     "DEFAULT_PARAM_AXES",
     "DEFAULT_RULES",
     "MoE",
     "MoEConfig",
     "RoutingBias",
+    "capacity_plan",
     "dense_moe",
+    "fitting_expert_counts",
     "init_params",
     "param_shapes",
     "param_specs",

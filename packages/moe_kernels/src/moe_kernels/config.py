@@ -70,8 +70,13 @@ class MoEConfig:
     capacity_factor: 0 (default) = no token is ever dropped (the all-to-all
         buffer holds every assignment), as MaxText's and the trainer's key; a
         positive float caps each (source, destination) block of the padded
-        all-to-all at ceil(T*Z/EP * capacity_factor) rows and drops what
-        overflows. None, the earlier spelling of 0, is stored as 0.0.
+        all-to-all at ceil(T*Z/EP * capacity_factor) rows and, on every other
+        path (no expert parallelism, tokens not sharded over the expert axis,
+        dense), each expert at ceil(T*Z/E * capacity_factor) of a shard's T*Z
+        assignments; what overflows is dropped and counted (stats['dropped']).
+        None, the earlier spelling of 0, is stored as 0.0.
+    router_z_loss: also return each token's router z, logsumexp(logits)^2, as
+        stats['router_z_BxS'] (for a z-loss; off: not computed at all).
     precision: matmul precision (`jax.lax.Precision` name or None).
     grouped_matmul: how the sparse path runs the experts' grouped matmuls
         (grouped.IMPLS): 'ragged_dot', 'padded_blocks', or 'auto' (padded_blocks
@@ -106,6 +111,7 @@ class MoEConfig:
     capacity_factor: float = 0.0
     precision: str | None = "highest"
     grouped_matmul: str = "auto"
+    router_z_loss: bool = False
 
     def __post_init__(self):
         axes = self.param_axes
@@ -175,3 +181,19 @@ class MoEConfig:
     @property
     def experts_per_group(self) -> int:
         return self.num_experts // self.n_groups
+
+
+def fitting_expert_counts(num_experts: int, multiple: int, count: int = 2) -> list[int]:
+    """The `count` positive multiples of `multiple` nearest `num_experts`, ascending:
+    the expert counts an expert axis of size `multiple` (times any group count
+    folded into it) can shard evenly.
+
+    >>> fitting_expert_counts(6, 8), fitting_expert_counts(12, 8), fitting_expert_counts(20, 8)
+    ([8, 16], [8, 16], [16, 24])
+    """
+    below = num_experts // multiple * multiple
+    candidates = {
+        m for m in (below - multiple, below, below + multiple, below + 2 * multiple) if m > 0
+    }
+    nearest = sorted(candidates, key=lambda m: (abs(m - num_experts), m))[:count]
+    return sorted(nearest)

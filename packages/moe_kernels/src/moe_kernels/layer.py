@@ -35,9 +35,9 @@ from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from moe_kernels.config import DEFAULT_RULES, MoEConfig
+from moe_kernels import dispatch
+from moe_kernels.config import DEFAULT_RULES, MoEConfig, fitting_expert_counts
 from moe_kernels.grouped import resolve as resolve_grouped
-from moe_kernels.grouped import swiglu_by_expert, swiglu_grouped
 from moe_kernels.routing import route
 from pspec_tags import (
     MODES,
@@ -50,7 +50,7 @@ from pspec_tags import (
     partitions,
     shard,
     spec_of,
-    to_varying,
+    truncate,
     untagged,
 )
 
@@ -134,9 +134,10 @@ def _check_expert_dim(spec: P, num_experts: int, config: MoEConfig, mesh: Any) -
         )
     size = dict(mesh.shape)[config.expert_axis]
     if num_experts % size:
+        fits = ", ".join(map(str, fitting_expert_counts(num_experts, size)))
         raise ValueError(
             f"num_experts={num_experts} is not divisible by the size {size} of the mesh axis "
-            f"{config.expert_axis!r} that shards the experts"
+            f"{config.expert_axis!r} that shards the experts; nearest that fit: {fits}"
         )
 
 
@@ -259,81 +260,6 @@ def _swiglu_dense(x_TxD, wi0_DxF, wi1_DxF, wo_FxD, precision):
     return jnp.dot(jax.nn.silu(h0) * h1, wo_FxD, precision=precision)
 
 
-def _inverse(perm: jax.Array) -> jax.Array:
-    return jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype))
-
-
-def _routed_local(x_TxD, ids_A, k, kernels, e_start, e_local, grouped, vary_axis=None):
-    """Run the assignments whose expert lives on this shard; others give zero rows."""
-    if vary_axis is not None:
-        # The row gather below has indices that differ per expert shard. JAX
-        # 0.10.2 transposes a gather wrongly when the operand is invariant over a
-        # mesh axis and the indices vary over it (the cotangent comes back
-        # garbled, not just unsummed); a varying operand gives the right
-        # transpose: a scatter-add followed by a psum over `vary_axis`.
-        x_TxD = to_varying(x_TxD, vary_axis)
-    local_A = ids_A - e_start
-    mine_A = (local_A >= 0) & (local_A < e_local)
-    # Foreign assignments sort last under key e_local and fall past sum(sizes).
-    key_A = jnp.where(mine_A, local_A, e_local)
-    if grouped["impl"] == "padded_blocks":
-        # Slots by rank within the expert: no sort, no inverse permutation.
-        out_AxD = swiglu_by_expert(x_TxD, key_A, k, *kernels, precision=grouped["precision"])
-        return out_AxD, jnp.zeros((), jnp.int32)
-    order_A = jnp.argsort(key_A, stable=True)
-    sizes_E = jnp.bincount(key_A, length=e_local).astype(jnp.int32)
-    rows_AxD = x_TxD[order_A // k]
-    out_AxD = swiglu_grouped(rows_AxD, *kernels, sizes_E, **grouped)
-    return out_AxD[_inverse(order_A)], jnp.zeros((), jnp.int32)
-
-
-def _routed_all_to_all(x_TxD, ids_A, k, kernels, plan, e_local, capacity, grouped):
-    """Expert parallelism: dispatch rows to their expert's shard and bring them back.
-
-    Padded all-to-all: block (source, destination) holds `capacity` rows; with
-    capacity = T*Z (the default) nothing can overflow. Returns the output rows
-    in assignment order and the number of assignments dropped on overflow.
-    """
-    ep, axis = plan.ep, plan.expert_axis
-    n_assign, d = ids_A.shape[0], x_TxD.shape[-1]
-    order_A = jnp.argsort(ids_A, stable=True)
-    sorted_ids_A = ids_A[order_A]
-    dest_A = sorted_ids_A // e_local
-    per_dest = jnp.bincount(dest_A, length=ep)
-    starts = jnp.cumsum(per_dest) - per_dest
-    slot_A = jnp.arange(n_assign) - starts[dest_A]
-    dropped = jnp.sum(slot_A >= capacity).astype(jnp.int32)
-    # mode="drop" discards rows past the capacity of their block.
-    send_WxYxD = (
-        jnp.zeros((ep, capacity, d), x_TxD.dtype)
-        .at[dest_A, slot_A]
-        .set(x_TxD[order_A // k], mode="drop")
-    )
-    send_ids_WxY = (
-        jnp.full((ep, capacity), e_local, jnp.int32)
-        .at[dest_A, slot_A]
-        .set(sorted_ids_A % e_local, mode="drop")
-    )
-    recv_WxYxD = lax.all_to_all(send_WxYxD, axis, 0, 0, tiled=True)
-    recv_ids_I = lax.all_to_all(send_ids_WxY, axis, 0, 0, tiled=True).reshape(-1)
-    # Received blocks are grouped by source; regroup by local expert (padding,
-    # id e_local, sorts last and past sum(sizes), so it computes to zero).
-    order_I = jnp.argsort(recv_ids_I, stable=True)
-    sizes_E = jnp.bincount(recv_ids_I, length=e_local).astype(jnp.int32)
-    out_IxD = swiglu_grouped(recv_WxYxD.reshape(-1, d)[order_I], *kernels, sizes_E, **grouped)
-    back_WxYxD = lax.all_to_all(
-        out_IxD[_inverse(order_I)].reshape(ep, capacity, d), axis, 0, 0, tiled=True
-    )
-    out_sorted_AxD = back_WxYxD.at[dest_A, slot_A].get(mode="fill", fill_value=0)
-    return out_sorted_AxD[_inverse(order_A)], dropped
-
-
-def _capacity(config: MoEConfig, n_assign: int, ep: int) -> int:
-    if not config.capacity_factor:  # 0: no token dropped
-        return n_assign
-    return max(1, min(n_assign, math.ceil(n_assign / ep * config.capacity_factor)))
-
-
 def _layer_body(
     x_BxSxD, params, *, config: MoEConfig, plan: _Plan | None, sparse: bool, platform: str
 ):
@@ -363,25 +289,30 @@ def _layer_body(
     ids_A = ids_BxSxZ.reshape(-1)
 
     dtype = x_BxSxD.dtype
+    # A positive capacity_factor off the all-to-all path: each expert keeps the
+    # first ceil(T*Z/E * cf) of this shard's assignments (None: no cap, no code).
+    a2a = sparse and plan is not None and plan.a2a
+    cap = None if a2a else dispatch.local_capacity(config, ids_A.shape[0])
+    keep_A = None if cap is None else dispatch.within_capacity(ids_A, e, cap)
     if sparse:
         # Expert kernels keep their expert dim sharded (dim 0 is not gathered).
         kernels = tuple(gathered(n, skip=(0,)).astype(dtype) for n in EXPERT_PARAMS)
         e_local = e // ep
-        if plan is not None and plan.a2a:
-            cap = _capacity(config, ids_A.shape[0], ep)
-            out_AxD, dropped = _routed_all_to_all(
-                x_TxD, ids_A, k, kernels, plan, e_local, cap, grouped
+        if a2a:
+            cap = dispatch.block_capacity(config, ids_A.shape[0], ep)
+            out_AxD, dropped = dispatch.routed_all_to_all(
+                x_TxD, ids_A, k, kernels, ep, plan.expert_axis, e_local, cap, grouped
             )
         else:
             vary = None if ep == 1 else plan.expert_axis
             start = 0 if ep == 1 else lax.axis_index(plan.expert_axis) * e_local
-            out_AxD, dropped = _routed_local(
-                x_TxD, ids_A, k, kernels, start, e_local, grouped, vary
+            out_AxD, dropped = dispatch.routed_local(
+                x_TxD, ids_A, k, kernels, start, e_local, grouped, vary, keep_A
             )
         routed_TxD = jnp.einsum(
             "tkd,tk->td", out_AxD.reshape(b * s, k, d).astype(jnp.float32), weights_TxZ
         )
-        if ep > 1 and not (plan is not None and plan.a2a):
+        if ep > 1 and not a2a:
             # Tokens are replicated over the expert axis; each shard ran its own
             # experts, so the routed output is the sum over that axis.
             routed_TxD = lax.psum(routed_TxD, plan.expert_axis)
@@ -390,11 +321,15 @@ def _layer_body(
         h0 = jnp.einsum("td,edf->tef", x_TxD, wi0, precision=precision)
         h1 = jnp.einsum("td,edf->tef", x_TxD, wi1, precision=precision)
         out_TxExD = jnp.einsum("tef,efd->ted", jax.nn.silu(h0) * h1, wo, precision=precision)
+        dropped = jnp.zeros((), jnp.int32)
+        if keep_A is not None:
+            # The same cap as the sparse local path: a dropped assignment combines with 0.
+            weights_TxZ = weights_TxZ * keep_A.reshape(b * s, k)
+            dropped = jnp.sum(~keep_A).astype(jnp.int32)
         combine_TxE = jnp.einsum(
             "tke,tk->te", jax.nn.one_hot(ids_A.reshape(b * s, k), e), weights_TxZ
         )
         routed_TxD = jnp.einsum("ted,te->td", out_TxExD.astype(jnp.float32), combine_TxE)
-        dropped = jnp.zeros((), jnp.int32)
     y_TxD = routed_TxD.astype(dtype)
     if config.shared_dim:
         shared = tuple(gathered(n).astype(dtype) for n in SHARED_PARAMS)
@@ -404,6 +339,8 @@ def _layer_body(
         "balance_loss": stats["balance_loss"][None],
         "dropped": dropped[None],
     }
+    if config.router_z_loss:
+        shard_stats["router_z_BxS"] = dispatch.router_z_BxS(logits_BxSxE)
     return y_TxD.reshape(b, s, d), shard_stats
 
 
@@ -453,6 +390,9 @@ def _moe(x_BxSxD, params, *, config, mesh, rules, mode, keep_tags, sparse, recom
         "balance_loss": stat_spec,
         "dropped": stat_spec,
     }
+    if config.router_z_loss:
+        # Per token, laid out like the tokens' (batch, length) dims.
+        stats_specs["router_z_BxS"] = P(*partitions(plan.token_spec)[:2])
 
     # The mesh's devices say what the program is compiled for (an AOT topology's
     # compile-only devices included), not the backend this process runs on.
@@ -481,6 +421,12 @@ def _moe(x_BxSxD, params, *, config, mesh, rules, mode, keep_tags, sparse, recom
         # TAG: back in the caller's sharding (a no-op when equal); activations carry
         # no tag, so nothing deferred is reduced here.
         y = shard(y, x_spec, mode)
+        if "router_z_BxS" in shard_stats:
+            # TAG: an activation (no tag) laid out like the caller's tokens, so a loss
+            # can weight it elementwise by token.
+            shard_stats["router_z_BxS"] = shard(
+                shard_stats["router_z_BxS"], truncate(x_spec, 2), mode
+            )
     return y, _finish_stats(shard_stats)
 
 
@@ -509,6 +455,10 @@ def _finish_stats(shard_stats):
         # metric) accumulates it with no collective, unlike the scalar above.
         "balance_loss_by_shard": shard_stats["balance_loss"],
         "dropped": shard_stats["dropped"].sum(),
+        # Sharded like the tokens, as balance_loss_by_shard: summed over
+        # microbatches with no collective, over shards once per step.
+        "dropped_by_shard": shard_stats["dropped"],
+        **({"router_z_BxS": shard_stats["router_z_BxS"]} if "router_z_BxS" in shard_stats else {}),
     }
 
 
@@ -542,7 +492,10 @@ def sparse_moe(
     `update_routing_bias`), `tokens_per_expert_by_shard` (token shards, E),
     `balance_loss` (scalar, sequence-wise, unscaled; the mean of
     `balance_loss_by_shard`, one per token shard), `dropped` (assignments lost
-    to a positive `capacity_factor`).
+    to a positive `capacity_factor`; `dropped_by_shard`, one per token shard),
+    and with `config.router_z_loss` `router_z_BxS`, each token's logsumexp(router
+    logits)^2 laid out like `x`'s first two dims (a z-loss is its mean times a
+    coefficient).
     """
     return _moe(
         x_BxSxD, params, config=config, mesh=mesh, rules=rules, mode=mode,

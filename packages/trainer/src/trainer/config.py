@@ -106,6 +106,12 @@ class ModelConfig:
         0.001, "step of the aux-loss-free routing bias update per train step (0: bias stays 0)"
     )
     load_balance_loss_weight: float = _key(0.0, "weight of the auxiliary load-balance loss")
+    # ST-MoE's router z-loss under Megatron-Core's name (--moe-z-loss-coeff): each
+    # MoE layer adds coeff x mean over tokens of logsumexp(router logits)^2 to the
+    # loss; logged as learning/router_z_loss (the layers' mean, unscaled).
+    moe_z_loss_coeff: float = _key(
+        0.0, "router z-loss coefficient (Megatron-Core's moe_z_loss_coeff; 0: off)"
+    )
     sparse_matmul: bool = _key(
         True,
         "experts as grouped (ragged) matmuls over sorted tokens; false: dense one-hot "
@@ -119,9 +125,12 @@ class ModelConfig:
         "auto", "sparse experts' grouped matmul: ragged_dot, padded_blocks, auto (blocks on GPU)"
     )
     # 0 = never drop a token (all-to-all blocks sized for every assignment);
-    # c > 0 caps each expert-parallel block at c x its fair share and drops overflow.
+    # c > 0 caps each expert-parallel all-to-all block at c x its fair share, and
+    # elsewhere (no expert parallelism, dense) each expert at c x its fair share of
+    # a token shard's assignments; overflow is dropped and reported per layer
+    # (moe/dropped_share). The startup line says what the cap is on the run's mesh.
     capacity_factor: float = _key(
-        0.0, "expert-parallel block cap in fair shares, overflow dropped (0: no drop)"
+        0.0, "cap per expert (per all-to-all block with EP) in fair shares; overflow dropped"
     )
     base_num_query_heads: int = _key(4, "attention heads")
     # The attention kernel (model/attention_kernel.py; MaxText's key, whose values

@@ -9,6 +9,13 @@ Record keys (`record(step_metrics)`):
     moe/tokens_per_expert            [MoE layer][expert] tokens routed this step
     moe/load_imbalance_per_layer     [MoE layer] max / mean expert load
     moe/load_imbalance               the worst layer's max / mean (1.0 = perfectly balanced)
+    moe/dropped_share_per_layer      (capacity_factor > 0) [MoE layer] share of the step's
+                                     assignments (tokens x experts per token) dropped
+    moe/dropped_share                (capacity_factor > 0) the layers' mean share dropped
+    moe/routing_bias                 {min, max, mean, std: [MoE layer]} of the routing bias
+                                     after the step's update (read on the host)
+    learning/router_z_loss           (moe_z_loss_coeff > 0) mean over MoE layers of the
+                                     router z (logsumexp(logits)^2), unscaled
 
 and after each evaluation (`write_eval`) a record of its own for the same step:
 
@@ -39,6 +46,7 @@ RENAMES = {
     "loss": "learning/loss",
     "ce_loss": "learning/ce_loss",
     "balance_loss": "learning/balance_loss",
+    "router_z_loss": "learning/router_z_loss",
     "grad_norm": "learning/grad_norm",
     "learning_rate": "learning/lr",
     "step_time_s": "perf/step_time_s",
@@ -81,9 +89,33 @@ def record(metrics: dict) -> dict:
             out["moe/tokens_per_expert"] = np.asarray(value).tolist()
             out["moe/load_imbalance_per_layer"] = per_layer
             out["moe/load_imbalance"] = max(per_layer)
+        elif key == "dropped_share":
+            shares = np.atleast_1d(np.asarray(value, dtype=np.float64))
+            out["moe/dropped_share_per_layer"] = shares.tolist()
+            out["moe/dropped_share"] = float(shares.mean())
+        elif key == "routing_bias":
+            out["moe/routing_bias"] = value
         elif key != "step":
             out[key] = value
     return out
+
+
+# Per-layer record lists -> the TensorBoard tag each layer's scalar goes under.
+PER_LAYER = {
+    "moe/load_imbalance_per_layer": "moe/load_imbalance",
+    "moe/dropped_share_per_layer": "moe/dropped_share",
+}
+
+
+def bias_stats(bias_LxE: Any) -> dict[str, list[float]]:
+    """min, max, mean and std per MoE layer of the routing bias (L, E)."""
+    bias = np.atleast_2d(np.asarray(bias_LxE, dtype=np.float64))
+    return {
+        "min": bias.min(-1).tolist(),
+        "max": bias.max(-1).tolist(),
+        "mean": bias.mean(-1).tolist(),
+        "std": bias.std(-1).tolist(),
+    }
 
 
 def scalars(rec: dict) -> dict[str, float]:
@@ -94,9 +126,13 @@ def scalars(rec: dict) -> dict[str, float]:
             continue
         if isinstance(value, int | float):
             out[key] = float(value)
-        elif key == "moe/load_imbalance_per_layer":
+        elif key in PER_LAYER:
             for layer, v in enumerate(value):
-                out[f"moe/load_imbalance/layer_{layer}"] = float(v)
+                out[f"{PER_LAYER[key]}/layer_{layer}"] = float(v)
+        elif key == "moe/routing_bias":
+            for stat, per_layer in value.items():
+                for layer, v in enumerate(per_layer):
+                    out[f"moe/routing_bias/layer_{layer}/{stat}"] = float(v)
     return out
 
 

@@ -6,6 +6,9 @@ one); every run is one line on each chart, labelled by its run directory name
 layers, load_balance.png; when any run has multi-token prediction, mtp_loss.png
 (one line per run and depth). A run with evaluations gets its eval loss on the loss
 chart too, beside its training loss: same colour, dashed, a point per evaluation.
+MoE runs also get plots_moe's charts: expert_load_<run>.png (a layer x expert heat
+map over steps), load_balance_per_layer.png, routing_bias.png and, with a
+capacity_factor, dropped_tokens.png.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import argparse
 import os
 import sys
 
+from trainer import plots_moe
 from trainer.metrics import METRICS_FILE, read
 
 # Drawn on the same chart as a key, per run: the eval curve beside the training loss.
@@ -113,7 +117,7 @@ def plot(runs: list[tuple[str, list[dict]]], output_dir: str) -> list[str]:
             fig.savefig(path)
             written.append(path)
         plt.close(fig)
-    return written
+    return written + plots_moe.plot(runs, output_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

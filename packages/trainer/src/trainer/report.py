@@ -149,3 +149,43 @@ def _verdict(text, module, inside, mesh_shape, strict_axes) -> str:
     mib = sum(c.bytes_per_step or c.bytes for c in inside) / MIB
     over = f" over {', '.join(hlo_tools.spanned_axes(inside, mesh_shape))}" if mesh_shape else ""
     return f"{len(inside)} gradient-sized reductions per loop iteration{over} ({mib:.3f} MiB/step)"
+
+
+def capacity_lines(config, ctx, global_batch: int) -> list[str]:
+    """What capacity_factor means on this mesh, for one microbatch (moe_kernels'
+    `capacity_plan`): printed with a cap, or when expert parallelism pads its
+    all-to-all blocks; nothing for a model without MoE layers."""
+    import moe_kernels
+    from trainer.model.moe_block import moe_config
+
+    model = config.model
+    if not model.num_moe_layers:
+        return []
+    rows = global_batch // config.accumulation.gradient_accumulation_steps
+    mesh, rules = ctx.mesh, ctx.rules
+    if ctx.manual:  # inside the caller's shard_map: the layer sees one device's rows
+        rows, mesh, rules = max(1, rows // ctx.mesh.size), None, None
+    shape = (rows, config.data.max_target_length, model.emb_dim)
+    plan = moe_kernels.capacity_plan(
+        moe_config(model), shape, mesh, rules, sparse=model.sparse_matmul
+    )
+    if not model.capacity_factor and plan.path != "all_to_all":
+        return []
+    return [plan.describe()]
+
+
+def checkpoints_off_line(config) -> str:
+    """The startup line of a run that saves no checkpoint (checkpoint.checkpoint_dir
+    is None), naming the key that turned them off and what would turn them on."""
+    directory = config.base_output_directory
+    if config.enable_checkpointing:  # so base_output_directory is unset
+        return "checkpoints: off (set base_output_directory=DIR to save and resume)"
+    if directory:
+        return (
+            "checkpoints: off (enable_checkpointing=false: set it to true to save and "
+            f"resume under {directory})"
+        )
+    return (
+        "checkpoints: off (enable_checkpointing=false and no base_output_directory: set "
+        "both to save and resume)"
+    )

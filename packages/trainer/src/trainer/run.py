@@ -274,6 +274,10 @@ def train(
                 start = time.perf_counter()
                 run.state, metrics = compiled(run.state, batch)
                 metrics = to_host(jax.block_until_ready(metrics))
+                bias = routing_bias(run.state)
+                if bias is not None:
+                    # Read from the new state on the host: no output added to the program.
+                    metrics["routing_bias"] = metrics_lib.bias_stats(bias)
                 seconds = time.perf_counter() - start
                 metrics.update(
                     step=step + 1, step_time_s=seconds, tokens_per_s=tokens_per_step / seconds
@@ -312,6 +316,26 @@ def train(
     return history
 
 
+def routing_bias(state: dict) -> np.ndarray | None:
+    """The main MoE layers' routing bias (L, E) on the host, or None without MoE layers."""
+    bias = state.get("router", {}).get("moe_layers", {}).get("ffn", {}).get("bias")
+    return None if bias is None else np.asarray(jax.device_get(bias))
+
+
+def moe_figures(m: dict) -> str:
+    """The step line's MoE part: the worst layer's max/mean load and, with a
+    capacity_factor, the share of assignments dropped (the layers' mean)."""
+    if "tokens_per_expert" not in m:
+        return ""
+    text = f"  imbalance {max(metrics_lib.load_imbalance(m['tokens_per_expert'])):.2f}"
+    if "dropped_share" in m:
+        shares = np.atleast_1d(np.asarray(m["dropped_share"], dtype=np.float64))
+        text += f"  dropped {shares.mean() * 100:.2f}%"
+    if "router_z_loss" in m:
+        text += f"  z {m['router_z_loss']:.3f}"
+    return text
+
+
 def step_line(step: int, m: dict) -> str:
     mfu = f"  mfu {m['mfu'] * 100:5.1f}%" if "mfu" in m else ""
     # With MTP on: the main cross-entropy, then each depth's (the loss adds them, scaled).
@@ -320,7 +344,8 @@ def step_line(step: int, m: dict) -> str:
     if depths:
         mtp = f"  ce {m['ce_loss']:.4f}  mtp " + " ".join(f"{loss:.4f}" for _, loss in depths)
     return (
-        f"step {step:5d}  loss {m['loss']:.4f}{mtp}  grad_norm {m['grad_norm']:.3f}  "
+        f"step {step:5d}  loss {m['loss']:.4f}{mtp}{moe_figures(m)}  "
+        f"grad_norm {m['grad_norm']:.3f}  "
         f"lr {m['learning_rate']:.2e}  {m['tokens_per_s']:,.0f} tokens/s  "
         f"{m['step_time_s'] * 1000:.0f} ms{mfu}"
     )
@@ -338,6 +363,7 @@ def startup_lines(run: Run) -> list[str]:
     if run.reduction_choice:
         lines += reduction_choice.startup_lines(run.reduction_choice)
     lines += report.plan_lines(config.accumulation, run.plan)
+    lines += report.capacity_lines(config, run.ctx, run.batch_size)
     lines += data_lines(run)
     text = run.compiled.as_text()
     return lines + report.collective_summary(text, config.accumulation, *summary_axes(run))
@@ -371,7 +397,7 @@ def data_lines(run: Run) -> list[str]:
         if run.restored_from:
             lines.append(f"resumed from {run.restored_from} at step {run.start_step}")
     else:
-        lines.append("checkpoints: off (set base_output_directory=DIR to save and resume)")
+        lines.append(report.checkpoints_off_line(run.config))
     if run.initialized_from:
         lines.append(f"initial weights: {run.initialized_from}")
     return lines

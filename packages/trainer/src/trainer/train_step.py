@@ -12,6 +12,7 @@ import optax
 
 import accum
 import moe_kernels
+import pspec_tags as pt
 from trainer import model as model_lib
 from trainer.config import AccumulationConfig, ModelConfig, TrainingConfig
 from trainer.loss import cross_entropy_sum, token_cross_entropy, weighted_sums
@@ -90,12 +91,43 @@ def make_loss_fn(
             by_shard = stats["balance_loss_by_shard"]
             aux["balance_loss_by_shard"] = by_shard
             aux["balance_loss_terms"] = jnp.float32(by_shard.size)
+            if model.capacity_factor:
+                # Assignments dropped by the cap, (MoE layers, shards): summed like
+                # the counts (no collective in the loop; the model's config says
+                # statically whether a cap exists).
+                aux["dropped_by_shard"] = stats["dropped_by_shard"]
+            if model.moe_z_loss_coeff:
+                loss_sum = loss_sum + _router_z_loss(model, stats, mb, keep, aux)
             if aux_loss:
                 balance = jnp.mean(stats["balance_loss"])
                 loss_sum = loss_sum + model.load_balance_loss_weight * balance * weight
         return loss_sum, aux
 
     return loss_fn
+
+
+def _router_z_loss(model: ModelConfig, stats: dict, mb: dict, keep: bool, aux: dict):
+    """moe_z_loss_coeff x the router z-loss of every MoE layer, as a loss *sum*.
+
+    Megatron-Core's z-loss (ST-MoE): per layer, coeff x mean over tokens of
+    logsumexp(router logits)^2, the layers' terms added. Each token's z counts
+    with its target's weight, as its cross-entropy does (accum divides the loss
+    sum by the step's weight). Summed per token with `weighted_sums`, exactly
+    like the cross-entropy: without the aux loss the sum stays unreduced through
+    the microbatch loop, so the z-loss adds no collective there; the coefficient
+    rides on the per-token weights (an unreduced sum times a scalar would not
+    type-check). `aux["router_z_sum"]` keeps the scaled sum for the metric.
+    """
+    z_BxS = jnp.sum(stats["router_z_BxS"], axis=0)  # the MoE layers' terms, per token
+    spec = pt.spec_of(mb["weights"])
+    if spec is not None and pt.spec_of(z_BxS) != spec:
+        # TAG: an activation (no tag) onto the weights' layout (the residual's may shard
+        # the sequence where the batch does not): the product below stays elementwise.
+        z_BxS = jax.reshard(z_BxS, spec)
+    weights_BxS = mb["weights"].astype(jnp.float32) * model.moe_z_loss_coeff
+    z_sum, _ = weighted_sums(z_BxS, weights_BxS, keep_unreduced=keep)
+    aux["router_z_sum"] = z_sum
+    return z_sum
 
 
 def mtp_loss_scales(model: ModelConfig, batch: dict, ctx: ShardCtx) -> jax.Array:
@@ -225,6 +257,16 @@ def apply_gradients(
     if tokens is not None:
         metrics["tokens_per_expert"] = tokens
         metrics["balance_loss"] = jnp.sum(aux["balance_loss_by_shard"]) / aux["balance_loss_terms"]
+        if "dropped_by_shard" in aux:
+            # Share of each MoE layer's assignments (tokens x experts per token) dropped.
+            dropped_L = jnp.sum(aux["dropped_by_shard"], axis=1).astype(jnp.float32)
+            assigned_L = jnp.sum(tokens, axis=-1).astype(jnp.float32)
+            metrics["dropped_share"] = dropped_L / jnp.maximum(assigned_L, 1.0)
+    if "router_z_sum" in aux:
+        # Unscaled, the mean over MoE layers of the weighted mean z (the loss adds
+        # coeff x the layers' sum).
+        per_layer = model.moe_z_loss_coeff * model.num_moe_layers
+        metrics["router_z_loss"] = aux["router_z_sum"] / (weight * per_layer)
     new_state = {"params": params, "opt_state": opt_state, "router": router}
     new_state["step"] = state["step"] + 1
     return new_state, metrics

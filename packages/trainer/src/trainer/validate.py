@@ -6,6 +6,9 @@ mesh, a schedule against the shard mode); each helper takes only the groups it r
 
 from __future__ import annotations
 
+import math
+
+import moe_kernels
 from moe_kernels.config import TOPK_METHODS
 from trainer.config import (
     DTYPES,
@@ -194,6 +197,10 @@ def _check_routing(model: ModelConfig) -> None:
         f"capacity_factor={model.capacity_factor} must be >= 0 (0 = no token dropped)",
     )
     _require(
+        model.moe_z_loss_coeff >= 0,
+        f"moe_z_loss_coeff={model.moe_z_loss_coeff} must be >= 0 (0 = no router z-loss)",
+    )
+    _require(
         1 <= k <= experts, f"num_experts_per_tok={k} must be between 1 and num_experts={experts}"
     )
     groups, top_groups = model.n_routing_groups, model.topk_routing_group
@@ -214,6 +221,20 @@ def _check_routing(model: ModelConfig) -> None:
         k <= top_groups * (experts // groups),
         f"num_experts_per_tok={k} exceeds the {top_groups * (experts // groups)} experts in "
         f"topk_routing_group={top_groups} groups of {experts // groups}",
+    )
+
+
+def _check_expert_count(model: ModelConfig, expert: int) -> None:
+    """Experts must split evenly over the expert axis (and into the routing groups):
+    refused with the nearest counts that do."""
+    if model.num_experts % expert == 0:
+        return
+    # Multiples of both the axis and the routing groups, so the suggestion is valid.
+    step = math.lcm(expert, model.n_routing_groups)
+    fits = ", ".join(map(str, moe_kernels.fitting_expert_counts(model.num_experts, step)))
+    raise ConfigError(
+        f"num_experts={model.num_experts} is not divisible by ici_expert_parallelism="
+        f"{expert} (the expert axis shards the experts evenly); nearest that fit: {fits}"
     )
 
 
@@ -271,11 +292,7 @@ def _check_parallelism(
                 f"shard_optimizer_over_data=true (ZeRO-1) cannot be combined with "
                 f"{key}={sizes[axis]} (FSDP already shards the optimizer state)",
             )
-    _require(
-        model.num_experts % sizes["expert"] == 0,
-        f"num_experts={model.num_experts} is not divisible by "
-        f"ici_expert_parallelism={sizes['expert']}",
-    )
+    _check_expert_count(model, sizes["expert"])
     _require(
         model.base_num_query_heads % sizes["tensor"] == 0,
         f"base_num_query_heads={model.base_num_query_heads} is not divisible by "

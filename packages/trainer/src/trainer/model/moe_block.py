@@ -29,6 +29,8 @@ def moe_config(config: ModelConfig) -> moe_kernels.MoEConfig:
         capacity_factor=config.capacity_factor,
         precision=None,
         grouped_matmul=config.grouped_matmul,
+        # Per-token router z out of the layer only when the z-loss uses it.
+        router_z_loss=bool(config.moe_z_loss_coeff),
     )
 
 
