@@ -340,7 +340,9 @@ def startup_lines(run: Run) -> list[str]:
     lines += report.plan_lines(config.accumulation, run.plan)
     lines += data_lines(run)
     text = run.compiled.as_text()
-    return lines + report.collective_summary(text, config.accumulation, *summary_axes(run))
+    return lines + report.collective_summary(
+        text, config.accumulation, *summary_axes(run), shard_mode=config.shard_mode
+    )
 
 
 def summary_axes(run: Run) -> tuple[dict[str, int], tuple[str, ...], tuple[str, ...]]:
