@@ -24,8 +24,9 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import benchlib as bl  # noqa: E402
 
+EIGHT_DEVICE_LAYOUTS = bl.trainer_test_module("layouts").EIGHT_DEVICE_LAYOUTS
+
 import pspec_tags as pt  # noqa: E402
-from trainer.layouts import EIGHT_DEVICE_LAYOUTS  # noqa: E402
 
 COMMAND = "JAX_PLATFORMS=cpu uv run python benchmarks/bench_explicit_auto.py"
 WARMUP = 2

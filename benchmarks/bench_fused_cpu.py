@@ -33,7 +33,8 @@ jax.config.update("jax_num_cpu_devices", 8)
 import benchlib as bl  # noqa: E402
 from bench_explicit_auto import MODEL  # noqa: E402
 
-from trainer.layouts import EIGHT_DEVICE_LAYOUTS  # noqa: E402
+EIGHT_DEVICE_LAYOUTS = bl.trainer_test_module("layouts").EIGHT_DEVICE_LAYOUTS
+
 
 WARMUP = 2
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "15"))

@@ -20,15 +20,13 @@ import sys
 
 import benchlib as bl
 
-from trainer.layouts import DEEPSEEK3_671B_LAYOUT
-
 COMMAND = "JAX_PLATFORMS=cpu uv run python benchmarks/bench_reduction_study.py"
 SLICES = (1, 2, 4, 8, 16, 32, 64)
 GAS = (1, 2, 4, 8, 16, 32)
 # One slice's layout per (model, chip): 671b as test_aot.py's v5p-1024 compile (experts
 # over 64-way expert parallelism, the rest FSDP, bf16 weights); deepseek3-small as
 # aot_slices.md's recipe (data=8, ZeRO-1), on an 8-chip slice.
-LAYOUT_671B = DEEPSEEK3_671B_LAYOUT
+LAYOUT_671B = bl.trainer_test_module("layouts").DEEPSEEK3_671B_LAYOUT
 LAYOUT_SMALL = dict(
     model_name="deepseek3-small", ici_data_parallelism="8", shard_optimizer_over_data="true"
 )

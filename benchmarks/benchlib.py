@@ -19,6 +19,22 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def trainer_test_module(name: str):
+    """packages/trainer/tests/<name>.py (test data shared with the benchmarks, kept out
+    of the trainer wheel), loaded by path."""
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.path.join(here, "..", "packages", "trainer", "tests", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"trainer_tests_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 MIB = 1 << 20
 GIB = 1 << 30
 

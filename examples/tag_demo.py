@@ -1,4 +1,4 @@
-"""Why tags matter, in 30 lines: one gradient all-reduce per step, or one per microbatch.
+"""Why tags matter, in one short file: one gradient all-reduce per step, or one per microbatch.
 
 uv run python examples/tag_demo.py
 """

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import struct
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -11,7 +14,21 @@ import pytest
 
 from trainer import run as run_lib
 from trainer.config import make_config
-from trainer.layouts import EIGHT_DEVICE_LAYOUTS
+
+
+def _load(name: str):
+    """A sibling module of test data, registered as `trainer_tests_<name>` (tests run
+    with --import-mode=importlib, so they import it by that name)."""
+    spec = importlib.util.spec_from_file_location(
+        f"trainer_tests_{name}", Path(__file__).parent / f"{name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+EIGHT_DEVICE_LAYOUTS = _load("layouts").EIGHT_DEVICE_LAYOUTS
 
 # f32 compute so sharded and single-device runs can be compared at rtol 1e-4.
 # STEP_ROWS_PER_DEVICE: sequences per device per optimizer step; `_run` turns it into

@@ -10,7 +10,7 @@ import pytest
 import hlo_tools
 from trainer import abstract_model, aot, reduction_bytes
 from trainer.config import make_config
-from trainer.layouts import DEEPSEEK3_671B_LAYOUT
+from trainer_tests_layouts import DEEPSEEK3_671B_LAYOUT
 
 pytestmark = pytest.mark.aot
 pytest.importorskip("libtpu", reason="needs the tpu extra (libtpu): uv run --extra tpu")

@@ -27,7 +27,7 @@ import pytest
 import hlo_tools
 import pspec_tags as pt
 from trainer import reduction_bytes
-from trainer.layouts import EIGHT_DEVICE_LAYOUTS
+from trainer_tests_layouts import EIGHT_DEVICE_LAYOUTS
 
 pytestmark = pytest.mark.aot
 

@@ -6,7 +6,7 @@ import pytest
 
 import hlo_tools as ht
 from trainer.config import make_config, mesh_shape
-from trainer.layouts import EIGHT_DEVICE_LAYOUTS
+from trainer_tests_layouts import EIGHT_DEVICE_LAYOUTS
 
 GA = {"gradient_accumulation_steps": "4"}
 # Three scanned (MoE) layers: the overlapped reduction is pipelined by one layer

@@ -119,7 +119,7 @@ def test_strict_axes_are_those_sharding_no_weight(name, strict):
 
     from trainer import run as run_lib
     from trainer.config import make_config
-    from trainer.layouts import EIGHT_DEVICE_LAYOUTS
+    from trainer_tests_layouts import EIGHT_DEVICE_LAYOUTS
 
     config = make_config({"model_name": "tagtrain-tiny", **EIGHT_DEVICE_LAYOUTS[name]})
     run = run_lib.abstract_setup(config, jax.devices())

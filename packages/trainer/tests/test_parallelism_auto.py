@@ -15,7 +15,7 @@ def test_auto_mode_lays_optimizer_state_out_like_the_parameters():
 
     from trainer import run as run_lib
     from trainer.config import make_config
-    from trainer.layouts import EIGHT_DEVICE_LAYOUTS
+    from trainer_tests_layouts import EIGHT_DEVICE_LAYOUTS
 
     config = make_config({**EIGHT_DEVICE_LAYOUTS["fsdp"], "shard_mode": "auto"})
     run = run_lib.setup(config)

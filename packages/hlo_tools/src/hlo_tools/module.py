@@ -173,8 +173,3 @@ class HloModule:
     def contexts_of(self, instruction: Instruction):
         """Every calling context (enclosing loops, call path) the instruction runs in."""
         return self.call_graph.contexts.get(instruction.computation, [])
-
-    def enclosing_loops(self, instruction: Instruction):
-        """Enclosing while loops (outermost first) of the first context the instruction runs in."""
-        contexts = self.contexts_of(instruction)
-        return contexts[0].loops if contexts else ()

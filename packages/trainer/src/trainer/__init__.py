@@ -1,3 +1,62 @@
-"""trainer."""
+"""tagtrain's trainer: DeepSeek-style MoE training in JAX under explicit sharding, each
+gradient reduced once per optimizer step (accum), on CPU, GPU and TPU, and compiled for
+TPU and GPU topologies on a CPU host.
+
+The public API (`__all__`; every other module is internal and may move):
+
+- Configuration: `Config`, the typed configuration `train key=value ...` builds;
+  `make_config(overrides)` (a preset plus overrides, type-checked), `parse_overrides`
+  (`key=value` words to a dict), `validate(config, num_devices)` (what depends on the
+  machine: the mesh, batch sizes); `ConfigError`, what every bad key or value raises.
+- A run: `setup(config)` builds the mesh, model, state and jitted step (`Run`);
+  `compile_step(run)`, `train(run)` (the per-step metrics), `startup_lines(run)` (what
+  the binary prints before training).
+- `compile_for_topology(config)`: the step compiled for a TPU or GPU topology on this
+  host, with its memory (`compile_topology=`).
+- `hf`: Hugging Face checkpoints, `hf.load`, `hf.forward`, `hf.save`.
+
+The command lines: `train`, `plan-reduction`, `export-hf`, `plot-metrics`
+(docs/training.md). Names load on first use, so `import trainer` starts no JAX backend.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
+
+# name -> the module that defines it ("" for a subpackage of that name).
+_EXPORTS = {
+    "Config": "trainer.config",
+    "ConfigError": "trainer.config",
+    "make_config": "trainer.config",
+    "parse_overrides": "trainer.config",
+    "validate": "trainer.validate",
+    "Run": "trainer.run",
+    "setup": "trainer.run",
+    "compile_step": "trainer.run",
+    "train": "trainer.run",
+    "startup_lines": "trainer.run",
+    "compile_for_topology": "trainer.aot",
+    "hf": "",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'trainer' has no attribute {name!r}")
+    module = _EXPORTS[name]
+    value = (
+        importlib.import_module(f"trainer.{name}")
+        if not module
+        else getattr(importlib.import_module(module), name)
+    )
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

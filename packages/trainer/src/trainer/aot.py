@@ -159,8 +159,8 @@ def memory_of(compiled: Any) -> dict[str, int]:
     out["total"] = out["argument"] + out["output"] - out["alias"] + out["temp"] + out["code"]
     # XLA's peak of simultaneously live buffers (arguments included), where the
     # backend reports it: below `total` by what the temp allocation reserves
-    # beyond that peak (on TPU: 0.30 GiB for the fused step and 0.38 for the
-    # overlapped one on deepseek3-small v5e-8, code included). Not part of `total`.
+    # beyond that peak (both, measured per schedule: benchmarks/results/aot_async.md).
+    # Not part of `total`.
     peak = getattr(m, "peak_memory_in_bytes", None)
     if peak:
         out["peak"] = int(peak)
@@ -264,7 +264,9 @@ def report_lines(result: AotResult) -> list[str]:
         f"({share * 100:.1f}%, {fits})"
     )
     text = result.compiled.as_text()
-    lines += report.collective_summary(text, config.accumulation, *run_lib.summary_axes(run))
+    lines += report.collective_summary(
+        text, config.accumulation, *run_lib.summary_axes(run), shard_mode=config.shard_mode
+    )
     # The table without hlo_tools' generic verdict: the summary above knows which
     # mesh axes may reduce per iteration (FSDP's) and which may not.
     lines += hlo_tools.format_table(hlo_tools.parse(text), verdict_line=False).splitlines()

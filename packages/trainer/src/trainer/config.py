@@ -43,8 +43,6 @@ OTHER_DCN_KEYS = tuple(
         "diloco",
     )
 )
-REDUCTION_POLICIES = ("deferred", "per_microbatch", "hierarchical")
-REMAT_POLICIES = ("none", "full", "minimal")
 DTYPES = ("float32", "bfloat16")
 ROPE_TYPES = ("default", "yarn")
 
@@ -254,18 +252,14 @@ class ParallelismConfig:
     # all-reduce combining (trainer/xla_options.py), so an all-reduce can be an async
     # start/done pair with compute scheduled between. Only all-reduces are touched:
     # reduce-scatters (ZeRO-1's) and overlapped_ring's collective-permutes compile
-    # the same with it on and off. On deepseek3-small ZeRO-1 on v5e-8, with the
-    # default fused accumulation or with gradient_accumulation_schedule=
-    # overlapped_ring, it only splits the combined all-reduces: none becomes
-    # async, and memory and the async share of the gradient reductions do not
-    # change (benchmarks/results/perf_keys.md). Where gradients are
-    # all-reduced (no ZeRO-1, v6e-8) it makes the overlapped per-layer ones async
-    # (aot_async.md). Off by default: it raised the 671b v5p-1024 step's memory
-    # (aot_async.md, README). No effect on CPU and GPU.
+    # the same with it on and off. What it changes per topology and schedule (memory,
+    # the async share of the gradient reductions), measured:
+    # benchmarks/results/perf_keys.md and aot_async.md. Off by default. No effect on
+    # CPU and GPU.
     tpu_async_collectives: bool = _key(
         False,
-        "TPU: XLA options for uncombined, async all-reduces; on v5e-8 ZeRO-1 they only split "
-        "the all-reduces, none becomes async (benchmarks/results/perf_keys.md)",
+        "TPU: XLA options for uncombined, async all-reduces (what they change, measured: "
+        "benchmarks/results/perf_keys.md)",
     )
     # The platform to run on, under MaxText's key: "" = JAX's default (an accelerator
     # where there is one), cpu (the CPU backend with --num_cpu_devices virtual
@@ -430,7 +424,11 @@ class OutputConfig:
 
     run_name: str = _key("", "run directory name ('': model_name)")
     base_output_directory: str = _key("", "parent of the run directory ('': outputs)")
-    log_period: int = _key(1, "log metrics every this many steps")
+    log_period: int = _key(
+        1,
+        "print a step line every this many steps (and the last); metrics.jsonl and "
+        "TensorBoard still get every step",
+    )
     device_peak_tflops: float = _key(0.0, "peak TFLOP/s per device for MFU (0: from the device)")
     # Metrics (metrics.py): JSONL and TensorBoard event files under run_dir.
     enable_tensorboard: bool = _key(True, "also write TensorBoard event files")

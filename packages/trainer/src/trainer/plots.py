@@ -120,12 +120,17 @@ def plot(runs: list[tuple[str, list[dict]]], output_dir: str) -> list[str]:
     return written + plots_moe.plot(runs, output_dir)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """plot-metrics' command line (tests/test_doc_commands.py checks the docs' against it)."""
     parser = argparse.ArgumentParser(prog="plot-metrics", description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", help="metrics.jsonl files or run directories")
     parser.add_argument("--output_dir", default="plots", help="where the PNGs go (default plots)")
     parser.add_argument("--labels", nargs="+", help="one legend name per file")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         runs = load_runs(args.files, args.labels)
     except (OSError, ValueError) as error:

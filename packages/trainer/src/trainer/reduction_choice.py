@@ -1,10 +1,11 @@
 """`gradient_reduction_policy=auto`: the policy the cost model (accum.cost) predicts fastest.
 
 Every policy that applies to the mesh gets a plan and a predicted cost; they are
-ranked by predicted step time (ties: the smaller accumulator). The first in that
+ranked by predicted step time (ties: the smaller accumulator), deferred first unless
+another is predicted faster by more than DEFERRED_MARGIN (10%). The first in that
 order is built and compiled; where the chip's HBM is known (a compile_topology,
 or a device that reports its memory limit) and the compiled step does not fit,
-the next one is tried and the skipped one named (`fits_or_next`). The startup
+the next one is tried and the skipped one named (`compile_first_fitting`). The startup
 lines show the table with the chosen row marked.
 
 Fixed rules, before the model: shard_mode=auto places reductions by XLA (the
@@ -61,7 +62,10 @@ class Choice:
     costs: dict[str, cost_lib.Cost]
     hardware: Hardware | None
     note: str  # what was assumed or why the model was not consulted
-    skipped: tuple[str, ...] = ()  # (policy: reason) lines, filled by fits_or_next
+    skipped: tuple[str, ...] = ()  # (policy: reason) lines, filled by next_choice
+    # False in shard_mode=auto: XLA places every reduction, no policy applies (the
+    # config still carries deferred, the value every consumer of a plan expects).
+    applies: bool = True
 
     @property
     def policy(self) -> str:
@@ -303,7 +307,9 @@ def choose(config: Config, ctx: Any, params: Any, devices: list, grad_dtypes: An
     (`grad_dtypes`: `gradient_traits` of the model). Takes the Config: the cost
     model reads the model, parallelism, accumulation and data groups."""
     if config.shard_mode != "explicit":
-        return Choice(("deferred",), {}, None, "shard_mode=auto: XLA places every reduction")
+        return Choice(
+            ("deferred",), {}, None, "shard_mode=auto: XLA places every reduction", applies=False
+        )
     parallelism, accumulation = config.parallelism, config.accumulation
     hw, note = hardware_for(parallelism, accumulation, devices)
     candidates = plans(parallelism, accumulation, ctx, params)
@@ -408,11 +414,35 @@ def table_lines(choice: Choice, chosen: str | None = None) -> list[str]:
     return lines
 
 
+# What the table's MiB/step count, beside the collective summary's operand bytes
+# (docs/cost_model.md, "The time model": r (g - 1) / g x operand per ring collective).
+WIRE_BYTES_LINE = (
+    "  MiB/step: bytes each chip sends, (g-1)/g x operand (x2 for an all-reduce); "
+    "the collective summary counts operand bytes"
+)
+
+
+def margin_line() -> str:
+    """The rule that keeps deferred chosen on a near tie (`rank`)."""
+    return (
+        "  a policy other than deferred is chosen only when predicted faster by more than "
+        f"{DEFERRED_MARGIN:.0%}"
+    )
+
+
 def startup_lines(choice: Choice) -> list[str]:
-    """What the trainer prints about the auto choice."""
+    """What the trainer prints about the auto choice: the policy and why, the table of
+    predictions, the margin rule that chose among them and what the bytes count. In
+    shard_mode=auto no policy applies (XLA places every reduction), and the line says
+    so rather than naming one."""
+    if not choice.applies:
+        return [f"gradient_reduction_policy=auto: no policy applies ({choice.note})"]
     head = f"gradient_reduction_policy=auto -> {choice.policy} ({choice.note})"
     lines = [head, *(f"  skipped {s}" for s in choice.skipped)]
     if choice.costs:
         lines.append("  predicted per device per step (accum.cost; docs/cost_model.md):")
         lines += table_lines(choice)
+        if "deferred" in choice.costs and len(choice.costs) > 1:
+            lines.append(margin_line())
+        lines.append(WIRE_BYTES_LINE)
     return lines

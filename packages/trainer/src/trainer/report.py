@@ -68,14 +68,19 @@ def collective_summary(
     mesh_shape: dict[str, int] | None = None,
     strict_axes: tuple[str, ...] = (),
     slice_axes: tuple[str, ...] = (),
+    shard_mode: str = "explicit",
 ) -> list[str]:
-    """Gradient reductions inside vs outside the loops, and bytes per step by kind.
+    """Gradient reductions inside vs outside the loops, and bytes per step by kind
+    (operand bytes, as hlo_tools counts them: the reduction table's MiB/step are the
+    bytes a chip sends, (g-1)/g x these, twice that for an all-reduce).
 
     `strict_axes` (with `mesh_shape`): the axes no in-loop reduction may span
     (the plan's `strict_axes`). In-loop reductions over other axes only
     (FSDP's reduce-scatters, hierarchical's in-slice ones) are reported as
     expected, not as a failure. With `slice_axes` (the cross-slice mesh axes,
-    outermost), bytes per step are also split into cross-slice and in-slice.
+    outermost), bytes per step are also split into cross-slice and in-slice. In
+    `shard_mode=auto` the head names the mode instead of a reduction policy: XLA
+    places every reduction there, whatever the policy key says.
     """
     module = hlo_tools.parse(text)
     inside = hlo_tools.in_loop_reductions(module)
@@ -100,11 +105,18 @@ def collective_summary(
         during = f", {mib:.3f} MiB/step layer by layer in the last microbatch's backward"
     head = (
         f"collectives per step (GA={accumulation.gradient_accumulation_steps}, "
-        f"gradient_reduction_policy={accumulation.gradient_reduction_policy}): "
+        f"{_policy_label(accumulation, shard_mode)}): "
         f"{len(outside)} gradient reductions after the loops ({outside_mib:.3f} MiB{during}); "
         + _verdict(text, module, inside, mesh_shape, strict_axes)
     )
     return [head, *lines]
+
+
+def _policy_label(accumulation: AccumulationConfig, shard_mode: str) -> str:
+    """What placed the reductions: the policy, or XLA in auto mode."""
+    if shard_mode != "explicit":
+        return f"shard_mode={shard_mode}: reductions placed by XLA"
+    return f"gradient_reduction_policy={accumulation.gradient_reduction_policy}"
 
 
 def slice_split_line(module, mesh_shape: dict[str, int], slice_axes: tuple[str, ...]) -> str:

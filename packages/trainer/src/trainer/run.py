@@ -366,7 +366,9 @@ def startup_lines(run: Run) -> list[str]:
     lines += report.capacity_lines(config, run.ctx, run.batch_size)
     lines += data_lines(run)
     text = run.compiled.as_text()
-    return lines + report.collective_summary(text, config.accumulation, *summary_axes(run))
+    return lines + report.collective_summary(
+        text, config.accumulation, *summary_axes(run), shard_mode=config.shard_mode
+    )
 
 
 def summary_axes(run: Run) -> tuple[dict[str, int], tuple[str, ...], tuple[str, ...]]:

@@ -8,7 +8,6 @@ ConfigError naming it: nothing in a config.json is silently ignored.
 from __future__ import annotations
 
 import json
-import math
 import os
 from typing import Any
 
@@ -258,10 +257,6 @@ def model_type_of(config: Config) -> str:
         f"routed_score_func={config.routed_score_func} with routed_topk_method="
         f"{config.routed_topk_method} has no transformers equivalent to export to"
     )
-
-
-def _yarn_m(factor: float, mscale: float) -> float:
-    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 def _rope_scaling(config: Config) -> dict | None:

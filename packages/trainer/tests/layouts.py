@@ -1,6 +1,8 @@
 """Named parallelism layouts on 8 devices: the seeds' matrix, as config overrides.
 
-Tests, benchmarks and users share them, e.g.
+Test data, not part of the trainer wheel: the tests load it by path (conftest.py
+registers it as `trainer_tests_layouts`), the benchmarks through
+`benchlib.trainer_test_module("layouts")`. E.g.
 `make_config({**EIGHT_DEVICE_LAYOUTS["fsdp+tensor"], "steps": "10"})`.
 """
 
