@@ -258,10 +258,11 @@ def test_invocations_take_off_the_launchers():
     assert _invocations("timeout -s TERM 30 train steps=9") == [["train", "steps=9"]]
 
 
-@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c.where)
+# Shapes such as `train KEY=VALUE ...` are not commands: left out, not skipped.
+@pytest.mark.parametrize(
+    "command", [c for c in COMMANDS if not _is_placeholder(c)], ids=lambda c: c.where
+)
 def test_documented_command_parses(command):
-    if _is_placeholder(command):
-        pytest.skip("a placeholder, not a command")
     try:
         check_arguments(command)
     except (Exception, SystemExit) as error:  # argparse exits; the rest raise
