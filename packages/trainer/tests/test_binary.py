@@ -10,7 +10,11 @@ from pathlib import Path
 import pytest
 
 TRAIN = Path(sys.executable).parent / "train"
-STEP = re.compile(r"^step\s+(\d+)\s+loss ([\d.]+)\s+grad_norm ([\d.]+)\s+lr ([\d.e+-]+)")
+# MoE figures (imbalance, dropped, z) may sit between the loss and grad_norm.
+STEP = re.compile(
+    r"^step\s+(\d+)\s+loss ([\d.]+)(?:\s+(?!grad_norm)\S+ \S+)*"
+    r"\s+grad_norm ([\d.]+)\s+lr ([\d.e+-]+)"
+)
 
 
 # Without libtpu (the cpu tier), the main run leaves JAX_PLATFORMS unset, as a user

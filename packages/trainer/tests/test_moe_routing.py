@@ -203,6 +203,7 @@ def test_plot_metrics_draws_the_moe_charts(tmp_path):
     ],
     ids=["fsdp+expert(context)", "data+expert-auto"],
 )  # fmt: skip
+@pytest.mark.slow  # three more compiles; the cpu tier keeps the tag-safety test above
 def test_z_loss_matches_one_device(layout, runner):
     """The router z-loss on a sequence-sharded residual and in auto mode equals one
     device's (the per-token z is laid out like the loss weights before they meet)."""
