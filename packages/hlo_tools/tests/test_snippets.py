@@ -65,6 +65,22 @@ def test_async_pairs_count_the_start_once():
     assert t["bytes_per_step"] == 512 + 2048 + 512 + 256
 
 
+GPU_ALL_TO_ALL = """HloModule a2a, num_partitions=2
+
+ENTRY %main (x: bf16[2,4,8]) -> bf16[2,4,8] {
+  %x = bf16[2,4,8]{2,1,0} parameter(0)
+  %s = ((bf16[2,4,8]{2,1,0}), bf16[2,4,8]{2,1,0}) all-to-all-start(%x), channel_id=1, replica_groups={{0,1}}, dimensions={0}
+  ROOT %d = bf16[2,4,8]{2,1,0} all-to-all-done(%s)
+}
+"""
+
+
+def test_gpu_all_to_all_start_counts_its_output_once():
+    # GPU prints all-to-all-start as ((operands), output): the payload is the output.
+    (c,) = ht.collectives(GPU_ALL_TO_ALL)
+    assert (c.kind, c.shape, c.dtype, c.bytes) == ("all-to-all", (2, 4, 8), "bf16", 2 * 4 * 8 * 2)
+
+
 def _loops(body_trip: str, outer_trip: str, extra: str = "") -> str:
     return (
         "HloModule loops, num_partitions=4\n"

@@ -78,7 +78,7 @@ class Collective:
 
     ``arrays`` are the payload arrays: the result, except for ``-start`` forms
     whose tuple results also hold the operands (all-gather-start,
-    collective-permute-start) or sync flags; there the output half is kept.
+    all-to-all-start, collective-permute-start) or sync flags; there the output half is kept.
     ``bytes`` and ``elements`` sum over ``arrays``. ``multiplier`` is the product
     of the enclosing loops' trip counts, None when any is unknown.
     """
@@ -226,7 +226,8 @@ def _payload(instr: Instruction) -> list[ArrayType]:
     parts = t.elements
     if instr.opcode.startswith("collective-permute") and len(parts) >= 2:
         return leaf_arrays(parts[1])
-    if instr.opcode.startswith("all-gather") and len(parts) == 2:
+    # GPU's all-to-all-start: ((operands...), output).
+    if instr.opcode.startswith(("all-gather", "all-to-all")) and len(parts) == 2:
         return leaf_arrays(parts[1])
     return leaf_arrays(t)
 
