@@ -79,6 +79,13 @@ def _ddp_reference(variables, batch, temperature):
     return jax.tree.map(lambda *g: sum(g) / ROWS, *grads)
 
 
+@pytest.mark.xfail(
+    tuple(int(p) for p in jax.__version__.split(".")[:2]) > (0, 10),
+    reason="known bug: on JAX newer than 0.10 (wheels_newest, 0.12) the local path's "
+    "gradients through a closed-over traced value on an auto mesh are wrong (3 of 8 bias "
+    "entries off): open, see packages/accum/README.md's paths section",
+    strict=True,
+)
 @pytest.mark.parametrize("step", [scanned, dispatched])
 def test_closing_over_batch_stats_and_temperature_on_an_auto_mesh(step):
     mesh, variables, batch = _setup("auto")
