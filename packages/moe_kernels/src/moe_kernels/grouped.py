@@ -61,29 +61,39 @@ def swiglu_grouped(rows_AxD, wi0_ExDxF, wi1_ExDxF, wo_ExFxD, sizes_E, *, impl, p
     raise ValueError(f"impl={impl!r} is not one of {IMPLS[1:]}")
 
 
-def _block_layout(sizes_E: jax.Array, num_rows: int, m: int):
-    """(destination row of each input row in the padded layout, expert of each block).
+def _padded_swiglu(rows_AxD, group_A, offset_A, sizes_E, kernels, precision):
+    """The SwiGLU of row a through expert group_A[a] (E: no expert, zero out), placed
+    at offset_A[a] among that expert's rows in a layout padded to blocks of M rows.
 
-    Rows past sum(sizes_E) get destination N*M, out of range: dropped on the way
-    in, zero on the way out.
+    Rows go in with one scatter and come out with one gather. A row of no expert
+    gets its own index past the layout (N*M + a): dropped on the way in, zero on
+    the way out, and every index distinct, as unique_indices promises.
     """
+    a, d = rows_AxD.shape
     e = sizes_E.shape[0]
-    num_blocks = -(-num_rows // m) + e  # each group pads by less than one block
+    m = block_rows(a, e)
+    num_blocks = -(-a // m) + e  # each group pads by less than one block
     padded_E = (sizes_E + m - 1) // m * m
-    ends_E = jnp.cumsum(sizes_E)
     padded_ends_E = jnp.cumsum(padded_E)
-    row_A = jnp.arange(num_rows)
-    # A row's group is the number of group ends at or before it (E for rows past
-    # the last group). A compare-and-sum, not jnp.searchsorted: that lowers to a
-    # while loop of small kernels on GPU.
-    group_A = _count_at_or_below(ends_E, row_A)
     g_A = jnp.minimum(group_A, e - 1)
-    offset_A = row_A - (ends_E[g_A] - sizes_E[g_A])
-    dest_A = jnp.where(group_A < e, padded_ends_E[g_A] - padded_E[g_A] + offset_A, num_blocks * m)
-    block_start_N = jnp.arange(num_blocks) * m
+    dest_A = jnp.where(
+        group_A < e, padded_ends_E[g_A] - padded_E[g_A] + offset_A, num_blocks * m + jnp.arange(a)
+    )
     # Blocks past the last group's padding hold only zero rows: any expert will do.
+    block_start_N = jnp.arange(num_blocks) * m
     expert_N = jnp.minimum(_count_at_or_below(padded_ends_E, block_start_N), e - 1)
-    return dest_A, expert_N, num_blocks
+    padded_NxMxD = (
+        jnp.zeros((num_blocks * m, d), rows_AxD.dtype)
+        .at[dest_A]
+        .set(rows_AxD, mode="drop", unique_indices=True)
+        .reshape(num_blocks, m, d)
+    )
+    out_NxMxD = _blocks_swiglu(padded_NxMxD, *kernels, expert_N, precision)
+    return (
+        out_NxMxD.reshape(num_blocks * m, d)
+        .at[dest_A]
+        .get(mode="fill", fill_value=0, unique_indices=True)
+    )
 
 
 def swiglu_by_expert(x_TxD, key_A, k, wi0_ExDxF, wi1_ExDxF, wo_ExFxD, *, precision=None):
@@ -92,38 +102,19 @@ def swiglu_by_expert(x_TxD, key_A, k, wi0_ExDxF, wi1_ExDxF, wo_ExFxD, *, precisi
     Assignment a is token a // k sent to expert key_A[a]; key_A == E marks an
     assignment for no local expert (zero out). Each assignment's slot in the padded
     layout is its expert's padded start plus its rank among that expert's
-    assignments in token order (what a stable sort by expert would give), so the
-    rows go in with one scatter and come out with one gather: no argsort, no
-    inverse permutation (on GPU, sorts, gathers and scatters were a quarter of the
-    step's kernel time: benchmarks/results/device_check.md). Returns out_AxD in
-    assignment order.
+    assignments in token order (what a stable sort by expert would give), so no
+    argsort and no inverse permutation (on GPU, sorts, gathers and scatters were a
+    quarter of the step's kernel time: benchmarks/results/device_check.md).
+    Returns out_AxD in assignment order.
     """
-    a = key_A.shape[0]
-    e, d = wi0_ExDxF.shape[0], x_TxD.shape[-1]
-    m = block_rows(a, e)
+    e = wi0_ExDxF.shape[0]
     onehot_AxE = (key_A[:, None] == jnp.arange(e)[None, :]).astype(jnp.int32)
     sizes_E = jnp.sum(onehot_AxE, axis=0)
     # Rank within the expert: the running count of that expert's assignments.
     rank_A = jnp.sum(jnp.cumsum(onehot_AxE, axis=0) * onehot_AxE, axis=1) - 1
-    padded_E = (sizes_E + m - 1) // m * m
-    padded_ends_E = jnp.cumsum(padded_E)
-    num_blocks = -(-a // m) + e
-    g_A = jnp.minimum(key_A, e - 1)
-    dest_A = jnp.where(key_A < e, padded_ends_E[g_A] - padded_E[g_A] + rank_A, num_blocks * m)
-    expert_N = jnp.minimum(_count_at_or_below(padded_ends_E, jnp.arange(num_blocks) * m), e - 1)
     rows_AxD = jnp.repeat(x_TxD, k, axis=0)  # assignment a reads token a // k
-    padded_NxMxD = (
-        jnp.zeros((num_blocks * m, d), x_TxD.dtype)
-        .at[dest_A]
-        .set(rows_AxD, mode="drop", unique_indices=True)
-        .reshape(num_blocks, m, d)
-    )
-    out_NxMxD = _blocks_swiglu(padded_NxMxD, wi0_ExDxF, wi1_ExDxF, wo_ExFxD, expert_N, precision)
-    return (
-        out_NxMxD.reshape(num_blocks * m, d)
-        .at[dest_A]
-        .get(mode="fill", fill_value=0, unique_indices=True)
-    )
+    kernels = (wi0_ExDxF, wi1_ExDxF, wo_ExFxD)
+    return _padded_swiglu(rows_AxD, key_A, rank_A, sizes_E, kernels, precision)
 
 
 def _blocks_swiglu(padded_NxMxD, wi0_ExDxF, wi1_ExDxF, wo_ExFxD, expert_N, precision):
@@ -158,11 +149,14 @@ def _count_at_or_below(ends_E: jax.Array, values: jax.Array) -> jax.Array:
 
 
 def _swiglu_blocks(rows_AxD, wi0_ExDxF, wi1_ExDxF, wo_ExFxD, sizes_E, precision):
-    a, d = rows_AxD.shape
-    m = block_rows(a, sizes_E.shape[0])
-    dest_A, expert_N, n = _block_layout(sizes_E, a, m)
-    padded_NxMxD = (
-        jnp.zeros((n * m, d), rows_AxD.dtype).at[dest_A].set(rows_AxD, mode="drop").reshape(n, m, d)
-    )
-    out_NxMxD = _blocks_swiglu(padded_NxMxD, wi0_ExDxF, wi1_ExDxF, wo_ExFxD, expert_N, precision)
-    return out_NxMxD.reshape(n * m, d).at[dest_A].get(mode="fill", fill_value=0)
+    """Rows already sorted by expert: a row's group is the number of group ends at or
+    before it (E past the last group), its offset its distance from the group's start."""
+    ends_E = jnp.cumsum(sizes_E)
+    row_A = jnp.arange(rows_AxD.shape[0])
+    # A compare-and-sum, not jnp.searchsorted: that lowers to a while loop of small
+    # kernels on GPU.
+    group_A = _count_at_or_below(ends_E, row_A)
+    g_A = jnp.minimum(group_A, sizes_E.shape[0] - 1)
+    offset_A = row_A - (ends_E[g_A] - sizes_E[g_A])
+    kernels = (wi0_ExDxF, wi1_ExDxF, wo_ExFxD)
+    return _padded_swiglu(rows_AxD, group_A, offset_A, sizes_E, kernels, precision)
