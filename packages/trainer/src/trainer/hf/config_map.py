@@ -115,6 +115,7 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
         "q_lora_rank": 1536,
         "rope_theta": 10_000,
         "num_key_value_heads": 128,
+        "num_nextn_predict_layers": 1,  # num_mtp_layers
     },
     "deepseek_v2": {
         "first_k_dense_replace": 0,
@@ -128,6 +129,7 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
         "q_lora_rank": 1536,
         "rope_theta": 10_000,
         "num_key_value_heads": None,
+        "num_nextn_predict_layers": 0,  # not a V2 key: no MTP layers
     },
 }
 # What transformers' modeling code computes whatever these keys say: V3 always
@@ -277,10 +279,11 @@ def _check_fixed(hf: dict, family: str, where: str) -> None:
     kv_heads = _value(hf, "num_key_value_heads", family, where)
     if kv_heads is not None and kv_heads != heads:
         said = (
-            f"={kv_heads}" if "num_key_value_heads" in hf else f" is missing ({family}: {kv_heads})"
+            "=" if "num_key_value_heads" in hf else f" is missing: transformers' {family} default"
         )
         raise ConfigError(
-            f"{where}: num_key_value_heads{said} must be num_attention_heads={heads} (MLA)"
+            f"{where}: num_key_value_heads{said} {kv_heads} is not num_attention_heads={heads} "
+            "(MLA has one kv head per query head)"
         )
     # V3 refuses a head_dim other than qk_rope_head_dim; V2 overwrites it.
     if family == "deepseek_v3" and hf.get("head_dim") not in (None, hf["qk_rope_head_dim"]):

@@ -59,6 +59,18 @@ def _rope_of(hf: dict) -> dict:
     return config_map.rope_keys(hf, family, "config.json")
 
 
+def _meaning_when_absent(key: str, family: str) -> Any:
+    """What transformers computes for `family` when config.json leaves `key` out."""
+    for table in (
+        config_map.FIXED,
+        config_map.HF_DEFAULTS[family],
+        config_map.IGNORED_BY_HF[family],
+    ):
+        if key in table:
+            return table[key]
+    return None
+
+
 def merge(computed: dict, source: dict | None, config: Config) -> dict:
     """config.json for an export: `source` with the keys whose meaning the trainer's
     `config` changed rewritten from `computed` (config_map.to_hf), the rest kept as
@@ -66,19 +78,20 @@ def merge(computed: dict, source: dict | None, config: Config) -> dict:
     is not used when the trainer's config is another model family."""
     if source is None or config_map.family_of(source) != computed["model_type"]:
         return computed
+    family = computed["model_type"]
     out = {k: v for k, v in source.items() if k != "quantization_config"}  # no fp8 written
     for key, value in computed.items():
-        if key in ("model_type", "architectures") or key in ROPE_KEYS + BALANCE_KEYS:
+        if key in ("model_type", "architectures") + ROPE_KEYS + BALANCE_KEYS + DTYPE_KEYS:
+            continue  # the source's spelling and names; rope, balance, dtype below
+        if key in out and out[key] == value:
             continue
-        if key in DTYPE_KEYS:
-            continue
-        if out.get(key) != value:
-            out[key] = value
+        if key not in out and value == _meaning_when_absent(key, family):
+            continue  # the source means this value by leaving the key out
+        out[key] = value
     if _rope_of(source) != _rope_of(computed):
         for key in ROPE_KEYS:
             out.pop(key, None)
         out.update({key: computed[key] for key in ("rope_theta", "rope_scaling")})
-    family = computed["model_type"]
     if (config_map.balance_weight(source, family) or 0.0) != config.load_balance_loss_weight:
         out["aux_loss_alpha"] = computed.get("aux_loss_alpha", 0.0)
         out["seq_aux"] = True
