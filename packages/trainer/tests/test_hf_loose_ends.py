@@ -21,7 +21,7 @@ import pytest
 
 from trainer import hf
 from trainer.config import ConfigError, make_config
-from trainer.hf import config_map, safetensors
+from trainer.hf import config_map, notes, safetensors
 from trainer.hf.safetensors import SafetensorsError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -185,7 +185,7 @@ def test_keys_transformers_ignores_are_ignored_and_named(tmp_path, capsys):
     assert "topk_method='greedy' ignored" in err and "qk_head_dim=99 ignored" in err
     v2 = _hf_config("v2_lite", norm_topk_prob=True, scoring_func="sigmoid")
     assert config_map.from_hf(v2)["norm_topk_prob"] is False
-    assert len(config_map.notes(v2)) == 2
+    assert len(notes.lines(v2)) == 2
 
 
 # --- broken files -------------------------------------------------------------
@@ -279,8 +279,8 @@ def test_moonlight_latent_norms_keep_transformers_epsilon():
     config = hf.config_from_hf(str(FIXTURES / "moonlight"))
     assert config.normalization_layer_epsilon == 1e-5 and config.latent_norm_epsilon == 1e-6
     assert _logits_error(FIXTURES / "moonlight", "moonlight", latent_norm_epsilon=1e-5) > 0.1
-    notes = config_map.notes(_hf_config("moonlight"))
-    assert any("latent norms" in note and "1e-06" in note for note in notes)
+    lines = notes.lines(_hf_config("moonlight"))
+    assert any("latent norms" in line and "1e-06" in line for line in lines)
 
 
 def test_kimi_k2_reads_as_v3_and_its_inv_freq_tensors_are_ignored(capsys):
@@ -300,11 +300,11 @@ def test_aux_loss_alpha_maps_to_the_balance_loss_weight(tmp_path, capsys):
     assert config_map.from_hf(v2)["load_balance_loss_weight"] == pytest.approx(0.002)
     batch_wise = _hf_config("v2_lite", aux_loss_alpha=0.001, seq_aux=False)
     assert "load_balance_loss_weight" not in config_map.from_hf(batch_wise)
-    assert "is not used" in config_map.notes(batch_wise)[0]
+    assert "is not used" in notes.lines(batch_wise)[0]
     directory = _copy("v2_lite", tmp_path, aux_loss_alpha=0.001, seq_aux=True)
     config = make_config({"hf_model_path": str(directory), "load_balance_loss_weight": "0.5"})
     assert config.load_balance_loss_weight == 0.5
-    assert "given explicitly wins" in config_map.notes(v2, config)[0]
+    assert "given explicitly wins" in notes.lines(v2, config)[0]
 
 
 # --- export -------------------------------------------------------------------

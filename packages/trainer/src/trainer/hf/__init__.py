@@ -24,7 +24,7 @@ import numpy as np
 
 from trainer import model as model_lib
 from trainer.config import Config, ConfigError, make_config, mesh_shape
-from trainer.hf import config_map, export_config, keys, safetensors, stream
+from trainer.hf import config_map, export_config, keys, notes, safetensors, stream
 from trainer.sharding import ShardCtx, logical_rules, make_mesh
 
 # Shards above this size get split (transformers' default max_shard_size is 5 GB).
@@ -61,13 +61,13 @@ def import_params(
     """{"params", "router"} of HF directory `path`, streamed onto `ctx`'s mesh in the
     shardings the trainer gives them (`model`: its ModelDef, when already built).
     With `progress`, one stderr line per config.json key read otherwise than it says
-    or not used (config_map.notes)."""
+    or not used (hf.notes)."""
     model = model or model_lib.define(config.model, ctx)
     params_abs, router_abs = model_lib.abstract_state(model, ctx)
     targets = {"params": params_abs, "router": router_abs}
     plan = plan_import(path, config, targets)
     if progress:
-        for note in config_map.notes(config_map.read_config_json(path), config):
+        for note in notes.lines(config_map.read_config_json(path), config):
             print(f"hf import: {note}", file=sys.stderr, flush=True)
     return stream.import_leaves(plan, targets, progress, config.hf_check_finite)
 

@@ -6,7 +6,7 @@ ConfigError naming it: nothing in a config.json is silently ignored. A key left
 out takes transformers' default for the model type (`HF_DEFAULTS`, transformers
 5.24's DeepseekV3Config / DeepseekV2Config), never a trainer preset's; a key
 transformers' modeling code ignores (`IGNORED_BY_HF`: V3's scoring_func) is
-ignored here too, and `notes` says so at startup.
+ignored here too, and `hf.notes` says so at startup.
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ def family_of(hf: dict, where: str = "config.json") -> str:
     return ALIASES.get(model_type, model_type)
 
 
-def _value(hf: dict, key: str, family: str, where: str) -> Any:
+def value_of(hf: dict, key: str, family: str, where: str = "config.json") -> Any:
     """config.json's `key`, or transformers' default for `family` when absent. A null
     is transformers' None: refused where its default is not None (its code needs a value)."""
     if key not in hf:
@@ -227,7 +227,7 @@ def rope_keys(hf: dict, family: str, where: str) -> dict[str, Any]:
     with transformers' defaults where they are left out (never a preset's)."""
     name, scaling = _rope_dict(hf)
     theta = scaling.pop("rope_theta", None)
-    theta = _value(hf, "rope_theta", family, where) if theta is None else theta
+    theta = value_of(hf, "rope_theta", family, where) if theta is None else theta
     if theta != int(theta):
         raise ConfigError(f"{where}: rope_theta={theta} is not an integer (rope_max_timescale)")
     out: dict[str, Any] = {"rope_max_timescale": int(theta), "rope_type": "default"}
@@ -245,7 +245,7 @@ def rope_keys(hf: dict, family: str, where: str) -> dict[str, Any]:
     if "factor" not in scaling:
         # transformers raises KeyError: "Missing required keys ... {'factor'}".
         raise ConfigError(f"{where}: {name} has rope type yarn but no factor")
-    max_positions = _value(hf, "max_position_embeddings", family, where)
+    max_positions = value_of(hf, "max_position_embeddings", family, where)
     # transformers fills original_max_position_embeddings with max_position_embeddings.
     original = scaling.get("original_max_position_embeddings") or max_positions
     factor = scaling["factor"]
@@ -276,7 +276,7 @@ def _check_fixed(hf: dict, family: str, where: str) -> None:
         if key in hf and hf[key] != value:
             raise ConfigError(f"{where}: {key}={hf[key]!r} is not supported (only {value!r})")
     heads = hf["num_attention_heads"]
-    kv_heads = _value(hf, "num_key_value_heads", family, where)
+    kv_heads = value_of(hf, "num_key_value_heads", family, where)
     if kv_heads is not None and kv_heads != heads:
         said = (
             "=" if "num_key_value_heads" in hf else f" is missing: transformers' {family} default"
@@ -311,7 +311,7 @@ def check_quantization(hf: dict, where: str) -> bool:
 
 def _routing(hf: dict, family: str, where: str) -> dict[str, Any]:
     """The router transformers' modeling code builds for `family` (see IGNORED_BY_HF)."""
-    value = lambda key: _value(hf, key, family, where)  # noqa: E731
+    value = lambda key: value_of(hf, key, family, where)  # noqa: E731
     if family == "deepseek_v3":
         return dict(
             routed_score_func="sigmoid",
@@ -342,7 +342,7 @@ def _routing(hf: dict, family: str, where: str) -> dict[str, Any]:
 
 def num_moe_layers(hf: dict, family: str) -> int:
     """MoE layers of the main model (every layer from first_k_dense_replace on)."""
-    first_dense = _value(hf, "first_k_dense_replace", family, "config.json")
+    first_dense = value_of(hf, "first_k_dense_replace", family, "config.json")
     return hf["num_hidden_layers"] - first_dense
 
 
@@ -373,12 +373,12 @@ def from_hf(hf: dict, where: str = "config.json") -> dict[str, Any]:
     apart = ("norm_topk_prob", "scoring_func", "topk_method", "n_group", "topk_group")
     apart += ("rope_interleave",)
     out: dict[str, Any] = {
-        trainer_key: _value(hf, key, family, where)
+        trainer_key: value_of(hf, key, family, where)
         for key, trainer_key in DIRECT.items()
         if key not in apart
     }
     out.update(routing)
-    v3_interleave = family == "deepseek_v3" and _value(hf, "rope_interleave", family, where)
+    v3_interleave = family == "deepseek_v3" and value_of(hf, "rope_interleave", family, where)
     out["rope_interleave"] = family == "deepseek_v2" or bool(v3_interleave)
     out["latent_norm_epsilon"] = LATENT_NORM_EPS
     q_lora_rank = hf.get("q_lora_rank", HF_DEFAULTS[family]["q_lora_rank"])
@@ -389,57 +389,6 @@ def from_hf(hf: dict, where: str = "config.json") -> dict[str, Any]:
         out["load_balance_loss_weight"] = weight
     # MTP stays a choice (mtp_num_layers): the files' MTP layers are read when it is on.
     return out
-
-
-def notes(hf: dict, config: Config | None = None) -> list[str]:
-    """What the import reads differently from what config.json says, or does not use,
-    one line each, for the startup log (`config`: the run's, to name explicit keys)."""
-    family = family_of(hf)
-    out = []
-    if hf["model_type"] != family:
-        out.append(f"model_type={hf['model_type']!r} read as {family} (the same layout)")
-    for key, used in IGNORED_BY_HF[family].items():
-        if hf.get(key) is not None and hf[key] != used:
-            out.append(f"{key}={hf[key]!r} ignored: transformers' {family} uses {used!r}")
-    greedy = family == "deepseek_v2" and _value(hf, "topk_method", family, "") == "greedy"
-    if greedy and (hf.get("n_group") or 1) > 1:
-        out.append(f"n_group={hf['n_group']} ignored: topk_method=greedy has no groups")
-    derived = {"qk_head_dim": hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]}
-    if family == "deepseek_v2":
-        derived["head_dim"] = hf["qk_rope_head_dim"]
-    for key, value in derived.items():
-        if hf.get(key) not in (None, value):
-            out.append(f"{key}={hf[key]} ignored: transformers sets it to {value}")
-    eps = _value(hf, "rms_norm_eps", family, "")
-    if eps != LATENT_NORM_EPS:
-        out.append(
-            f"rms_norm_eps={eps} for the decoder norms; the MLA latent norms (q_a_layernorm, "
-            f"kv_a_layernorm) keep transformers' fixed {LATENT_NORM_EPS} (latent_norm_epsilon)"
-        )
-    out += _balance_notes(hf, family, config)
-    return out
-
-
-def _balance_notes(hf: dict, family: str, config: Config | None) -> list[str]:
-    alpha = hf.get("aux_loss_alpha") or 0.0
-    if not alpha:
-        return []
-    weight = balance_weight(hf, family)
-    if weight is None:
-        return [
-            f"aux_loss_alpha={alpha} with seq_aux=false (DeepSeek's batch-wise balance loss) "
-            "is not used: load_balance_loss_weight is the sequence-wise loss; set it to use that"
-        ]
-    line = (
-        f"aux_loss_alpha={alpha} (sequence-wise, seq_aux) -> load_balance_loss_weight={weight:g}: "
-        f"DeepSeek adds the loss of each of the {num_moe_layers(hf, family)} MoE layers, "
-        "the trainer weights their mean"
-    )
-    if config is not None and config.load_balance_loss_weight != weight:
-        line += (
-            f"; load_balance_loss_weight={config.load_balance_loss_weight:g} given explicitly wins"
-        )
-    return [line]
 
 
 def model_type_of(config: Config) -> str:
