@@ -21,7 +21,7 @@ import pytest
 
 from trainer import hf
 from trainer.config import ConfigError, make_config
-from trainer.hf import config_map, notes, safetensors
+from trainer.hf import config_map, notes, safetensors, stream
 from trainer.hf.safetensors import SafetensorsError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -250,18 +250,29 @@ def _poison(directory: Path, name: str, value: float) -> None:
     data.flush()
 
 
-@pytest.mark.parametrize("value", [np.nan, np.inf])
-def test_nan_or_inf_weights_name_file_and_tensor(tmp_path, value):
+@pytest.mark.parametrize(("value", "weight_dtype"), [(np.nan, "float32"), (-np.inf, "bfloat16")])
+def test_nan_or_inf_weights_name_file_and_tensor(tmp_path, value, weight_dtype):
     directory = _copy("v3_yarn", tmp_path)
     name = "model.layers.2.mlp.experts.5.down_proj.weight"
     _poison(directory, name, value)
-    message = _one_line_error(directory)
+    with pytest.raises(SafetensorsError) as caught:
+        hf.load(str(directory), weight_dtype=weight_dtype, progress=False)
+    message = str(caught.value)
     assert message == (
         f"{directory / 'model.safetensors'}: tensor {name} holds NaN or Inf "
         "(hf_check_finite=false loads it)"
     )
     _, params = hf.load(str(directory), hf_check_finite=False, progress=False)
     assert not np.isfinite(np.asarray(params["params"]["moe_layers"]["ffn"]["wo"])).all()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_the_finite_check_sees_every_chunk(dtype, value):
+    array = np.ones((3, stream.FINITE_CHUNK), safetensors.DTYPES["F32"]).astype(dtype)
+    assert stream._finite(array)
+    array[2, 7] = value  # in the last chunk
+    assert not stream._finite(array)
 
 
 def test_nan_in_an_fp8_scale_is_named_by_its_weight(tmp_path):
@@ -278,7 +289,14 @@ def test_moonlight_latent_norms_keep_transformers_epsilon():
     the latent norms at rms_norm_eps instead of 1e-6 move the logits far off."""
     config = hf.config_from_hf(str(FIXTURES / "moonlight"))
     assert config.normalization_layer_epsilon == 1e-5 and config.latent_norm_epsilon == 1e-6
-    assert _logits_error(FIXTURES / "moonlight", "moonlight", latent_norm_epsilon=1e-5) > 0.1
+    # latent_norm_epsilon < 0: MaxText's one epsilon for every norm, here 1e-5.
+    assert _logits_error(FIXTURES / "moonlight", "moonlight", latent_norm_epsilon=-1) > 0.1
+    assert config_map.to_hf(config)["rms_norm_eps"] == 1e-5
+    one_epsilon = make_config(
+        {**config_map.from_hf(_hf_config("moonlight")), "latent_norm_epsilon": -1}
+    )
+    with pytest.raises(ConfigError, match=r"latent_norm_epsilon=-1.0 .* cannot be exported"):
+        config_map.to_hf(one_epsilon)
     lines = notes.lines(_hf_config("moonlight"))
     assert any("latent norms" in line and "1e-06" in line for line in lines)
 

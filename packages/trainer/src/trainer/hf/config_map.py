@@ -439,10 +439,13 @@ def _rope_scaling(config: Config) -> dict | None:
 def to_hf(config: Config, *, fp8: bool = False) -> dict:
     """config.json for `config` (what transformers' DeepseekV3/V2 classes read)."""
     model_type = model_type_of(config)
-    if config.latent_norm_epsilon != LATENT_NORM_EPS:
+    latent_eps = config.latent_norm_epsilon
+    latent_eps = latent_eps if latent_eps >= 0 else config.normalization_layer_epsilon
+    if latent_eps != LATENT_NORM_EPS:
         raise ConfigError(
-            f"latent_norm_epsilon={config.latent_norm_epsilon} cannot be exported: "
-            f"transformers uses {LATENT_NORM_EPS} for the MLA latent norms"
+            f"latent_norm_epsilon={config.latent_norm_epsilon} (normalization_layer_epsilon="
+            f"{config.normalization_layer_epsilon}) cannot be exported: transformers uses "
+            f"{LATENT_NORM_EPS} for the MLA latent norms"
         )
     hf: dict[str, Any] = {
         "architectures": [

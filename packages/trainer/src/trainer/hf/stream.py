@@ -34,6 +34,8 @@ from trainer.hf.safetensors import DTYPES, SafetensorsError, TensorRef
 
 FLOAT_DTYPES = {DTYPES[n] for n in ("F32", "BF16", "F16")}
 FP8_DTYPE = DTYPES["F8_E4M3"]
+BF16 = DTYPES["BF16"]
+FINITE_CHUNK = 1 << 20  # elements per step of the NaN/Inf check (a 1 MB temporary)
 
 
 class Progress:
@@ -150,10 +152,19 @@ class _Reader:
 
 
 def _finite(array: np.ndarray) -> bool:
-    """Whether every element is finite, in one pass with no array-sized temporary: a
-    float64 sum is finite exactly when every element is (NaN and Inf propagate, and
-    float32 values cannot overflow it)."""
-    return bool(np.isfinite(np.sum(array, dtype=np.float64)))
+    """Whether every element of a contiguous float array is finite, a chunk at a time
+    (no array-sized temporary); bfloat16 by its exponent bits (all ones: Inf or NaN),
+    which is several times faster than numpy's isfinite on ml_dtypes' type."""
+    flat = array.reshape(-1)
+    if flat.dtype == BF16:
+        bits = flat.view(np.uint16)
+        return not any(
+            ((bits[i : i + FINITE_CHUNK] & 0x7F80) == 0x7F80).any()
+            for i in range(0, bits.size, FINITE_CHUNK)
+        )
+    return all(
+        np.isfinite(flat[i : i + FINITE_CHUNK]).all() for i in range(0, flat.size, FINITE_CHUNK)
+    )
 
 
 def _region(
