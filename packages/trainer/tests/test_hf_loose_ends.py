@@ -371,6 +371,8 @@ def test_export_of_fp8_is_bf16_without_quantization_config(tmp_path):
         assert np.array_equal(np.asarray(ref.array()), rounded), tensor
     with pytest.raises(ConfigError, match="export_dtype='float16'"):
         hf.save(str(tmp_path / "x"), config, params, dtype="float16", progress=False)
+    with pytest.raises(ConfigError, match="config.json: not found"):
+        hf.save(str(tmp_path / "x"), config, params, source=str(tmp_path), progress=False)
 
 
 def test_export_writes_the_changed_keys_and_token_ids(tmp_path):

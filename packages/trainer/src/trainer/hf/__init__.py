@@ -126,6 +126,8 @@ def save(
     routing biases' (float32); default: the source's, else each parameter's own
     (weight_dtype), so an f32 round trip is bitwise."""
     source_hf = export_config.read_source(source)
+    if source and source_hf is None:
+        raise ConfigError(f"{source}/config.json: not found (source= is the imported directory)")
     if dtype is None and source_hf is not None:
         dtype = export_config.source_dtype(source_hf, source)
     if dtype is not None and dtype not in export_config.EXPORT_DTYPES:
