@@ -129,13 +129,12 @@ def test_each_missing_key_takes_transformers_default(family, key, expected):
 def test_a_preset_never_fills_what_config_json_leaves_out():
     """deepseek3-671b's preset has YaRN (factor 40 from 4096) and 8 groups: a config.json
     gets its own RoPE and routing whichever preset it starts from."""
-    keys = ROPE_KEYS + ("n_routing_groups", "topk_routing_group", "latent_norm_epsilon")
-    for name in ("v3_yarn", "v3_chat"):
+    routing = ("n_routing_groups", "topk_routing_group", "latent_norm_epsilon")
+    plain_rope = ("rope_type", "rope_max_timescale")  # the YaRN keys then mean nothing
+    for name, keys in (("v3_yarn", ROPE_KEYS + routing), ("v3_chat", plain_rope + routing)):
         path = str(FIXTURES / name)
         tiny = make_config({"hf_model_path": path})
         big = make_config({"hf_model_path": path, "model_name": "deepseek3-671b"})
-        if name == "v3_chat":  # plain RoPE: the YaRN keys mean nothing
-            keys = ("rope_type", "rope_max_timescale", "n_routing_groups", "topk_routing_group")
         assert {k: getattr(big, k) for k in keys} == {k: getattr(tiny, k) for k in keys}, name
     assert big.rope_type == "default"
 

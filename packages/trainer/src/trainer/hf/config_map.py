@@ -23,8 +23,9 @@ MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "kimi_k2")
 ALIASES = {"kimi_k2": "deepseek_v3"}
 
 # HF key -> trainer key, the value carried over unchanged (both directions).
-# scoring_func, topk_method and norm_topk_prob are read through `_routing`: what
-# transformers computes for the model type, not always what the key says.
+# The routing keys (scoring_func, topk_method, norm_topk_prob, n_group, topk_group)
+# are read through `_routing`: what transformers computes for the model type, not
+# always what the key says; rope_interleave is always true for V2.
 DIRECT = {
     "vocab_size": "vocab_size",
     "hidden_size": "base_emb_dim",
