@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,10 +39,8 @@ from accum.layer_slices import (
 )
 from accum.overlapped import layer_totals, reduce_layer
 from accum.plan import is_floating
+from accum.sink_leaf import SinkLeaf
 from pspec_tags import spec_of
-
-if TYPE_CHECKING:
-    from accum.fused import SinkLeaf
 
 
 def _split(items: list, mask: list[bool]) -> tuple[list, list]:

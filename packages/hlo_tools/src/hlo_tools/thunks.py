@@ -29,6 +29,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from hlo_tools.callgraph import call_graph
 from hlo_tools.errors import HloParseError
 from hlo_tools.module import HloModule
 
@@ -119,7 +120,7 @@ def thunk_names(metadata_text: str) -> dict[int, str]:
 
 def trip_counts(module: HloModule) -> dict[str, int | None]:
     """while instruction name -> its trip count (known or inferred; None: unknown)."""
-    graph = module.call_graph
+    graph = call_graph(module)
     out = {}
     for comp in module.computations.values():
         for instr in comp.instructions:
