@@ -80,11 +80,6 @@ class Instruction:
         return int(value) if value is not None and value.isdigit() else None
 
     @property
-    def use_global_device_ids(self) -> bool:
-        """Whether replica groups name global device ids (``use_global_device_ids=true``)."""
-        return self.attributes.get("use_global_device_ids") == "true"
-
-    @property
     def known_trip_count(self) -> int | None:
         """``backend_config`` ``known_trip_count.n`` of a while loop, None when absent."""
         config = self.attributes.get("backend_config", "")
