@@ -256,9 +256,9 @@ def accumulate_gradients(
     # The last microbatch's input is tied to the loop's result, so its forward runs
     # after the loop: nothing in it needs the accumulator, and XLA:TPU otherwise
     # scheduled its forward layer scan before the loop, keeping what it saves for
-    # the backward live across the first N-1 microbatches (deepseek3-small ZeRO-1
-    # GA=4 on v5e-8: 6.49 GiB per device without this barrier, 6.00 with it; on
-    # v6e-8 without ZeRO-1 XLA's allocation went the other way, 14.02 vs 15.14).
+    # the backward live across the first N-1 microbatches. The step's memory with
+    # it: benchmarks/results/aot_async.md (commit 489aa6c compares its rows without
+    # the barrier; on v6e-8 without ZeRO-1 XLA's allocation went the other way).
     acc, last = jax.lax.optimization_barrier((acc, last))
     last_loss, last_aux, grads = fused_microbatch(
         loss_fn,

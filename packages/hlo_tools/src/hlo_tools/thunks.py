@@ -6,9 +6,9 @@ XLA:GPU compiles a module to a sequence of thunks, which it writes with
 condition and body nested under its ``kWhile`` line. Counting each thunk that
 launches work once per execution (the product of the trip counts of the loops
 around it) gives the kernels per step, without a GPU: a compile-only topology
-writes the same sequence (deepseek3-small, GA 4, pdbs 2 on one H200 at tagtrain
-e543e0b: 29,542 counted here on a deviceless compile, 29,693 kernels per step in a
-2-step xplane profile of the real chip).
+writes the same sequence, and the count is close to a profile of the real chip
+(the profile's count: benchmarks/results/device_check.md; commit 16b31fe compares
+the two on deepseek3-small).
 
 The text's quirks this parser follows:
 
