@@ -16,7 +16,7 @@ from accum.local import local_accumulate
 from accum.microbatch import split_microbatches
 from accum.paths import choose_path
 from accum.plan import ReductionPlan
-from accum.schedule import OVERLAPPED, Schedule, check_schedule
+from accum.schedule import OVERLAPPED, Schedule, check_schedule, fuses_in_scan
 from accum.seed import value_and_grad as seeded_value_and_grad
 from accum.tags import (
     reduce_to,
@@ -200,11 +200,7 @@ def accumulate_gradients(
     # a replicated one; only the cotangents change type (to unreduced).
     compute_params = tag_reduced(params, plan)
     acc0 = unreduced_zeros(params, plan, accum_dtype)
-    # One microbatch has nothing to accumulate: fusing would only add a zero
-    # accumulator into the backward pass; nor is it used where autodiff reduces
-    # every gradient per microbatch (plan.fused_applies). The overlap still pays (the one
-    # reduction runs inside the backward, as in DDP), and it needs the fused pass.
-    fused = overlap or (schedule == "fused" and num_microbatches > 1 and plan.fused_applies)
+    fused = fuses_in_scan(schedule, plan, num_microbatches)
 
     def args_of(index, microbatch):
         return (microbatch,) if rng is None else (microbatch, jax.random.fold_in(rng, index))
