@@ -153,6 +153,27 @@ def test_fused_accumulation_applies_unless_autodiff_reduces_per_microbatch():
     assert plan(sizes, batch, policy="hierarchical", slice_axes=slices).fused_applies
 
 
+@pytest.mark.parametrize(
+    "schedule,policy,microbatches,scans_layers,fuses",
+    [
+        ("fused", "deferred", 4, True, True),
+        ("fused", "deferred", None, True, True),  # add: one of an open count
+        ("fused", "deferred", 1, True, False),  # nothing to accumulate
+        ("fused", "per_microbatch", 4, True, False),  # not fused_applies
+        ("fused", "deferred", 4, False, False),  # no layer scan to fuse into
+        ("plain", "deferred", 4, True, False),
+        ("overlapped", "per_microbatch", 1, True, True),  # it reduces in the scan
+        ("overlapped_ring", "deferred", 4, True, True),
+        ("overlapped", "deferred", 4, False, False),
+    ],
+)
+def test_fuses_in_scan_is_the_one_decision(schedule, policy, microbatches, scans_layers, fuses):
+    sizes, batch, _ = LAYOUTS["data"]
+    plan = accum.make_plan(_params(sizes), batch_axes=batch, mesh_shape=sizes, policy=policy)
+    got = accum.fuses_in_scan(schedule, plan, microbatches, scans_layers=scans_layers)
+    assert got is fuses
+
+
 def test_global_gating_reduces_a_weight_sharded_axis_per_microbatch_for_all():
     sizes, batch, _ = LAYOUTS["data+fsdp"]
     plan = accum.make_plan(_params(sizes), batch_axes=batch, mesh_shape=sizes, per_parameter=False)

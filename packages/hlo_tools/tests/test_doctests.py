@@ -9,7 +9,7 @@ import pytest
 import hlo_tools
 
 # By module name: `hlo_tools.collectives` and `hlo_tools.traffic` are also functions.
-MODULES = ("parser", "collectives", "traffic", "assertions", "dataflow")
+MODULES = ("parser", "callgraph", "collectives", "traffic", "assertions", "dataflow")
 ENTRY_POINTS = ("parse", "collectives", "traffic", "in_loop_reductions", "reaches_root")
 
 

@@ -34,7 +34,7 @@ def test_tagged_program_still_has_both_loops(cpu_tagged, programs):
     module = ht.parse(cpu_tagged)
     whiles = [i for i in module.instructions() if i.opcode == "while"]
     trips = sorted(
-        module.call_graph.loop(module.computations[w.computation], w).trip_count for w in whiles
+        ht.call_graph(module).loop(module.computations[w.computation], w).trip_count for w in whiles
     )
     assert trips == sorted([programs.MICROBATCHES, programs.LAYERS, programs.LAYERS])
 

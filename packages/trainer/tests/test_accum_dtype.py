@@ -18,7 +18,7 @@ def _carried(text: str) -> dict[str, int]:
     loops = [
         i
         for i in module.entry.instructions
-        if i.opcode == "while" and module.call_graph.loop(module.entry, i).trip_count == GA
+        if i.opcode == "while" and ht.call_graph(module).loop(module.entry, i).trip_count == GA
     ]
     assert len(loops) == 1, [i.name for i in loops]
     out: dict[str, int] = {}

@@ -120,7 +120,7 @@ def test_v5e8_overlap_runs_the_last_microbatch_after_the_loop(overlap_v5e8):
     module = hlo_tools.parse(overlap_v5e8.compiled.as_text())
     nesting = {
         ctx.loops[0].name
-        for contexts in module.call_graph.contexts.values()
+        for contexts in hlo_tools.call_graph(module).contexts.values()
         for ctx in contexts
         if len(ctx.loops) >= 2
     }

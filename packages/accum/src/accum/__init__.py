@@ -47,7 +47,7 @@ from accum.plan import (
     make_plan,
     reduced_at_use,
 )
-from accum.schedule import SCHEDULES, check_schedule
+from accum.schedule import SCHEDULES, check_schedule, fuses_in_scan
 from accum.step import apply_updates, optimizer_update, train_step
 from accum.tags import tag_reduced, unreduced_zeros
 from accum.verdict import ON_TAG_LOST, check_compiled, compile_checked, in_loop_reductions
@@ -88,6 +88,7 @@ __all__ = [
     "deferred_axes",
     "find_dropped_tags",
     "finish",
+    "fuses_in_scan",
     "in_loop_reductions",
     "make_plan",
     "optimizer_update",

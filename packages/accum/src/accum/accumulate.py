@@ -16,7 +16,7 @@ from accum.local import local_accumulate
 from accum.microbatch import split_microbatches
 from accum.paths import choose_path
 from accum.plan import ReductionPlan
-from accum.schedule import OVERLAPPED, Schedule, check_schedule
+from accum.schedule import OVERLAPPED, Schedule, check_schedule, fuses_in_scan
 from accum.seed import value_and_grad as seeded_value_and_grad
 from accum.tags import (
     reduce_to,
@@ -200,11 +200,7 @@ def accumulate_gradients(
     # a replicated one; only the cotangents change type (to unreduced).
     compute_params = tag_reduced(params, plan)
     acc0 = unreduced_zeros(params, plan, accum_dtype)
-    # One microbatch has nothing to accumulate: fusing would only add a zero
-    # accumulator into the backward pass; nor is it used where autodiff reduces
-    # every gradient per microbatch (plan.fused_applies). The overlap still pays (the one
-    # reduction runs inside the backward, as in DDP), and it needs the fused pass.
-    fused = overlap or (schedule == "fused" and num_microbatches > 1 and plan.fused_applies)
+    fused = fuses_in_scan(schedule, plan, num_microbatches)
 
     def args_of(index, microbatch):
         return (microbatch,) if rng is None else (microbatch, jax.random.fold_in(rng, index))
@@ -256,9 +252,9 @@ def accumulate_gradients(
     # The last microbatch's input is tied to the loop's result, so its forward runs
     # after the loop: nothing in it needs the accumulator, and XLA:TPU otherwise
     # scheduled its forward layer scan before the loop, keeping what it saves for
-    # the backward live across the first N-1 microbatches (deepseek3-small ZeRO-1
-    # GA=4 on v5e-8: 6.49 GiB per device without this barrier, 6.00 with it; on
-    # v6e-8 without ZeRO-1 XLA's allocation went the other way, 14.02 vs 15.14).
+    # the backward live across the first N-1 microbatches. The step's memory with
+    # it: benchmarks/results/aot_async.md (commit 489aa6c compares its rows without
+    # the barrier; on v6e-8 without ZeRO-1 XLA's allocation went the other way).
     acc, last = jax.lax.optimization_barrier((acc, last))
     last_loss, last_aux, grads = fused_microbatch(
         loss_fn,

@@ -30,7 +30,7 @@ from accum.gating import plan_for
 from accum.local import local_add, local_finish, local_zeros
 from accum.paths import choose_path
 from accum.plan import ReductionPlan
-from accum.schedule import OVERLAPPED, Schedule, check_schedule
+from accum.schedule import OVERLAPPED, Schedule, check_schedule, fuses_in_scan
 from accum.tags import reduce_to, scatter_into, tag_reduced, unreduced_zeros, zeros_of_type
 from accum.trace_record import record_params, traced
 from accum.verdict import ADD_SCOPE, marked
@@ -142,7 +142,7 @@ def add(
     `schedule="fused"`: stacked parameters run through `accum.scan_layers` get
     each layer's gradient added into `acc` inside the backward scan (donate
     `acc` so the update is in place); a per-microbatch plan reducing some batch
-    axis takes the plain path (`ReductionPlan.fused_applies`). The overlapped
+    axis takes the plain path (`accum.fuses_in_scan`). The overlapped
     schedules reduce inside the step's last backward pass, which `add` does not
     know: `ValueError` (the reduction is `finish`'s).
 
@@ -183,7 +183,8 @@ def add(
     # per microbatch (the mark accum.verdict looks for).
     watched = plan.strict_axes if plan.mode == "explicit" else ()
     with traced(plan, "add"), marked(ADD_SCOPE, watched, dict(plan.mesh_shape)):
-        return _add(acc, loss_fn, params, microbatch, rng, on_tag_lost, schedule == "fused")
+        fused = fuses_in_scan(schedule, plan)
+        return _add(acc, loss_fn, params, microbatch, rng, on_tag_lost, fused)
 
 
 def _add(acc, loss_fn, params, microbatch, rng, on_tag_lost, fused) -> Accumulator:
@@ -192,7 +193,7 @@ def _add(acc, loss_fn, params, microbatch, rng, on_tag_lost, fused) -> Accumulat
     # Free cast; parameters that stay replicated between calls are not moved.
     compute_params = tag_reduced(params, acc.plan)
     record_params(compute_params)
-    if fused and acc.plan.fused_applies:
+    if fused:
         args = (microbatch,) if mb_rng is None else (microbatch, mb_rng)
         guard_forward(loss_fn, compute_params, args, acc.plan, on_tag_lost)
         loss_sum, aux, grads = fused_microbatch(

@@ -24,11 +24,11 @@ added the ordinary way instead of being lost.
 
 Outside an accumulation context `scan_layers` is exactly `lax.scan`.
 
-Where the pieces are: this module holds the context (`SinkLeaf`,
-`sinks_active`), `scan_layers`, the probe and sink, and `fused_value_and_grad`;
-accum.fused_scan the custom_vjp stack and its backward scan; accum.overlapped
-the last microbatch's per-layer reductions; accum.layer_slices the per-device
-reads and writes of one layer's slice.
+Where the pieces are: accum.sink_leaf the per-leaf entry (`SinkLeaf`); this
+module the context (`sinks_active`), `scan_layers`, the probe and sink, and
+`fused_value_and_grad`; accum.fused_scan the custom_vjp stack and its backward
+scan; accum.overlapped the last microbatch's per-layer reductions;
+accum.layer_slices the per-device reads and writes of one layer's slice.
 
 Why the context is not passed explicitly: `scan_layers` is called from inside
 the caller's `loss_fn` (the model), whose signature accum does not own. The only
@@ -49,7 +49,6 @@ two threads tracing at once each see only their own entries.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -63,33 +62,10 @@ from jax.sharding import PartitionSpec as P
 from accum.fused_scan import fused_scan
 from accum.layer_slices import leading_unsharded
 from accum.seed import value_and_grad as seeded_value_and_grad
+from accum.sink_leaf import SinkLeaf
 from pspec_tags import partitions, spec_of, unreduced_axes
 
 _STATE = threading.local()
-
-
-@dataclasses.dataclass
-class SinkLeaf:
-    """One parameter leaf's fused accumulation (built by accum, read by `scan_layers`).
-
-    `acc`: the running accumulator (stacked like the parameter). `final`: None to
-    accumulate into `acc`; else the slice-level target (PartitionSpec) the last
-    microbatch reduces each layer's total onto. `prepare(d_slice)`: a layer's
-    gradient made addable to an accumulator slice (checked, scattered, cast).
-    `place(total_slice, target)`: the reduction. `sink`: the dummy primal whose
-    cotangent returns the result. `ring`: a reduce-scatter onto `final` goes as a
-    ring of collective-permutes (accum.ring) instead of one reduce-scatter.
-    `claimed`/`used_elsewhere` are set at trace time.
-    """
-
-    acc: jax.Array
-    final: Any
-    prepare: Callable[[jax.Array], jax.Array]
-    place: Callable[[jax.Array, Any], jax.Array]
-    sink: Any = None
-    ring: bool = False
-    claimed: bool = False
-    used_elsewhere: bool = False
 
 
 @contextlib.contextmanager

@@ -20,11 +20,12 @@ import jax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from accum.fused import SinkLeaf, fused_value_and_grad, sink_type
+from accum.fused import fused_value_and_grad, sink_type
 from accum.guard import report_dropped_tags
 from accum.layer_slices import leading_unsharded, without_leading
 from accum.overlapped import ring_key, ring_place
 from accum.plan import LeafPlan, ReductionPlan, is_floating
+from accum.sink_leaf import SinkLeaf
 from accum.tags import as_spec, is_target_leaf, place, scatter_leaf
 from pspec_tags import find_untagged, spec_of, untagged
 

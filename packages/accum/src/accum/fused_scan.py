@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,10 +39,8 @@ from accum.layer_slices import (
 )
 from accum.overlapped import layer_totals, reduce_layer
 from accum.plan import is_floating
+from accum.sink_leaf import SinkLeaf
 from pspec_tags import spec_of
-
-if TYPE_CHECKING:
-    from accum.fused import SinkLeaf
 
 
 def _split(items: list, mask: list[bool]) -> tuple[list, list]:
@@ -313,9 +311,9 @@ def _overlapped_backward(step: _BackwardStep, state0: tuple, xs: tuple, count: i
     if count > 1:
         # The scan reads layers 0..count-2 out of the whole stacks by index,
         # with the helper the top layer's read uses. (Slicing the stacks to
-        # count-1 layers first compiled to within 1% of the same memory on
+        # count-1 layers first compiled to about the same memory on
         # deepseek3-small's v5e-8 overlap step, before the results moved into
-        # the accumulator: no memory reason either way.)
+        # the accumulator, commit d17ff92: no memory reason either way.)
         state, dfree_rest = lax.scan(
             lambda state_, i: step(state_, jax.tree.map(lambda x: slice_at(x, i), xs), above=True),
             state,

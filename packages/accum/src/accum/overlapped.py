@@ -9,8 +9,6 @@ axes, the other reduce-scatters one by one), all under `OVERLAPPED_SCOPE`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -18,10 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 from accum.layer_slices import slice_at
 from accum.ring import ring_dim, ring_reduce_scatter, ring_size
+from accum.sink_leaf import SinkLeaf
 from pspec_tags import partitions, spec_of, unreduced_axes, untagged
-
-if TYPE_CHECKING:
-    from accum.fused import SinkLeaf
 
 # The name scope of the last microbatch's per-layer reductions: hlo_tools reads it
 # (hlo_tools.OVERLAPPED_SCOPE, the same string) to tell each gradient's one

@@ -147,8 +147,9 @@ class ReductionPlan:
         mode, nothing tagged, some axis reduced per microbatch). There autodiff
         reduces each layer's gradient inside the backward scan anyway, and fusing
         the addition let XLA:TPU move those reductions out of the scan onto a
-        full-size stacked gradient (deepseek3-small, ZeRO-1, GA=4, v5e-8: 11.14 GiB
-        per device vs 8.37). Without batch axes to reduce (one device, or a mesh
+        full-size stacked gradient, raising the step's memory (the plain path's
+        figure: benchmarks/results/aot_scale.md, "untagged"; commit 5806d5f compares
+        it with the fused one). Without batch axes to reduce (one device, or a mesh
         of model axes only) nothing moves, and fusing still saves the
         per-microbatch gradient buffer; auto mode leaves the reductions to XLA."""
         if self.mode != "explicit" or self.tagged_axes:

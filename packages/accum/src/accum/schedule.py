@@ -9,7 +9,8 @@ where in the step's program that happens. Every schedule gives the same numbers.
   layer's gradient added into the accumulator inside the backward layer scan (no
   full-size per-microbatch gradient buffer); the reduction runs after the loop.
   With one microbatch, or a plan whose only batch-axis reductions are autodiff's
-  per-microbatch ones (`ReductionPlan.fused_applies`), it is the plain path.
+  per-microbatch ones (`ReductionPlan.fused_applies`), it is the plain path
+  (`fuses_in_scan` decides, for every caller).
 - `overlapped`: fused, and the last microbatch runs after the loop and reduces
   each layer's total inside its backward layer scan, where the reduction can
   overlap the remaining layers' backward compute (accum.overlapped).
@@ -28,6 +29,42 @@ Schedule = Literal["plain", "fused", "overlapped", "overlapped_ring"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 # The schedules that reduce inside the last microbatch's backward pass.
 OVERLAPPED = ("overlapped", "overlapped_ring")
+
+
+def fuses_in_scan(
+    schedule: str,
+    plan: ReductionPlan,
+    num_microbatches: int | None = None,
+    *,
+    scans_layers: bool = True,
+) -> bool:
+    """Whether `schedule` adds the gradients inside the backward layer scan of
+    `accum.scan_layers` under `plan`: the one decision `accumulate_gradients`, `add`
+    and the trainer (its step and its cost model) read.
+
+    The overlapped schedules always do (their last microbatch reduces there).
+    `fused` does unless it has nothing to gain: one microbatch
+    (`num_microbatches == 1`: nothing to accumulate, fusing would only add a zero
+    accumulator into the backward pass) or a plan whose only batch-axis reductions
+    are autodiff's per-microbatch ones (`ReductionPlan.fused_applies`).
+    `num_microbatches=None`: one of an open count (`add`). `scans_layers=False`: the
+    model runs no `scan_layers`, so nothing is added inside a layer scan.
+
+    Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
+
+    >>> plan = accum.plan_for(w, batch)
+    >>> accum.fuses_in_scan("fused", plan, 4), accum.fuses_in_scan("fused", plan, 1)
+    (True, False)
+    >>> accum.fuses_in_scan("fused", accum.plan_for(w, batch, policy="per_microbatch"), 4)
+    False
+    """
+    if not scans_layers:
+        return False
+    if schedule in OVERLAPPED:
+        return True
+    if schedule != "fused":
+        return False
+    return (num_microbatches is None or num_microbatches > 1) and plan.fused_applies
 
 
 def check_schedule(schedule: str, plan: ReductionPlan) -> None:

@@ -370,7 +370,7 @@ def _primitives(op_name: str) -> set[str]:
 
 
 def _user_key(frames: tuple[Frame, ...], depth: int = 2) -> tuple[tuple[str, int], ...]:
-    """(file basename, line) of the innermost `depth` user frames (guard.user_lines' key)."""
+    """(file basename, line) of the innermost `depth` user frames (source_lines.user_lines' key)."""
     user = [f for f in frames if not os.path.abspath(f.file).startswith(_LIBRARY_DIRS)]
     return tuple((os.path.basename(f.file), f.line) for f in user[:depth])
 

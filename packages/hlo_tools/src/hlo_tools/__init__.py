@@ -55,7 +55,7 @@ from hlo_tools.assertions import (
     overlapped_reductions,
 )
 from hlo_tools.buffers import Allocation, BufferValue, loop_buffers, parse_buffer_assignment
-from hlo_tools.callgraph import Context, Loop
+from hlo_tools.callgraph import CallGraph, Context, Loop, call_graph
 from hlo_tools.collectives import KINDS, REDUCTION_KINDS, Collective, collectives
 from hlo_tools.dataflow import contracts, reaches_root
 from hlo_tools.errors import HloParseError
@@ -98,6 +98,7 @@ __all__ = [
     "ArrayType",
     "AsyncPair",
     "BufferValue",
+    "CallGraph",
     "Collective",
     "Computation",
     "Context",
@@ -112,6 +113,7 @@ __all__ = [
     "async_overlap",
     "async_pairs",
     "axis_index",
+    "call_graph",
     "assert_reduced_once_per_step",
     "collectives",
     "compile_with_buffers",

@@ -108,6 +108,16 @@ class CallGraph:
         return self._loops[key]
 
 
+def call_graph(module: HloModule) -> CallGraph:
+    """The module's :class:`CallGraph`, built on first use and kept with the module.
+
+    >>> graph = ht.call_graph(ht.parse(HLO))
+    >>> [str(ctx.loops[0]) for ctx in graph.contexts["body"]]  # body runs in one loop
+    ['%loop(x4)']
+    """
+    return module.derived("call_graph", CallGraph)
+
+
 def _infer_trip_count(module: HloModule, comp: Computation, instr: Instruction) -> int | None:
     """Recognise a counted loop: tuple index i starts at constant k, the condition is
     ``i < n`` for a constant n and the body stores ``i + 1``. Anything else: None."""

@@ -5,8 +5,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from hlo_tools.callgraph import Context, Loop
+from hlo_tools.callgraph import Context, Loop, call_graph
 from hlo_tools.module import HloModule, Instruction
+from hlo_tools.parser import parse
 from hlo_tools.shapes import ArrayType, TupleType, leaf_arrays
 
 KINDS = (
@@ -169,7 +170,7 @@ def collectives(module: HloModule | str) -> list[Collective]:
     [('r', 'all-reduce', 1024, 4, True, 4), ('out', 'all-reduce', 1024, 4, False, 1)]
     """
     module = _as_module(module)
-    graph = module.call_graph
+    graph = call_graph(module)
     out = []
     for comp in module.computations.values():
         contexts = graph.contexts.get(comp.name)
@@ -212,8 +213,6 @@ def collectives(module: HloModule | str) -> list[Collective]:
 
 def _as_module(module: HloModule | str) -> HloModule:
     if isinstance(module, str):
-        from hlo_tools.parser import parse
-
         return parse(module)
     return module
 

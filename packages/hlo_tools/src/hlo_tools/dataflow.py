@@ -58,7 +58,11 @@ def contracts(instr: Instruction) -> bool:
 
 
 def users(module: HloModule) -> dict[tuple[str, str], list[tuple[Instruction, int]]]:
-    """(computation, instruction) -> [(user, operand position)] (`HloModule.users`)."""
+    """(computation, instruction) -> [(user, operand position)], built once per module."""
+    return module.derived("users", _users)
+
+
+def _users(module: HloModule) -> dict[tuple[str, str], list[tuple[Instruction, int]]]:
     table: dict[tuple[str, str], list[tuple[Instruction, int]]] = {}
     for comp in module.computations.values():
         for instr in comp.instructions:
@@ -69,7 +73,11 @@ def users(module: HloModule) -> dict[tuple[str, str], list[tuple[Instruction, in
 
 def callers(module: HloModule) -> dict[str, list[Instruction]]:
     """computation -> the instructions that pass it operands (fusion, call,
-    async-start, while body, conditional branch) (`HloModule.callers`)."""
+    async-start, while body, conditional branch), built once per module."""
+    return module.derived("callers", _callers)
+
+
+def _callers(module: HloModule) -> dict[str, list[Instruction]]:
     table: dict[str, list[Instruction]] = {}
     for instr in module.instructions():
         for attr, callee in instr.called():
@@ -122,7 +130,7 @@ def _into_callee(module: HloModule, user: Instruction, position: int, index) -> 
 def _out_of_root(module: HloModule, computation: str, index) -> Iterator[Value]:
     """Where a value reaching `computation`'s ROOT goes: each caller's result (and,
     for a while body, the next iteration's parameter)."""
-    for caller in module.callers.get(computation, []):
+    for caller in callers(module).get(computation, []):
         whole = None if caller.opcode in ("async-start", "conditional") else index
         yield (caller.computation, caller.name, whole)
         if caller.opcode == "while":
@@ -136,7 +144,7 @@ def _successors(module: HloModule, value: Value) -> Iterator[Value]:
     comp = module.computations[computation]
     if comp.by_name[name].is_root:
         yield from _out_of_root(module, computation, index)
-    for user, position in module.users.get((computation, name), []):
+    for user, position in users(module).get((computation, name), []):
         if contracts(user):
             continue  # an input of compute, not a value carried on
         if user.opcode == "get-tuple-element":

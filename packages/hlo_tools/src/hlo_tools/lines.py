@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from hlo_tools.callgraph import call_graph
 from hlo_tools.collectives import collective_kind
 from hlo_tools.errors import HloParseError
 from hlo_tools.module import HloModule
@@ -22,7 +23,7 @@ def split_by_entry_loop(text: str | HloModule) -> tuple[list[str], list[str]]:
     count as outside. Raises :class:`HloParseError` on malformed text.
     """
     module = text if isinstance(text, HloModule) else parse(text)
-    contexts = module.call_graph.contexts
+    contexts = call_graph(module).contexts
     inside, outside = [], []
     for comp in module.computations.values():
         looped = any(ctx.loops for ctx in contexts.get(comp.name, []))

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TypeVar
 
 from hlo_tools.replica_groups import Groups, parse_replica_groups
 from hlo_tools.shapes import HloType
@@ -24,6 +26,8 @@ COMPUTATION_ATTRIBUTES = (
 
 _TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)"?')
 _OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -76,11 +80,6 @@ class Instruction:
         return int(value) if value is not None and value.isdigit() else None
 
     @property
-    def use_global_device_ids(self) -> bool:
-        """Whether replica groups name global device ids (``use_global_device_ids=true``)."""
-        return self.attributes.get("use_global_device_ids") == "true"
-
-    @property
     def known_trip_count(self) -> int | None:
         """``backend_config`` ``known_trip_count.n`` of a while loop, None when absent."""
         config = self.attributes.get("backend_config", "")
@@ -131,6 +130,7 @@ class HloModule:
     attributes: dict[str, str]
     computations: dict[str, Computation]
     entry_name: str
+    _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def entry(self) -> Computation:
@@ -149,27 +149,13 @@ class HloModule:
         for comp in self.computations.values():
             yield from comp.instructions
 
-    @cached_property
-    def call_graph(self):
-        """The :class:`~hlo_tools.callgraph.CallGraph` from ENTRY (built on first use)."""
-        from hlo_tools.callgraph import CallGraph
+    def derived(self, key: str, build: Callable[[HloModule], T]) -> T:
+        """`build(self)`, built on first use and kept with the module.
 
-        return CallGraph(self)
-
-    @cached_property
-    def users(self):
-        """(computation, instruction) -> [(user instruction, operand position)]."""
-        from hlo_tools.dataflow import users
-
-        return users(self)
-
-    @cached_property
-    def callers(self):
-        """computation -> the instructions that pass it their operands."""
-        from hlo_tools.dataflow import callers
-
-        return callers(self)
-
-    def contexts_of(self, instruction: Instruction):
-        """Every calling context (enclosing loops, call path) the instruction runs in."""
-        return self.call_graph.contexts.get(instruction.computation, [])
+        The analyses of a parsed module (hlo_tools.callgraph's `call_graph`,
+        hlo_tools.dataflow's `users` and `callers`) are functions of it in the
+        modules above this one; each is built once per module through here.
+        """
+        if key not in self._derived:
+            self._derived[key] = build(self)
+        return self._derived[key]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from hlo_tools.assertions import is_gradient_reduction
 from hlo_tools.collectives import Collective, collectives
 from hlo_tools.module import HloModule, Instruction
+from hlo_tools.parser import parse
 from hlo_tools.report import human_bytes
 from hlo_tools.schedule import async_pairs, is_start
 
@@ -66,8 +67,6 @@ def async_overlap(module: HloModule | str) -> list[Overlap]:
     computation that schedules them, inside a loop body for a collective in a loop.
     """
     if isinstance(module, str):
-        from hlo_tools.parser import parse
-
         module = parse(module)
     pairs = async_pairs(module)
     callers = {

@@ -15,6 +15,8 @@ from collections.abc import Iterable
 
 from hlo_tools.collectives import Collective, collectives
 from hlo_tools.module import HloModule
+from hlo_tools.parser import parse
+from hlo_tools.report import human_bytes
 
 
 def crosses_slices(collective: Collective, num_devices: int, num_slices: int) -> bool:
@@ -61,8 +63,6 @@ def slice_traffic(
     such collective counted once: a lower bound).
     """
     if isinstance(module, str):
-        from hlo_tools.parser import parse
-
         module = parse(module)
     if isinstance(module, HloModule):
         num_devices = num_devices or module.num_devices
@@ -85,8 +85,6 @@ def slice_traffic(
 
 def format_slice_traffic(split: dict) -> str:
     """``cross-slice 1.2 MiB/step (0 B in loops), in-slice 3.4 MiB/step (2.0 MiB in loops)``."""
-    from hlo_tools.report import human_bytes
-
     mark = "" if split["exact"] else "+"
     parts = []
     for side, name in (("cross_slice", "cross-slice"), ("in_slice", "in-slice")):

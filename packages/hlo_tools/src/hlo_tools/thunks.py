@@ -6,9 +6,9 @@ XLA:GPU compiles a module to a sequence of thunks, which it writes with
 condition and body nested under its ``kWhile`` line. Counting each thunk that
 launches work once per execution (the product of the trip counts of the loops
 around it) gives the kernels per step, without a GPU: a compile-only topology
-writes the same sequence (deepseek3-small, GA 4, pdbs 2 on one H200 at tagtrain
-e543e0b: 29,542 counted here on a deviceless compile, 29,693 kernels per step in a
-2-step xplane profile of the real chip).
+writes the same sequence, and the count is close to a profile of the real chip
+(the profile's count: benchmarks/results/device_check.md; commit 16b31fe compares
+the two on deepseek3-small).
 
 The text's quirks this parser follows:
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from hlo_tools.callgraph import call_graph
 from hlo_tools.errors import HloParseError
 from hlo_tools.module import HloModule
 
@@ -119,7 +120,7 @@ def thunk_names(metadata_text: str) -> dict[int, str]:
 
 def trip_counts(module: HloModule) -> dict[str, int | None]:
     """while instruction name -> its trip count (known or inferred; None: unknown)."""
-    graph = module.call_graph
+    graph = call_graph(module)
     out = {}
     for comp in module.computations.values():
         for instr in comp.instructions:

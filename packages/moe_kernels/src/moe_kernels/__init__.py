@@ -7,8 +7,9 @@ from moe_kernels.config import (
     MoEConfig,
     fitting_expert_counts,
 )
-from moe_kernels.layer import dense_moe, init_params, param_shapes, param_specs, sparse_moe
+from moe_kernels.layer import dense_moe, sparse_moe
 from moe_kernels.module import MoE, RoutingBias
+from moe_kernels.params import init_params, param_shapes, param_specs
 from moe_kernels.routing import route, update_routing_bias
 
 __version__ = "0.1.0"

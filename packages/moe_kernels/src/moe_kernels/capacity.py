@@ -1,7 +1,7 @@
 """What `capacity_factor` means on a given mesh: the path a layer takes and its row cap.
 
 `capacity_plan(config, x_shape, mesh, rules)` reads the same sharding plan the
-layer builds (layer._plan, from shapes only) and says, for one call on an
+layer builds (moe_kernels.shard_plan, from shapes only) and says, for one call on an
 activation of `x_shape` (a microbatch), how many assignments a token shard
 routes, which dispatch path runs, and how many rows the cap allows: the
 trainer prints it at startup so that a cap is never a silent no-op.
@@ -17,7 +17,8 @@ import jax.numpy as jnp
 
 from moe_kernels import dispatch
 from moe_kernels.config import DEFAULT_RULES, MoEConfig
-from moe_kernels.layer import _plan, param_shapes
+from moe_kernels.params import param_shapes
+from moe_kernels.shard_plan import shard_plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +95,7 @@ def capacity_plan(
             for n, shape in param_shapes(config, d).items()
         }
         rules = DEFAULT_RULES if rules is None else rules
-        plan = _plan(x, params, config, mesh, rules, "auto", False, sparse)
+        plan = shard_plan(x, params, config, mesh, rules, "auto", False, sparse)
         sizes = dict(mesh.shape)
         shards = 1
         for axis in plan.token_axes:

@@ -1,7 +1,7 @@
 """Routed-expert dispatch inside one shard: which rows go to which expert, capacity, drops.
 
-Moved out of layer.py (which holds the shard_map, the plan and the parameters) so
-each file stays small. Two paths, picked by `layer._plan`:
+Called by the shard_map body (moe_kernels.shard_body). Two paths, picked by the
+sharding plan (`moe_kernels.shard_plan`):
 
 - `routed_local`: this shard runs its own experts on its own tokens (no expert
   parallelism, or expert shards that do not shard the tokens). A positive

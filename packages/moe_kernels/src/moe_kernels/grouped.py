@@ -104,7 +104,7 @@ def swiglu_by_expert(x_TxD, key_A, k, wi0_ExDxF, wi1_ExDxF, wo_ExFxD, *, precisi
     layout is its expert's padded start plus its rank among that expert's
     assignments in token order (what a stable sort by expert would give), so no
     argsort and no inverse permutation (on GPU, sorts, gathers and scatters were a
-    quarter of the step's kernel time: benchmarks/results/device_check.md).
+    large share of the step's kernel time: benchmarks/results/device_check.md).
     Returns out_AxD in assignment order.
     """
     e = wi0_ExDxF.shape[0]

@@ -20,332 +20,26 @@ or shard_map (all mesh axes manual) psums its cotangent over `data` inside the
 body: once per microbatch and per layer instead of once per step. The in_specs
 here are rebuilt from logical rules (untagged by construction) and then pass
 through `carry_reduced_axes`.
+
+Where the pieces are: this module the entry points and the shard_map around the
+body; moe_kernels.params the parameters; moe_kernels.shard_plan the in_specs and
+the expert-parallel layout; moe_kernels.shard_body one shard's computation;
+moe_kernels.dispatch the routed rows' trip to their experts.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from moe_kernels import dispatch
-from moe_kernels.config import DEFAULT_RULES, MoEConfig, fitting_expert_counts
-from moe_kernels.grouped import resolve as resolve_grouped
-from moe_kernels.routing import route
-from pspec_tags import (
-    MODES,
-    carry_reduced_axes,
-    entry_axes,
-    entry_from_axes,
-    fit_to_shape,
-    logical_to_spec,
-    mesh_axes_used,
-    partitions,
-    shard,
-    spec_of,
-    truncate,
-    untagged,
-)
-
-EXPERT_PARAMS = ("wi_0", "wi_1", "wo")
-SHARED_PARAMS = ("shared_wi_0", "shared_wi_1", "shared_wo")
-
-Params = Mapping[str, jax.Array]
-
-
-# ----------------------------------------------------------------------------
-# Parameters
-
-
-def param_shapes(config: MoEConfig, embed_dim: int) -> dict[str, tuple[int, ...]]:
-    """Shapes of every parameter of one layer (shared experts only when configured)."""
-    e, d, f = config.num_experts, embed_dim, config.mlp_dim
-    shapes = {
-        "gate": (d, e),
-        "bias": (e,),
-        "wi_0": (e, d, f),
-        "wi_1": (e, d, f),
-        "wo": (e, f, d),
-    }
-    if config.shared_dim:
-        fs = config.shared_dim
-        shapes.update(shared_wi_0=(d, fs), shared_wi_1=(d, fs), shared_wo=(fs, d))
-    return shapes
-
-
-def init_params(
-    key: jax.Array, config: MoEConfig, embed_dim: int, dtype: Any = jnp.float32
-) -> dict[str, jax.Array]:
-    """Unsharded parameters: fan-in scaled normals, zero routing bias."""
-    shapes = param_shapes(config, embed_dim)
-    keys = dict(zip(shapes, jax.random.split(key, len(shapes)), strict=True))
-    params = {}
-    for name, shape in shapes.items():
-        if name == "bias":
-            params[name] = jnp.zeros(shape, dtype)
-            continue
-        fan_in = shape[-2]
-        params[name] = (jax.random.normal(keys[name], shape) / math.sqrt(fan_in)).astype(dtype)
-    return params
-
-
-def param_specs(
-    config: MoEConfig,
-    rules: Any,
-    mesh: Any,
-    shapes: Mapping[str, tuple[int, ...]] | None = None,
-) -> dict[str, P]:
-    """Untagged specs of every parameter from `config.param_axes` and logical `rules`.
-
-    With `shapes`, each spec is fitted to its shape (axes that don't divide a
-    dimension are dropped), except that an expert dim sharded over the expert
-    axis must divide: `num_experts` not divisible by it raises ValueError.
-    Use them to place parameters; `sparse_moe` derives the same specs.
-    """
-    names = shapes if shapes is not None else config.logical_axes
-    specs = {}
-    for name in names:
-        spec = logical_to_spec(config.logical_axes[name], rules, mesh)
-        if shapes is not None:
-            if name in EXPERT_PARAMS:
-                _check_expert_dim(spec, shapes[name][0], config, mesh)
-            spec = fit_to_shape(spec, shapes[name], mesh)
-        specs[name] = spec
-    return specs
-
-
-def _check_expert_dim(spec: P, num_experts: int, config: MoEConfig, mesh: Any) -> None:
-    entry = partitions(spec)[0] if partitions(spec) else None
-    axes = entry_axes(entry)
-    if not axes:
-        return
-    if axes != (config.expert_axis,):
-        raise ValueError(
-            f"the expert dim of the expert kernels is sharded over {axes}; only the expert "
-            f"axis {config.expert_axis!r} may shard it (check the rule for "
-            f"{config.logical_axes['wi_0'][0]!r})"
-        )
-    size = dict(mesh.shape)[config.expert_axis]
-    if num_experts % size:
-        fits = ", ".join(map(str, fitting_expert_counts(num_experts, size)))
-        raise ValueError(
-            f"num_experts={num_experts} is not divisible by the size {size} of the mesh axis "
-            f"{config.expert_axis!r} that shards the experts; nearest that fit: {fits}"
-        )
-
-
-def _check_params(params: Params, config: MoEConfig, embed_dim: int) -> None:
-    want = param_shapes(config, embed_dim)
-    optional = {"bias"}
-    for name, shape in want.items():
-        if name not in params:
-            if name in optional:
-                continue
-            raise ValueError(f"params lack {name!r} (shape {shape}); have {sorted(params)}")
-        if tuple(params[name].shape) != shape:
-            raise ValueError(
-                f"param {name!r} has shape {tuple(params[name].shape)}, expected {shape} for "
-                f"num_experts={config.num_experts}, embed_dim={embed_dim}, "
-                f"mlp_dim={config.mlp_dim}, shared_dim={config.shared_dim}"
-            )
-    extra = sorted(set(params) - set(want))
-    if extra:
-        raise ValueError(f"unexpected params {extra}; expected {sorted(want)}")
-
-
-# ----------------------------------------------------------------------------
-# Sharding plan
-
-
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    """Everything static the shard_map body needs."""
-
-    token_spec: P  # (B, S, D) in_spec/out_spec of the activations
-    token_axes: tuple[str, ...]  # mesh axes that shard tokens
-    specs: dict[str, P]  # in_specs of the parameters (tagged in explicit mode)
-    ep: int  # expert-parallel degree (1 = every shard holds all experts)
-    a2a: bool  # tokens sharded over the expert axis: all-to-all dispatch
-    expert_axis: str
-
-
-def _infer_mode(mesh: Any) -> str:
-    types = set(getattr(mesh, "axis_types", ()) or ())
-    return "explicit" if AxisType.Explicit in types else "auto"
-
-
-def _plan(
-    x: jax.Array,
-    params: Params,
-    config: MoEConfig,
-    mesh: Any,
-    rules: Any,
-    mode: str,
-    keep_tags: bool,
-    sparse: bool,
-) -> _Plan:
-    sizes = dict(mesh.shape)
-    token_spec = logical_to_spec((config.batch_axis, config.length_axis, None), rules, mesh)
-    token_spec = fit_to_shape(token_spec, x.shape, mesh)
-    token_axes = mesh_axes_used(token_spec)
-    shapes = {name: tuple(w.shape) for name, w in params.items()}
-    rebuilt = param_specs(config, rules, mesh, shapes)
-    specs = {}
-    ep = 1
-    for name, spec in rebuilt.items():
-        entries = []
-        for dim, entry in enumerate(partitions(spec)):
-            # Inside the body a weight may stay sharded over axes that shard the
-            # tokens (it is all-gathered there; the transpose of that gather is
-            # the reduce-scatter FSDP wants) and, for the sparse path, over the
-            # expert axis on its expert dim. Other axes are gathered before the
-            # shard_map by the in_spec itself.
-            keep = [
-                a
-                for a in entry_axes(entry)
-                if a in token_axes
-                or (sparse and name in EXPERT_PARAMS and dim == 0 and a == config.expert_axis)
-            ]
-            entries.append(entry_from_axes(keep))
-        spec = P(*entries)
-        if sparse and name in EXPERT_PARAMS and partitions(spec) and partitions(spec)[0]:
-            ep = sizes[config.expert_axis]
-        if mode == "explicit" and keep_tags:
-            # TAG: the spec was rebuilt from logical rules and carries no tag. A
-            # parameter that gradient accumulation made `reduced` over the batch
-            # axes must enter the shard_map with that tag, else shard_map psums
-            # its cotangent over those axes inside the body (per microbatch, per
-            # layer). carry_reduced_axes copies the value's own reduced axes;
-            # it declines on overlap with the partitions and outside explicit mode.
-            spec = carry_reduced_axes(spec, params[name])
-        specs[name] = spec
-    a2a = ep > 1 and config.expert_axis in token_axes
-    return _Plan(token_spec, token_axes, specs, ep, a2a, config.expert_axis)
-
-
-# ----------------------------------------------------------------------------
-# Per-shard computation
-
-
-def _precision(config: MoEConfig):
-    return None if config.precision is None else lax.Precision[config.precision.upper()]
-
-
-def _gather(w: jax.Array, spec: P, skip_dims: tuple[int, ...] = ()) -> jax.Array:
-    """All-gather a per-shard weight along every sharded dim (except `skip_dims`).
-
-    `partitions` reads the entries through the tag (a tagged spec refuses
-    iteration). The gather's transpose reduce-scatters the cotangent over the
-    gathered (token) axes, which is the FSDP gradient reduction; axes in the
-    spec's `reduced` set are left alone, so their reduction stays deferred.
-    """
-    for dim, entry in enumerate(partitions(spec)):
-        axes = entry_axes(entry)
-        if dim in skip_dims or not axes:
-            continue
-        w = lax.all_gather(w, entry_from_axes(axes), axis=dim, tiled=True)
-    return w
-
-
-def _swiglu_dense(x_TxD, wi0_DxF, wi1_DxF, wo_FxD, precision):
-    h0 = jnp.dot(x_TxD, wi0_DxF, precision=precision)
-    h1 = jnp.dot(x_TxD, wi1_DxF, precision=precision)
-    return jnp.dot(jax.nn.silu(h0) * h1, wo_FxD, precision=precision)
-
-
-def _layer_body(
-    x_BxSxD, params, *, config: MoEConfig, plan: _Plan | None, sparse: bool, platform: str
-):
-    """One shard's MoE: route, routed experts (sparse or dense), shared experts."""
-    precision = _precision(config)
-    # The grouped matmul's implementation for the platform the program is built for.
-    grouped = {"impl": resolve_grouped(config.grouped_matmul, platform), "precision": precision}
-    specs = plan.specs if plan is not None else {}
-    ep = plan.ep if plan is not None else 1
-
-    def gathered(name, skip=()):
-        w = params[name]
-        if name in specs:
-            w = _gather(w, specs[name], skip)
-        return w
-
-    b, s, d = x_BxSxD.shape
-    k, e = config.num_experts_per_tok, config.num_experts
-    x_TxD = x_BxSxD.reshape(b * s, d)
-    # Router in f32 (as DeepSeek-V3 does): top-k choices are sensitive to rounding.
-    logits_BxSxE = jnp.dot(
-        x_TxD.astype(jnp.float32), gathered("gate").astype(jnp.float32), precision=precision
-    ).reshape(b, s, e)
-    bias = gathered("bias") if "bias" in params else None
-    weights_BxSxZ, ids_BxSxZ, stats = route(logits_BxSxE, config=config, bias=bias)
-    weights_TxZ = weights_BxSxZ.reshape(b * s, k)
-    ids_A = ids_BxSxZ.reshape(-1)
-
-    dtype = x_BxSxD.dtype
-    # A positive capacity_factor off the all-to-all path: each expert keeps the
-    # first ceil(T*Z/E * cf) of this shard's assignments (None: no cap, no code).
-    a2a = sparse and plan is not None and plan.a2a
-    cap = None if a2a else dispatch.local_capacity(config, ids_A.shape[0])
-    keep_A = None if cap is None else dispatch.within_capacity(ids_A, e, cap)
-    if sparse:
-        # Expert kernels keep their expert dim sharded (dim 0 is not gathered).
-        kernels = tuple(gathered(n, skip=(0,)).astype(dtype) for n in EXPERT_PARAMS)
-        e_local = e // ep
-        if a2a:
-            cap = dispatch.block_capacity(config, ids_A.shape[0], ep)
-            out_AxD, dropped = dispatch.routed_all_to_all(
-                x_TxD, ids_A, k, kernels, ep, plan.expert_axis, e_local, cap, grouped
-            )
-        else:
-            vary = None if ep == 1 else plan.expert_axis
-            start = 0 if ep == 1 else lax.axis_index(plan.expert_axis) * e_local
-            out_AxD, dropped = dispatch.routed_local(
-                x_TxD, ids_A, k, kernels, start, e_local, grouped, vary, keep_A
-            )
-        routed_TxD = jnp.einsum(
-            "tkd,tk->td", out_AxD.reshape(b * s, k, d).astype(jnp.float32), weights_TxZ
-        )
-        if ep > 1 and not a2a:
-            # Tokens are replicated over the expert axis; each shard ran its own
-            # experts, so the routed output is the sum over that axis.
-            routed_TxD = lax.psum(routed_TxD, plan.expert_axis)
-    else:
-        wi0, wi1, wo = (gathered(n).astype(dtype) for n in EXPERT_PARAMS)
-        h0 = jnp.einsum("td,edf->tef", x_TxD, wi0, precision=precision)
-        h1 = jnp.einsum("td,edf->tef", x_TxD, wi1, precision=precision)
-        out_TxExD = jnp.einsum("tef,efd->ted", jax.nn.silu(h0) * h1, wo, precision=precision)
-        dropped = jnp.zeros((), jnp.int32)
-        if keep_A is not None:
-            # The same cap as the sparse local path: a dropped assignment combines with 0.
-            weights_TxZ = weights_TxZ * keep_A.reshape(b * s, k)
-            dropped = jnp.sum(~keep_A).astype(jnp.int32)
-        combine_TxE = jnp.einsum(
-            "tke,tk->te", jax.nn.one_hot(ids_A.reshape(b * s, k), e), weights_TxZ
-        )
-        routed_TxD = jnp.einsum("ted,te->td", out_TxExD.astype(jnp.float32), combine_TxE)
-    y_TxD = routed_TxD.astype(dtype)
-    if config.shared_dim:
-        shared = tuple(gathered(n).astype(dtype) for n in SHARED_PARAMS)
-        y_TxD = y_TxD + _swiglu_dense(x_TxD, *shared, precision)
-    shard_stats = {
-        "tokens_per_expert": stats["tokens_per_expert"][None],
-        "balance_loss": stats["balance_loss"][None],
-        "dropped": dropped[None],
-    }
-    if config.router_z_loss:
-        shard_stats["router_z_BxS"] = dispatch.router_z_BxS(logits_BxSxE)
-    return y_TxD.reshape(b, s, d), shard_stats
-
-
-# ----------------------------------------------------------------------------
-# Public entry points
+from moe_kernels.config import DEFAULT_RULES, MoEConfig
+from moe_kernels.params import Params, check_params
+from moe_kernels.shard_body import layer_body
+from moe_kernels.shard_plan import infer_mode, shard_plan
+from pspec_tags import MODES, partitions, shard, spec_of, truncate, untagged
 
 
 def _as_device_array(x):
@@ -360,18 +54,18 @@ def _moe(x_BxSxD, params, *, config, mesh, rules, mode, keep_tags, sparse, recom
     if x_BxSxD.ndim != 3:
         raise ValueError(f"x must be (batch, seq, embed); got shape {x_BxSxD.shape}")
     params = {name: _as_device_array(w) for name, w in params.items()}
-    _check_params(params, config, x_BxSxD.shape[-1])
+    check_params(params, config, x_BxSxD.shape[-1])
     if mesh is None:
         platform = jax.default_backend()
-        y, shard_stats = _layer_body(
+        y, shard_stats = layer_body(
             x_BxSxD, params, config=config, plan=None, sparse=sparse, platform=platform
         )
         return y, _finish_stats(shard_stats)
-    mode = mode or _infer_mode(mesh)
+    mode = mode or infer_mode(mesh)
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not one of {MODES}")
     rules = DEFAULT_RULES if rules is None else rules
-    plan = _plan(x_BxSxD, params, config, mesh, rules, mode, keep_tags, sparse)
+    plan = shard_plan(x_BxSxD, params, config, mesh, rules, mode, keep_tags, sparse)
     param_in_specs = (
         plan.specs if mode == "explicit" else {n: untagged(s) for n, s in plan.specs.items()}
     )
@@ -399,7 +93,7 @@ def _moe(x_BxSxD, params, *, config, mesh, rules, mode, keep_tags, sparse, recom
     platform = mesh.devices.flat[0].platform
 
     def body(x, p):
-        return _layer_body(x, p, config=config, plan=plan, sparse=sparse, platform=platform)
+        return layer_body(x, p, config=config, plan=plan, sparse=sparse, platform=platform)
 
     layer = jax.shard_map(
         body,

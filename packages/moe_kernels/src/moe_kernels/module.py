@@ -11,7 +11,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from moe_kernels.config import DEFAULT_RULES, MoEConfig
-from moe_kernels.layer import dense_moe, init_params, param_specs, sparse_moe
+from moe_kernels.layer import dense_moe, sparse_moe
+from moe_kernels.params import init_params, param_specs
 from moe_kernels.routing import update_routing_bias
 
 

@@ -14,6 +14,7 @@ import types
 import typing
 from typing import Any, Literal
 
+from accum import POLICIES, SCHEDULES
 from pspec_tags import MODES as SHARD_MODES
 
 # The in-slice (ICI) axes, sized by ici_<axis>_parallelism.
@@ -324,7 +325,7 @@ class AccumulationConfig:
     # in-slice ones reduce-scattered per microbatch into sharded accumulators).
     # auto (the default): the policy accum.cost predicts fastest that fits in HBM
     # (trainer/reduction_choice.py).
-    gradient_reduction_policy: Literal["auto", "deferred", "per_microbatch", "hierarchical"] = _key(
+    gradient_reduction_policy: Literal[("auto", *POLICIES)] = _key(
         "auto", "when each gradient is reduced (auto: the fastest that fits)"
     )
     # The chip whose figures (accum.hardware) auto's cost model uses: v4, v5e, v5p,
@@ -343,7 +344,7 @@ class AccumulationConfig:
     # Where each step adds up and reduces the gradients (accum/schedule.py; same numbers):
     # plain (add each microbatch's gradient after its backward), fused (the default: add
     # each layer's inside the backward layer scan, no full-size per-microbatch gradient;
-    # no effect without scan_layers or with per_microbatch: accum.ReductionPlan.fused_applies;
+    # no effect without scan_layers or with per_microbatch: accum.fuses_in_scan;
     # benchmarks/results/aot_fused.md, fused_cpu.md), overlapped (fused, and the last
     # microbatch reduces each layer inside its backward, under the remaining layers'
     # compute where XLA runs those reductions asynchronously, which v5e does not for
@@ -352,13 +353,11 @@ class AccumulationConfig:
     # XLA:TPU runs asynchronously with or without tpu_async_collectives where it keeps
     # reduce-scatters synchronous on v5e: perf_keys.md, aot_async.md; explicit mode,
     # not with per_microbatch).
-    gradient_accumulation_schedule: Literal["plain", "fused", "overlapped", "overlapped_ring"] = (
-        _key(
-            "fused",
-            "how microbatch gradients are added and reduced: plain, fused (no full-size "
-            "per-microbatch gradient), overlapped (per-layer reductions in the last backward), "
-            "overlapped_ring (those as async permute rings) (benchmarks/results/perf_keys.md)",
-        )
+    gradient_accumulation_schedule: Literal[SCHEDULES] = _key(
+        "fused",
+        "how microbatch gradients are added and reduced: plain, fused (no full-size "
+        "per-microbatch gradient), overlapped (per-layer reductions in the last backward), "
+        "overlapped_ring (those as async permute rings) (benchmarks/results/perf_keys.md)",
     )
 
 

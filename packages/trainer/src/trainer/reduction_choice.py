@@ -199,11 +199,14 @@ def summed_by_the_loop(stacked: bool, layers: int, scatters: bool, fused_in_scan
 
 
 def fuses_in_scan(model: ModelConfig, accumulation: AccumulationConfig, plan: Any) -> bool:
-    """Whether accumulation runs inside the backward layer scan: a scanned model
-    (train_step falls back to the plain schedule without the scan), a schedule other
-    than plain, and a plan the fused schedule fuses (`ReductionPlan.fused_applies`)."""
-    schedule = accumulation.gradient_accumulation_schedule
-    return model.scan_layers and schedule != "plain" and plan.fused_applies
+    """Whether accumulation runs inside the backward layer scan: accum's decision
+    (`accum.fuses_in_scan`) for this schedule, plan, microbatch count and model."""
+    return accum.fuses_in_scan(
+        accumulation.gradient_accumulation_schedule,
+        plan,
+        accumulation.gradient_accumulation_steps,
+        scans_layers=model.scan_layers,
+    )
 
 
 def loop_sums(

@@ -172,8 +172,8 @@ def make_step(
     ctx: ShardCtx,
     model_def: model_lib.ModelDef,
     tx: optax.GradientTransformation,
-    zero1: tuple[Any, Any] | None = None,
-    plan: accum.ReductionPlan | None = None,
+    zero1: tuple[Any, Any] | None,
+    plan: accum.ReductionPlan,
 ) -> StepFns:
     """Build the step; `plan` (sharding.reduction_plan) decides every gradient reduction.
 
@@ -185,8 +185,11 @@ def make_step(
     """
     compute_dtype = jnp.dtype(model.dtype)
     schedule = accumulation.gradient_accumulation_schedule
-    if schedule == "fused" and not model.scan_layers:
-        schedule = "plain"  # fusing works inside the layer scan: unscanned layers have none
+    steps = accumulation.gradient_accumulation_steps
+    if schedule == "fused" and not accum.fuses_in_scan(
+        schedule, plan, steps, scans_layers=model.scan_layers
+    ):
+        schedule = "plain"  # nothing to fuse into (unscanned layers have no layer scan)
 
     def step(state: dict, batch: dict) -> tuple[dict, dict]:
         grad_shardings, params = None, state["params"]

@@ -1,0 +1,90 @@
+"""The sharding plan of one MoE layer's shard_map: the activations' spec, the
+parameters' in_specs (each carrying its value's `reduced` tag in explicit mode),
+and whether experts are sharded and how tokens reach them (all-to-all or local)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from moe_kernels.config import MoEConfig
+from moe_kernels.params import EXPERT_PARAMS, Params, param_specs
+from pspec_tags import (
+    carry_reduced_axes,
+    entry_axes,
+    entry_from_axes,
+    fit_to_shape,
+    logical_to_spec,
+    mesh_axes_used,
+    partitions,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardPlan:
+    """Everything static the shard_map body needs."""
+
+    token_spec: P  # (B, S, D) in_spec/out_spec of the activations
+    token_axes: tuple[str, ...]  # mesh axes that shard tokens
+    specs: dict[str, P]  # in_specs of the parameters (tagged in explicit mode)
+    ep: int  # expert-parallel degree (1 = every shard holds all experts)
+    a2a: bool  # tokens sharded over the expert axis: all-to-all dispatch
+    expert_axis: str
+
+
+def infer_mode(mesh: Any) -> str:
+    types = set(getattr(mesh, "axis_types", ()) or ())
+    return "explicit" if AxisType.Explicit in types else "auto"
+
+
+def shard_plan(
+    x: jax.Array,
+    params: Params,
+    config: MoEConfig,
+    mesh: Any,
+    rules: Any,
+    mode: str,
+    keep_tags: bool,
+    sparse: bool,
+) -> ShardPlan:
+    sizes = dict(mesh.shape)
+    token_spec = logical_to_spec((config.batch_axis, config.length_axis, None), rules, mesh)
+    token_spec = fit_to_shape(token_spec, x.shape, mesh)
+    token_axes = mesh_axes_used(token_spec)
+    shapes = {name: tuple(w.shape) for name, w in params.items()}
+    rebuilt = param_specs(config, rules, mesh, shapes)
+    specs = {}
+    ep = 1
+    for name, spec in rebuilt.items():
+        entries = []
+        for dim, entry in enumerate(partitions(spec)):
+            # Inside the body a weight may stay sharded over axes that shard the
+            # tokens (it is all-gathered there; the transpose of that gather is
+            # the reduce-scatter FSDP wants) and, for the sparse path, over the
+            # expert axis on its expert dim. Other axes are gathered before the
+            # shard_map by the in_spec itself.
+            keep = [
+                a
+                for a in entry_axes(entry)
+                if a in token_axes
+                or (sparse and name in EXPERT_PARAMS and dim == 0 and a == config.expert_axis)
+            ]
+            entries.append(entry_from_axes(keep))
+        spec = P(*entries)
+        if sparse and name in EXPERT_PARAMS and partitions(spec) and partitions(spec)[0]:
+            ep = sizes[config.expert_axis]
+        if mode == "explicit" and keep_tags:
+            # TAG: the spec was rebuilt from logical rules and carries no tag. A
+            # parameter that gradient accumulation made `reduced` over the batch
+            # axes must enter the shard_map with that tag, else shard_map psums
+            # its cotangent over those axes inside the body (per microbatch, per
+            # layer). carry_reduced_axes copies the value's own reduced axes;
+            # it declines on overlap with the partitions and outside explicit mode.
+            spec = carry_reduced_axes(spec, params[name])
+        specs[name] = spec
+    a2a = ep > 1 and config.expert_axis in token_axes
+    return ShardPlan(token_spec, token_axes, specs, ep, a2a, config.expert_axis)
