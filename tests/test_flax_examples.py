@@ -88,31 +88,28 @@ def _device_microbatch_groups(rows, devices=8, n=2):
 
 @pytest.mark.parametrize("mesh_name", ["explicit_data8", "auto_data4_model2"])
 def test_batchnorm_statistics_per_device_rows_and_running_averages(mesh_name):
-    """Stock linen BatchNorm: gradients and new running averages are those of
-    DDP (statistics over each device's rows of each microbatch, averaged)."""
+    """Stock linen BatchNorm through a TrainState, loss_fn closing over its
+    batch_stats: gradients and new running averages are those of DDP
+    (statistics over each device's rows of each microbatch, averaged)."""
     mesh = common.make_mesh(*MESHES[mesh_name])
     example = importlib.import_module("batchnorm")
-    loss_fn, variables, batch = example.setup(mesh)
-    optimizer = example.optax.sgd(0.1)
-    opt_state = optimizer.init(variables["params"])
+    state, batch = example.setup(mesh)
     with jax.set_mesh(mesh):
-        compiled = accum.compile_checked(
-            lambda v, o, b: example.step(loss_fn, optimizer, v, o, b), variables, opt_state, batch
-        )
-        new, _, _, grads = compiled(variables, opt_state, batch)
-    variables, batch = jax.device_get((variables, batch))
+        compiled = accum.compile_checked(example.train_step, state, batch)
+        new, _, grads = compiled(state, batch)
+    state, batch = jax.device_get((state, batch))
+    loss_fn = example.make_loss(state.apply_fn, state.batch_stats)
+    # 8 batch devices on both meshes (on an auto mesh every axis is a batch axis).
     groups = [jax.tree.map(lambda x, g=g: x[g], batch) for g in _device_microbatch_groups(64)]
-    per_group = [jax.grad(lambda v, b=b: loss_fn(v, b)[0])(variables) for b in groups]
+    per_group = [jax.grad(lambda p, b=b: loss_fn(p, b)[0])(state.params) for b in groups]
     ref = jax.tree.map(lambda *g: sum(g) / 64, *per_group)
-    stats = [loss_fn(variables, b)[1]["batch_stats"] for b in groups]
+    stats = [loss_fn(state.params, b)[1]["batch_stats"] for b in groups]
     ref_stats = jax.tree.map(lambda *s: sum(s) / 64, *stats)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=1e-6)
-    new_stats = new["batch_stats"]
-    for got, want in zip(jax.tree.leaves(new_stats), jax.tree.leaves(ref_stats), strict=True):
+    for got, want in zip(jax.tree.leaves(new.batch_stats), jax.tree.leaves(ref_stats), strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
     # The statistics moved (momentum 0.9 from zeros): the aux carried them.
-    old_mean = variables["batch_stats"]["BatchNorm_0"]["mean"]
-    assert not np.allclose(new_stats["BatchNorm_0"]["mean"], old_mean)
-    assert not np.any(jax.tree.leaves(grads["batch_stats"]))  # not trained
+    old_mean = state.batch_stats["BatchNorm_0"]["mean"]
+    assert not np.allclose(new.batch_stats["BatchNorm_0"]["mean"], old_mean)
     _no_in_loop_reduction(compiled.as_text())

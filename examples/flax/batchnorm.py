@@ -1,14 +1,21 @@
-"""linen BatchNorm in training mode: its running averages come back through
-`mutable=["batch_stats"]`, ride in the aux (weighted by rows, so accum's sum
-over microbatches and devices divided by the weight is their mean), and are
-written back after the step. On the local path the batch statistics are
-those of each device's rows of a microbatch, as under DDP."""
+"""linen BatchNorm in training mode, written the usual Flax way: a TrainState
+holding `batch_stats`, and a `loss_fn` inside the step that closes over them
+and returns the new running averages through `mutable=["batch_stats"]`. They
+ride in the aux (weighted by rows, so accum's sum over microbatches and
+devices divided by the weight is their mean) and are written back after the
+step. On the local path the batch statistics are those of each device's rows
+of a microbatch, as under DDP. On an explicit mesh JAX's shard_map refuses
+the closed-over `state.batch_stats`; accum maps each device's rows with
+`jax.vmap` instead (accum.local_mapped), with the same numbers."""
+
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
 from common import make_mesh, replicate, shard_batch
+from flax.training import train_state
 
 import accum
 
@@ -21,50 +28,57 @@ class Model(nn.Module):
         return nn.Dense(1)(nn.relu(x))
 
 
-def setup(mesh, rows=64):
-    """(loss_fn, variables, batch) of this example on `mesh`. The running
-    averages travel with the parameters (`variables`), not in loss_fn's closure:
-    the local path's shard_map cannot close over a traced value on an explicit
-    mesh. Their gradient is zeros (training mode reads the batch's statistics)."""
+class TrainState(train_state.TrainState):
+    batch_stats: Any
+
+
+def setup(mesh, rows=64, optimizer=None):
+    """(state, batch) of this example on `mesh`: a TrainState with the running
+    averages, replicated, and the batch sharded over 'data'."""
     model = Model()
     key_x, key_y = jax.random.split(jax.random.key(1))
     batch = {"x": jax.random.normal(key_x, (rows, 4)), "y": jax.random.normal(key_y, (rows, 1))}
     variables = model.init(jax.random.key(0), batch["x"][:1], train=False)
+    state = TrainState.create(
+        apply_fn=model.apply,
+        params=variables["params"],
+        tx=optimizer or optax.sgd(0.1),
+        batch_stats=variables["batch_stats"],
+    )
+    with jax.set_mesh(mesh):
+        return replicate(mesh, state), shard_batch(mesh, batch)
 
-    def loss_fn(variables, mb):
-        out, updates = model.apply(variables, mb["x"], train=True, mutable=["batch_stats"])
+
+def make_loss(apply_fn, batch_stats):
+    """loss_fn(params, mb) closing over the running averages, as Flax users write it."""
+
+    def loss_fn(params, mb):
+        variables = {"params": params, "batch_stats": batch_stats}
+        out, updates = apply_fn(variables, mb["x"], train=True, mutable=["batch_stats"])
         err, rows = out - mb["y"], jnp.float32(out.shape[0])
         stats = jax.tree.map(lambda s: s * rows, updates["batch_stats"])
         return jnp.sum(err * err), {"weight": rows, "batch_stats": stats}
 
-    with jax.set_mesh(mesh):
-        return loss_fn, replicate(mesh, variables), shard_batch(mesh, batch)
+    return loss_fn
 
 
-def step(loss_fn, optimizer, variables, opt_state, batch):
-    """One training step on variables["params"]; the new running averages are
-    the rows-weighted mean of those each device and microbatch computed."""
-    loss, aux, grads = accum.accumulate_gradients(loss_fn, variables, batch, num_microbatches=2)
-    updates, opt_state = optimizer.update(grads["params"], opt_state, variables["params"])
-    new = {
-        "params": optax.apply_updates(variables["params"], updates),
-        "batch_stats": jax.tree.map(lambda s: s / aux["weight"], aux["batch_stats"]),
-    }
-    return new, opt_state, loss, grads
+def train_step(state, batch):
+    """One step; the new running averages are the rows-weighted mean of those
+    each device and microbatch computed. Returns (state, loss, grads)."""
+    loss_fn = make_loss(state.apply_fn, state.batch_stats)
+    loss, aux, grads = accum.accumulate_gradients(loss_fn, state.params, batch, num_microbatches=2)
+    stats = jax.tree.map(lambda s: s / aux["weight"], aux["batch_stats"])
+    return state.apply_gradients(grads=grads, batch_stats=stats), loss, grads
 
 
 def main():
     mesh = make_mesh()
-    loss_fn, variables, batch = setup(mesh)
-    optimizer = optax.sgd(0.1)
-    opt_state = optimizer.init(variables["params"])
+    state, batch = setup(mesh)
     with jax.set_mesh(mesh):
-        compiled = accum.compile_checked(
-            lambda v, o, b: step(loss_fn, optimizer, v, o, b), variables, opt_state, batch
-        )
+        compiled = accum.compile_checked(train_step, state, batch)
         for _ in range(3):
-            variables, opt_state, loss, _ = compiled(variables, opt_state, batch)
-            mean = variables["batch_stats"]["BatchNorm_0"]["mean"]
+            state, loss, _ = compiled(state, batch)
+            mean = state.batch_stats["BatchNorm_0"]["mean"]
             print("batchnorm loss", float(loss), "running mean[0]", float(mean[0]))
 
 

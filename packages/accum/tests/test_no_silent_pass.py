@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import accum
 import hlo_tools
+import pspec_tags
 from pspec_tags import TagLostError
 
 MESH = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
@@ -51,12 +52,18 @@ def _step(loss_fn, plan):
 def test_a_per_parameter_plan_with_a_data_sharded_leaf_still_judges_the_others():
     """(a): strict_axes == () (s is sharded over data), yet w defers data: its
     in-loop all-reduce raises, naming w; the intact model passes."""
+    _per_parameter_verdicts(PARAMS, drops_w, keeps_w, r"gradient of: .*\['w'\]")
+
+
+def _per_parameter_verdicts(params, drops, keeps, blamed):
+    """Under a per-parameter plan deferring data for some leaves only: `drops`
+    raises TagLostError matching `blamed`, `keeps` passes."""
     with jax.set_mesh(MESH):
-        plan = accum.plan_for(PARAMS, BATCH, per_parameter=True, path="tags")
+        plan = accum.plan_for(params, BATCH, per_parameter=True, path="tags")
         assert plan.strict_axes == () and plan.deferred_axes == ("data",)
-        with pytest.raises(TagLostError, match=r"gradient of: .*\['w'\]"):
-            accum.compile_checked(_step(drops_w, plan), PARAMS, BATCH)
-        accum.compile_checked(_step(keeps_w, plan), PARAMS, BATCH)
+        with pytest.raises(TagLostError, match=blamed):
+            accum.compile_checked(_step(drops, plan), params, BATCH)
+        accum.compile_checked(_step(keeps, plan), params, BATCH)
 
 
 def test_c_a_plan_that_defers_nothing_says_so_and_names_the_parameter():
@@ -143,3 +150,34 @@ def test_integer_parameter_leaves_are_left_untouched():
         )(params, BATCH)
     assert grads["step"].dtype == jnp.int32 and int(grads["step"]) == 0
     np.testing.assert_allclose(grads["w"], np.full((4, 16), 7.0), rtol=1e-6)
+
+
+# (c): a per-use parameter and a deferring one of the same shape. `s` is sharded
+# over data (its gradient is reduced per use: the gather's transpose), `b` is
+# replicated and defers data; both are f32[16]. A dropped tag on `b` must not
+# pass as `s`'s reduction.
+SAME_SHAPE = {
+    "w": _put(jnp.ones((4, 16))),
+    "b": _put(jnp.full((16,), 0.5)),
+    "s": _put(jnp.ones((16,)), "data"),
+}
+
+
+def _biased(p, mb, b):
+    h = jnp.tanh(_dense(p["w"], mb) + b)
+    return jnp.sum(h * jax.reshard(p["s"], P())), _weight(mb)
+
+
+def drops_b(p, mb):  # b resharded onto P(): its tag dropped, all-reduced per microbatch
+    return _biased(p, mb, jax.reshard(p["b"], P()))
+
+
+def keeps_b(p, mb):
+    return _biased(p, mb, pspec_tags.broadcast_param(p["b"], _dense(p["w"], mb)))
+
+
+def test_a_dropped_tag_on_a_weight_shaped_like_a_per_use_parameter_raises():
+    """The verdict follows each reduced array to the accumulator it is added
+    into (its parameter), not its shape: b's in-loop all-reduce raises, naming
+    b, though s's per-use reduction has the same f32[16]."""
+    _per_parameter_verdicts(SAME_SHAPE, drops_b, keeps_b, r"gradient of: \['b'\] \(")

@@ -127,3 +127,50 @@ def test_a_carried_input_reaches_the_carry_but_not_past_the_loop(module):
     assert not ht.reaches_root(module, "outer_body", "x", target="main")
     # %w flows through the multiply into the gradient, so into the output.
     assert ht.reaches_root(module, "outer_body", "w", target="main")
+
+
+# Two gradients of one shape, all-reduced together, each added into its own
+# accumulator (op_names marked acc[k]) by one multi-output fusion whose own
+# op_name names only one of them: the value is told by the addition it enters.
+MARKED = """
+HloModule marked, num_partitions=4
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%adds (g0: f32[16], g1: f32[16], a0: f32[16], a1: f32[4]) -> (f32[16], f32[4]) {
+  %g0 = f32[16]{0} parameter(0)
+  %g1 = f32[16]{0} parameter(1)
+  %a0 = f32[16]{0} parameter(2)
+  %a1 = f32[4]{0} parameter(3)
+  %s0 = f32[16]{0} add(%a0, %g0), metadata={op_name="jit(step)/while/body/acc[0]/add"}
+  %zero = s32[] constant(0)
+  %slice = f32[4]{0} dynamic-slice(%g1, %zero), dynamic_slice_sizes={4}, metadata={op_name="jit(step)/while/body/transpose(jvp())/dynamic_slice"}
+  %s1 = f32[4]{0} add(%a1, %slice), metadata={op_name="jit(step)/while/body/acc[1]/add"}
+  ROOT %both = (f32[16]{0}, f32[4]{0}) tuple(%s0, %s1)
+}
+
+ENTRY %main (x: f32[16], y: f32[16], a0: f32[16], a1: f32[4]) -> (f32[16], f32[4]) {
+  %x = f32[16]{0} parameter(0)
+  %y = f32[16]{0} parameter(1)
+  %a0 = f32[16]{0} parameter(2)
+  %a1 = f32[4]{0} parameter(3)
+  %r = (f32[16]{0}, f32[16]{0}) all-reduce(%x, %y), replica_groups={{0,1,2,3}}, to_apply=%add, metadata={op_name="jit(step)/while/body/transpose(jvp())/reduce_sum"}
+  %r0 = f32[16]{0} get-tuple-element(%r), index=0
+  %r1 = f32[16]{0} get-tuple-element(%r), index=1
+  ROOT %f = (f32[16]{0}, f32[4]{0}) fusion(%r0, %r1, %a0, %a1), kind=kLoop, calls=%adds, metadata={op_name="jit(step)/while/body/acc[0]/add"}
+}
+"""
+
+
+def test_first_marked_tells_same_shaped_values_by_the_addition_they_enter():
+    module = ht.parse(MARKED)
+    pattern = r"acc\[(\d+)\]"
+    assert ht.first_marked(module, "main", "r", pattern=pattern, index=0) == {"0"}
+    assert ht.first_marked(module, "main", "r", pattern=pattern, index=1) == {"1"}
+    assert ht.first_marked(module, "main", "r", pattern=pattern) == {"0", "1"}
+    assert ht.first_marked(module, "main", "x", pattern=pattern) == {"0"}
+    assert ht.first_marked(module, "main", "r", pattern=r"nowhere\[(\d+)\]") == set()

@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from accum.blame import add_marked
 from accum.fused_accumulate import fused_microbatch
 from accum.gating import plan_for
 from accum.guard import find_dropped_tags, report_dropped_tags
@@ -88,8 +89,9 @@ def untyped_grads(grads: Any, plan: ReductionPlan) -> dict[str, list[str]]:
 
 
 def add_grads(acc: Any, grads: Any) -> Any:
-    """acc + grads in the accumulator's dtype (unreduced + unreduced stays unreduced)."""
-    return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
+    """acc + grads in the accumulator's dtype (unreduced + unreduced stays
+    unreduced), each leaf's addition marked for the verdict (accum.blame)."""
+    return add_marked(acc, grads)
 
 
 def normalize(loss_sum: jax.Array, aux: dict, grads: Any) -> tuple[jax.Array, dict, Any]:

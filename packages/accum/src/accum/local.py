@@ -15,11 +15,15 @@ auto), so a model axis keeps its sharding.
 
 Closures: on an auto mesh JAX passes a value `loss_fn` closes over (a jitted
 step's argument: BatchNorm's running averages, a traced temperature) into the
-shard_map, replicated. On an explicit mesh JAX 0.10.2 refuses it at the first
-op that reads it, before any hoisting could see it (`jax.closure_convert` must
-trace inside the shard_map to get its types right, and hits the same check;
-traced outside, its jaxpr carries the outer mesh); `_closures_refused` turns
-that NotImplementedError into a one-line error saying what to do.
+shard_map, replicated. On an explicit mesh JAX refuses it ("Closing over inputs
+to shard_map ... not implemented") at the first op that reads it, and nothing
+outside `loss_fn` can hand it in instead (it sits in the Python closure; a
+jaxpr traced outside carries the outer mesh's types). There the same
+accumulation runs without a shard_map (accum.local_mapped: `jax.vmap` over one
+row per batch device, same rows, keys and numbers); where JAX's explicit
+sharding rules cannot map a layer either (a gather over mapped indices:
+`Embed`; a convolution's batching reshape: `Conv`), `_shard_mapped_or_mapped`
+raises one line saying what to do.
 
 What differs from the full batch: a value the model computes over the batch
 dimension (a batch norm's statistics, a contrastive loss's negatives) sees the
@@ -29,6 +33,7 @@ folded with the microbatch index and the device's position on the batch axes.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from accum.local_mapped import mapped_accumulate, mapped_add
 from accum.plan import ReductionPlan, is_floating
 from accum.seed import value_and_grad
 from accum.tags import reduce_to, safe_inverse
@@ -75,20 +81,52 @@ def _zeros(p: jax.Array, accum_dtype: Any) -> jax.Array:
 _CLOSURE = "Closing over inputs to shard_map"
 
 
-def _closures_refused(call: Callable, *args: Any) -> Any:
-    """`call(*args)`; JAX's refusal of a closed-over explicit-mesh value as a
+_MESH_MISMATCH = re.compile(r"context mesh .*Manual.* should match the aval mesh .*for shape (\S+)")
+
+
+def _closure_refused(error: Exception) -> str | None:
+    """The closed-over value's type when `error` is JAX refusing a closure over
+    an explicit-mesh value inside the shard_map, else None: the
+    NotImplementedError where every other axis is auto, the mesh-mismatch
+    ValueError where one is explicit (a data x model mesh)."""
+    text = str(error)
+    if isinstance(error, NotImplementedError) and _CLOSURE in text:
+        return text.rsplit("Got input with shape ", 1)[-1].split("\n")[0]
+    found = _MESH_MISMATCH.search(text) if isinstance(error, ValueError) else None
+    return None if found is None else found.group(1)
+
+
+def _shard_mapped_or_mapped(call: Callable, args: tuple, mapped: Callable) -> Any:
+    """`call(*args)` (the shard_map); where JAX refuses a closed-over value in it,
+    `mapped()` (accum.local_mapped); where that fails on a sharding rule too, a
     one-line error naming the fix (module docstring)."""
     try:
         return call(*args)
-    except NotImplementedError as error:
-        if _CLOSURE not in str(error):
+    except (NotImplementedError, ValueError) as error:
+        got = _closure_refused(error)
+        if got is None:
             raise
-        got = str(error).rsplit("Got input with shape ", 1)[-1].split("\n")[0]
+    try:
+        return mapped()
+    except Exception as error:  # noqa: BLE001 - only JAX's sharding refusals, below
+        if type(error).__name__ != "ShardingTypeError" and not isinstance(
+            error, NotImplementedError
+        ):
+            raise
+        first = (str(error).strip().splitlines() or [""])[0][:160]
         raise ValueError(
             f"accum local path: loss_fn closes over an array on an explicit mesh ({got}), "
-            "which JAX's shard_map refuses: pass it through the params or the batch "
-            "(examples/flax/batchnorm.py), or use an auto mesh"
+            "which JAX's shard_map refuses, and mapping each device's rows with jax.vmap "
+            f"failed too ({type(error).__name__}: {first}): pass it through the params or "
+            "the batch (examples/flax/batchnorm.py), or use an auto mesh"
         ) from None
+
+
+def _normalized(loss_sum: jax.Array, aux: dict, grads: Any) -> tuple[jax.Array, dict, Any]:
+    """(mean loss, summed aux, mean gradients): the sums divided by aux["weight"]."""
+    inv = safe_inverse(aux["weight"])
+    grads = jax.tree.map(lambda g: g * inv.astype(g.dtype), grads)
+    return loss_sum * inv.astype(loss_sum.dtype), aux, grads
 
 
 def _device_grads(loss_fn, varying, microbatch, rng, index, device) -> tuple:
@@ -138,25 +176,24 @@ def local_accumulate(
         with marked(LOOP_SCOPE, axes, dict(plan.mesh_shape)):
             acc, (loss_sums, auxes) = lax.scan(step, acc0, (indices, microbatches))
         # The step's one reduction of the gradients, loss and aux.
-        acc, loss_sum, aux = lax.psum(
-            (acc, jnp.sum(loss_sums, 0), jax.tree.map(lambda a: jnp.sum(a, 0), auxes)), axes
+        return lax.psum(
+            (jnp.sum(loss_sums, 0), jax.tree.map(lambda a: jnp.sum(a, 0), auxes), acc), axes
         )
-        inv = safe_inverse(aux["weight"])
-        grads = jax.tree.map(lambda g: g * inv.astype(g.dtype), acc)
-        return loss_sum * inv.astype(loss_sum.dtype), aux, grads
 
     args = (params, batch) if rng is None else (params, batch, rng)
+    shard_mapped = jax.shard_map(
+        body, in_specs=(P(), batch_spec, P())[: len(args)], out_specs=P(), axis_names=set(axes)
+    )
+
+    def mapped():
+        return mapped_accumulate(
+            loss_fn, params, batch, num_microbatches=n, plan=plan, rng=rng, accum_dtype=accum_dtype
+        )
+
     with traced(plan):
         record_params(params)
-        loss, aux, grads = _closures_refused(
-            jax.shard_map(
-                body,
-                in_specs=(P(), batch_spec, P())[: len(args)],
-                out_specs=P(),
-                axis_names=set(axes),
-            ),
-            *args,
-        )
+        sums = _shard_mapped_or_mapped(shard_mapped, args, mapped)
+    loss, aux, grads = _normalized(*sums)
     return loss, aux, _placed(grads, plan, grad_shardings)
 
 
@@ -209,13 +246,15 @@ def local_add(
 
     args = (grads, params, microbatch, count, *(() if rng is None else (rng,)))
     specs = (P(axes), P(), _batch_specs(microbatch, axes), P(), P())[: len(args)]
+    shard_mapped = jax.shard_map(
+        body, in_specs=specs, out_specs=(P(axes), P(), P()), axis_names=set(axes)
+    )
     with traced(plan, "add"), marked(ADD_SCOPE, axes, dict(plan.mesh_shape)):
         record_params(params)
-        return _closures_refused(
-            jax.shard_map(
-                body, in_specs=specs, out_specs=(P(axes), P(), P()), axis_names=set(axes)
-            ),
-            *args,
+        return _shard_mapped_or_mapped(
+            shard_mapped,
+            args,
+            lambda: mapped_add(grads, count, loss_fn, params, microbatch, rng, plan),
         )
 
 

@@ -36,7 +36,8 @@ from typing import Any
 import jax
 
 import hlo_tools
-from accum.plan import PER_STEP, _is_leaf_plan
+from accum.blame import LIBRARY_DIRS, MAX_ELEMENTS, blame, by_plan, carried
+from accum.plan import PER_STEP
 from accum.trace_record import (  # noqa: F401 - recording, active_record: re-exported
     TraceRecord,
     active_record,
@@ -53,17 +54,7 @@ from pspec_tags import TagLostError
 ON_TAG_LOST = ("raise", "warn", "ignore")
 LOOP_SCOPE = "accum_microbatch_loop"
 ADD_SCOPE = "accum_add"
-# A loss, a token count or a handful of aux metrics may be summed per microbatch;
-# a gradient is larger. Judged per array: XLA's combiner may merge many scalars.
-MAX_ELEMENTS = 8
 _MARK = re.compile(rf"({LOOP_SCOPE}|{ADD_SCOPE})\[([^|\]]*)\|([^\]]*)\]")
-
-# Frames in these directories are library plumbing, not the user's line.
-_LIBRARY_DIRS = tuple(
-    os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-    for m in (jax, hlo_tools)
-    if getattr(m, "__file__", None)
-) + (os.path.dirname(os.path.abspath(__file__)) + os.sep, f"{os.sep}site-packages{os.sep}")
 
 
 def check_option(on_tag_lost: str) -> None:
@@ -110,6 +101,9 @@ class Finding:
     frames: tuple[Frame, ...]
     strict: bool = True  # over an axis every gradient defers (the mark's); else judged per leaf
     trace: int | None = None  # the accumulation's trace number (accum.trace_record)
+    # Per array of the collective: the parameters whose accumulator it is added
+    # into (accum.blame.carried), () where no marked addition was reached.
+    carried: tuple[tuple[str, ...], ...] = ()
 
     @property
     def bytes_per_step(self) -> int:
@@ -257,7 +251,8 @@ def in_loop_reductions(
         spanned = tuple(a for a in axes if hlo_tools.spans_mesh_axis(c, mesh_shape, a))
         if spanned and in_backward(c.op_name) and accumulates(module, c, _carry(module, loop)):
             is_strict = any(a in strict for a in spanned)
-            found.append(Finding(c, spanned, where, (), is_strict, number))
+            into = carried(module, c, plans.get(number))
+            found.append(Finding(c, spanned, where, (), is_strict, number, into))
     if not found:
         return found
     # Source lines only for what is reported: the tables are a pass over the text.
@@ -279,111 +274,9 @@ def _instruction(module: Any, c: hlo_tools.Collective) -> Any:
 def user_frames(frames: tuple[Frame, ...], depth: int = 2) -> str:
     """The innermost `depth` frames outside jax, hlo_tools, accum and installed
     packages, joined; the innermost frame when all are library frames; '?' for none."""
-    user = [f for f in frames if not os.path.abspath(f.file).startswith(_LIBRARY_DIRS)]
+    user = [f for f in frames if not os.path.abspath(f.file).startswith(LIBRARY_DIRS)]
     chosen = user[:depth] or list(frames[:1])
     return ", called from ".join(map(str, chosen)) or "?"
-
-
-def _blamed(finding: Finding, record: TraceRecord | None) -> tuple[list[str], str]:
-    """The parameters whose gradient the collective carries.
-
-    Candidates are the parameters whose per-device or global gradient (or one
-    layer of it) has the shape of one of the collective's arrays, in any
-    dimension order (XLA may keep a transposed layout). Among them, in order:
-    the trace-time analysis's suspects; those whose gradient flows through a
-    backward equation of the instruction's primitive and source lines (the
-    trace-time walk labels each backward value with them); those whose tag a
-    forward layout op dropped; else all.
-    """
-    if record is None:
-        return [], ""
-    c = finding.collective
-    by_shape = _params_shaped_like(c, record)
-    key, prims = _user_key(finding.frames), _primitives(c.op_name)
-
-    def flows_through(path: str) -> bool:
-        return any(
-            lines and key[: len(lines)] == lines and prim in prims
-            for lines, prim in record.lines.get(path, ())
-        )
-
-    for why, names in (
-        ("trace-time analysis", [p for p in by_shape if p in record.suspects]),
-        ("its gradient flows through that operation", [p for p in by_shape if flows_through(p)]),
-        ("its reduced tag was dropped", [p for p in by_shape if p in record.dropped]),
-        ("by shape", by_shape),
-    ):
-        if names:
-            return names, why
-    return [], ""
-
-
-def _blame(finding: Finding, record: TraceRecord | None) -> str:
-    """`_blamed` as the message prints it."""
-    if record is None:
-        return "(no trace record: compile with accum.compile_checked to name it)"
-    names, why = _blamed(finding, record)
-    if not names:
-        return "no parameter of this shape (a value computed from the parameters)"
-    return f"{', '.join(map(_display, names))} ({why})"
-
-
-def _by_plan(finding: Finding, record: TraceRecord | None) -> bool:
-    """Whether a reduction over axes only some gradients defer is the plan's.
-    Judged per reduced array (XLA combines many): one a parameter of its shape
-    reduced per use or per microbatch may carry is the plan's (a reduce-scatter
-    lowered to an all-reduce looks like a replicated weight's gradient), as is
-    one no parameter explains (an FSDP gather's transpose in a shard_map); one
-    only deferring parameters can carry is not."""
-    plan = None if record is None else record.plans.get(finding.trace)
-    names = [] if plan is None else _blamed(finding, record)[0]
-    if not names:
-        return plan is not None
-    flat = jax.tree_util.tree_flatten_with_path(plan.leaves, is_leaf=_is_leaf_plan)[0]
-    leaves = {jax.tree_util.keystr(path): leaf for path, leaf in flat}
-    axes = set(finding.axes)
-    asked = {n for n in names if n in leaves and not set(leaves[n].tagged) & axes}
-    for array in finding.collective.arrays:
-        if array.elements <= MAX_ELEMENTS:
-            continue
-        dims = tuple(sorted(array.dims))
-        shaped = [n for n in names if any(dims in _slice_shapes(s) for s in record.shapes[n])]
-        if not set(shaped or names) & asked:
-            return False
-    return True
-
-
-def _params_shaped_like(c: hlo_tools.Collective, record: TraceRecord) -> list[str]:
-    """The parameters (sorted paths) whose per-device or global gradient, or one
-    layer of it, has the shape of one of `c`'s arrays of more than MAX_ELEMENTS
-    elements, in any dimension order (XLA may reduce a dot's output before its
-    transpose)."""
-    dims = {tuple(sorted(a.dims)) for a in c.arrays if a.elements > MAX_ELEMENTS}
-    return sorted(
-        p for p, shapes in record.shapes.items() if any(_slice_shapes(s) & dims for s in shapes)
-    )
-
-
-def _primitives(op_name: str) -> set[str]:
-    """The JAX primitives an op_name ends in; XLA joins merged ops' names with ':'."""
-    return {part.rsplit("/", 1)[-1].strip("()") for part in op_name.split(":")}
-
-
-def _user_key(frames: tuple[Frame, ...], depth: int = 2) -> tuple[tuple[str, int], ...]:
-    """(file basename, line) of the innermost `depth` user frames (source_lines.user_lines' key)."""
-    user = [f for f in frames if not os.path.abspath(f.file).startswith(_LIBRARY_DIRS)]
-    return tuple((os.path.basename(f.file), f.line) for f in user[:depth])
-
-
-def _slice_shapes(shape: tuple[int, ...]) -> set[tuple[int, ...]]:
-    """The shape and those of its trailing slices (one layer of a stacked
-    parameter, reduced inside the layer scan), each with its dims sorted."""
-    return {tuple(sorted(shape[i:])) for i in range(len(shape))}
-
-
-def _display(path: str) -> str:
-    """A key path as printed; the root (a bare array of parameters) as 'params'."""
-    return path or "params"
 
 
 def _size(n: int) -> str:
@@ -409,7 +302,7 @@ def message(findings: list[Finding], record: TraceRecord | None) -> str:
         lines += [
             f"  {c.kind} {c.type_str} over {list(f.axes)} x{times} = "
             f"{_size(f.bytes_per_step)} {per}  (HLO %{c.name} in %{c.computation})",
-            f"    gradient of: {_blame(f, record)}",
+            f"    gradient of: {blame(f, record)}",
             f"    source: {user_frames(f.frames)}",
             f"    op_name: {c.op_name or '<none>'}",
         ]
@@ -452,7 +345,7 @@ def check_compiled(text: str, on_tag_lost: str = "raise", record: TraceRecord | 
     plans = {n: r.plans[n] for n, r in records.items() if n in r.plans}
     findings = in_loop_reductions(text, plans=plans)
     # An axis only some gradients defer: judged per parameter against the plan.
-    findings = [f for f in findings if f.strict or not _by_plan(f, record)]
+    findings = [f for f in findings if f.strict or not by_plan(f, record)]
     if findings:
         text = message(findings, record)
         if on_tag_lost == "warn":

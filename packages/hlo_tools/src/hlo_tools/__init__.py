@@ -57,7 +57,7 @@ from hlo_tools.assertions import (
 from hlo_tools.buffers import Allocation, BufferValue, loop_buffers, parse_buffer_assignment
 from hlo_tools.callgraph import CallGraph, Context, Loop, call_graph
 from hlo_tools.collectives import KINDS, REDUCTION_KINDS, Collective, collectives
-from hlo_tools.dataflow import contracts, reaches_root
+from hlo_tools.dataflow import contracts, first_marked, reaches_root
 from hlo_tools.errors import HloParseError
 from hlo_tools.jitted import (
     assert_jitted_reduced_once_per_step,
@@ -139,6 +139,7 @@ __all__ = [
     "parse_buffer_assignment",
     "parse_instruction",
     "reaches_root",
+    "first_marked",
     "report_jitted",
     "slice_traffic",
     "spanned_axes",

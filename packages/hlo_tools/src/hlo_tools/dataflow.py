@@ -12,8 +12,9 @@ and stops at the operations that mix it with other data by contraction.
 
 from __future__ import annotations
 
+import re
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from hlo_tools.collectives import KINDS
 from hlo_tools.module import HloModule, Instruction
@@ -163,6 +164,21 @@ def _successors(module: HloModule, value: Value) -> Iterator[Value]:
             yield (computation, user.name, keep)
 
 
+def _flow(module: HloModule, start: Value, stop: Callable[[Value], bool]) -> Iterator[Value]:
+    """The values `start` flows to (`start` first), breadth first, not past one
+    that `stop` accepts (it is yielded, its users are not followed)."""
+    seen, queue = {start}, deque([start])
+    while queue:
+        value = queue.popleft()
+        yield value
+        if value != start and stop(value):
+            continue
+        for nxt in _successors(module, value):
+            if nxt not in seen:
+                seen.add(nxt)
+                queue.append(nxt)
+
+
 def reaches_root(
     module: HloModule, computation: str, name: str, *, target: str, index: int | None = None
 ) -> bool:
@@ -182,18 +198,45 @@ def reaches_root(
     >>> ht.reaches_root(module, "body", "i", target="main")  # the counter: not output
     False
     """
-    start: Value = (computation, name, index)
-    seen, queue = {start}, deque([start])
-    while queue:
-        value = queue.popleft()
-        comp = module.computations[value[0]]
-        if value[0] == target and comp.by_name[value[1]].is_root:
-            return True
-        for nxt in _successors(module, value):
-            if nxt not in seen:
-                seen.add(nxt)
-                queue.append(nxt)
-    return False
+    return any(
+        value[0] == target and module.computations[target].by_name[value[1]].is_root
+        for value in _flow(module, (computation, name, index), stop=lambda value: False)
+    )
+
+
+def first_marked(
+    module: HloModule,
+    computation: str,
+    name: str,
+    *,
+    pattern: str | re.Pattern,
+    index: int | None = None,
+) -> set[str]:
+    r"""Group 1 of `pattern` (or the whole match) in the op_name of the first
+    instructions, following the value forward as `reaches_root` does, whose
+    op_name matches: where the value arrives in code the program marked with a
+    named scope (e.g. the addition into one parameter's accumulator), not past
+    it. Instructions inside fusions keep their own op_names, so a fusion of
+    several marked additions is told apart by the one the value enters.
+
+    Example (the setup in `help(hlo_tools)`): nothing in it is marked:
+
+    >>> ht.first_marked(ht.parse(HLO), "body", "r", pattern=r"acc\[(\d+)\]")
+    set()
+    """
+    regex = re.compile(pattern)
+    start = (computation, name, index)
+
+    def match(value: Value) -> re.Match | None:
+        op_name = module.computations[value[0]].by_name[value[1]].op_name
+        return regex.search(op_name)
+
+    found = set()
+    for value in _flow(module, start, stop=lambda value: match(value) is not None):
+        hit = None if value == start else match(value)
+        if hit is not None:
+            found.add(hit.group(1) if regex.groups else hit.group(0))
+    return found
 
 
 def tuple_elements(instr: Instruction) -> int:
