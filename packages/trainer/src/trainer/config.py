@@ -375,8 +375,12 @@ class DataConfig:
     # appended) or token ids (a list of integers, taken as they are). hf_path: MaxText's
     # loader name, "parquet" or empty (no Hub streaming here).
     hf_path: str = _key("", "hf: MaxText's loader name, 'parquet' or empty (no Hub streaming)")
-    hf_train_files: str = _key("", "hf: training parquet files (glob, file or directory)")
-    hf_eval_files: str = _key("", "hf: evaluation parquet files (glob, file or directory)")
+    hf_train_files: str = _key(
+        "", "hf: training parquet files (glob, file or directory; use_sft: .jsonl too)"
+    )
+    hf_eval_files: str = _key(
+        "", "hf: evaluation parquet files (glob, file or directory; use_sft: .jsonl too)"
+    )
     train_data_columns: str = _key("text", "hf: the column read (text or token ids)")
     eval_data_columns: str = _key("", "hf: the eval column ('': train_data_columns)")
     # Supervised fine-tuning (sft_data.py, docs/finetune.md), under MaxText's keys: with
