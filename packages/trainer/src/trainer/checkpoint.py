@@ -95,6 +95,8 @@ TRAJECTORY_KEYS = (
     "tokenizer_path",
     "hf_train_files",
     "train_data_columns",
+    "use_sft",
+    "sft_train_on_completion_only",
 )
 
 

@@ -383,10 +383,29 @@ class DataConfig:
     # appended) or token ids (a list of integers, taken as they are). hf_path: MaxText's
     # loader name, "parquet" or empty (no Hub streaming here).
     hf_path: str = _key("", "hf: MaxText's loader name, 'parquet' or empty (no Hub streaming)")
-    hf_train_files: str = _key("", "hf: training parquet files (glob, file or directory)")
-    hf_eval_files: str = _key("", "hf: evaluation parquet files (glob, file or directory)")
+    hf_train_files: str = _key(
+        "", "hf: training parquet files (glob, file or directory; use_sft: .jsonl too)"
+    )
+    hf_eval_files: str = _key(
+        "", "hf: evaluation parquet files (glob, file or directory; use_sft: .jsonl too)"
+    )
     train_data_columns: str = _key("text", "hf: the column read (text or token ids)")
     eval_data_columns: str = _key("", "hf: the eval column ('': train_data_columns)")
+    # Supervised fine-tuning (sft_data.py, docs/finetune.md), under MaxText's keys: with
+    # dataset_type=hf, hf_train_files / hf_eval_files are .jsonl or .parquet rows of
+    # `messages` (role/content; the column: train_data_columns unless left at `text`),
+    # rendered with the checkpoint's chat template and tokenized with its tokenizer.json
+    # (hf_model_path, or tokenizer_path's directory), or pretokenized `input_ids` +
+    # `labels` (transformers' convention, -100 not counted). The loss is the mean over
+    # the counted tokens of the whole step, all microbatches together.
+    use_sft: bool = _key(
+        False,
+        "supervised fine-tuning on conversations (messages) or input_ids/labels rows of "
+        "hf_train_files (docs/finetune.md)",
+    )
+    sft_train_on_completion_only: bool = _key(
+        True, "use_sft: count only the assistant's tokens / labels not -100 (false: every token)"
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,9 @@ set, in order — so eval losses at different steps are comparable.
 - `dataset_type=hf`: the parquet files `hf_eval_files`, column
   `eval_data_columns` (unset: `train_data_columns`), read and packed as the
   training files are (hf_data.py), then as the text eval set.
+- `use_sft=true`: the examples of `hf_eval_files` (.jsonl / .parquet), encoded,
+  masked, truncated and packed as the training ones (sft_data.py), then as the text
+  eval set: the eval loss is the mean over the counted tokens of the whole set.
 - `dataset_type=synthetic`: the same counting generator on another stream of the
   same seed (`data.synthetic_batch(..., stream=EVAL_STREAM)`): held out from
   every training batch, and `eval_steps` must be >= 1 (the stream has no end).
@@ -23,7 +26,7 @@ import math
 
 import numpy as np
 
-from trainer import hf_data, text_data
+from trainer import hf_data, sft_data, text_data
 from trainer.config import (
     Config,
     ConfigError,
@@ -136,7 +139,10 @@ def make_eval_set(config: Config, num_devices: int, sizes: dict[str, int]) -> Ev
         source = SyntheticSource(model, training, data, batch, stream=EVAL_STREAM)
         note = f"synthetic, held-out stream {EVAL_STREAM} of seed {training.seed}"
         return EvalSet(source, evaluation.eval_steps, batch, note)
-    if data.dataset_type == "hf":
+    if data.use_sft:
+        text = sft_data.load_eval(model, data, evaluation)
+        source = TextEvalSource(text, batch, "sft")
+    elif data.dataset_type == "hf":
         column = hf_data.open_column(
             data, evaluation, "hf_eval_files", hf_data.eval_columns_key(data)
         )

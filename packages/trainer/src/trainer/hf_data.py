@@ -67,8 +67,9 @@ def check_loader(data: DataConfig) -> None:
         )
 
 
-def find_parquet_files(pattern: str, key: str) -> list[Path]:
-    """The files `pattern` names: a glob, one file, or a directory (its *.parquet, recursively)."""
+def find_parquet_files(pattern: str, key: str, suffixes: tuple[str, ...] = (SUFFIX,)) -> list[Path]:
+    """The files `pattern` names: a glob, one file, or a directory (its files ending in
+    one of `suffixes`, recursively)."""
     if "://" in pattern:  # MaxText reads gs:// through `datasets`; only local paths here
         raise ConfigError(
             f"{key}={pattern!r}: only local files are read; copy the files here "
@@ -76,9 +77,9 @@ def find_parquet_files(pattern: str, key: str) -> list[Path]:
         )
     path = Path(pattern)
     if path.is_dir():
-        found = sorted(p for p in path.rglob(f"*{SUFFIX}") if p.is_file())
+        found = sorted(p for p in path.rglob("*") if p.suffix in suffixes and p.is_file())
         if not found:
-            raise ConfigError(f"directory {key}={pattern!r} holds no {SUFFIX} files")
+            raise ConfigError(f"directory {key}={pattern!r} holds no {' or '.join(suffixes)} files")
         return found
     if glob.has_magic(pattern):
         found = sorted(Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
@@ -119,7 +120,7 @@ def _is_token_ids(path: Path, schema, column: str, key: str) -> bool:
     )
 
 
-def _open(path: Path, key: str):
+def open_parquet(path: Path, key: str):
     """The pyarrow ParquetFile of `path` (its footer read, no rows); ConfigError naming
     `key` when it is not parquet."""
     import pyarrow.parquet as pq
@@ -142,7 +143,7 @@ def open_column(
     files = find_parquet_files(pattern, files_key)
     column = column_name(getattr(data, columns_key), columns_key)
     kinds = {
-        path: _is_token_ids(path, _open(path, files_key).schema_arrow, column, columns_key)
+        path: _is_token_ids(path, open_parquet(path, files_key).schema_arrow, column, columns_key)
         for path in files
     }
     if len(set(kinds.values())) > 1:
@@ -156,7 +157,7 @@ def open_column(
 
 def _batches(source: ParquetColumn, path: Path) -> Iterator:
     """The column of `path`, ROWS_PER_READ rows at a time (pyarrow arrays)."""
-    for batch in _open(path, source.where).iter_batches(
+    for batch in open_parquet(path, source.where).iter_batches(
         batch_size=ROWS_PER_READ, columns=[source.column]
     ):
         yield batch.column(0)

@@ -85,6 +85,11 @@ def make_source(config: Config, global_batch: int) -> Source:
     Takes the Config: the sources read the model, training, data and evaluation groups."""
     check_data_keys(config)
     model, training, data = config.model, config.training, config.data
+    from trainer import sft_data  # here, as the sources below: synthetic runs read no files
+
+    sft_data.check_keys(data)
+    if data.use_sft:
+        return sft_data.make_sft_source(model, training, data, config.evaluation, global_batch)
     if data.dataset_type == "text":
         from trainer import text_data
 

@@ -28,6 +28,7 @@ from trainer import (
     input_pipeline,
     reduction_choice,
     report,
+    sft_data,
     slices,
     xla_options,
 )
@@ -336,8 +337,12 @@ def moe_figures(m: dict) -> str:
     return text
 
 
-def step_line(step: int, m: dict) -> str:
+def step_line(step: int, m: dict, counted: bool = False) -> str:
+    """The console line of one step; `counted` (use_sft) adds the step's counted tokens,
+    the loss's denominator."""
     mfu = f"  mfu {m['mfu'] * 100:5.1f}%" if "mfu" in m else ""
+    if counted:
+        mfu += f"  counted {m['tokens']:,.0f}"
     # With MTP on: the main cross-entropy, then each depth's (the loss adds them, scaled).
     depths = metrics_lib.mtp_losses(m)
     mtp = ""
@@ -392,6 +397,8 @@ def hlo_report_command(run: Run, path: str) -> str:
 def data_lines(run: Run) -> list[str]:
     """Where batches come from, where checkpoints go, and where the run resumes."""
     lines = [run.source.describe()] if run.source else []
+    if run.config.use_sft:
+        lines.append(sft_data.loss_line(run.config.data))
     if run.evaluator:
         lines.append(run.evaluator.describe())
     if run.checkpoints:

@@ -37,6 +37,7 @@ SUFFIXES = (".txt", ".jsonl")
 EOS_BYTE = 256
 BYTE_VOCAB = 257  # 256 bytes + end-of-document
 KEYS = ("inputs", "targets", "positions", "segments", "weights")
+IGNORE = -100  # a label that is not counted (transformers' ignore_index)
 # End-of-document tokens looked up in a tokenizer.json, first match wins.
 EOS_NAMES = ("</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>", "[SEP]", "<|im_end|>")
 
@@ -148,9 +149,22 @@ class PackedRows:
     piece_len: np.ndarray
     row_start: np.ndarray
     length: int
+    # SFT (sft_data.py): per token, its label in transformers' convention (aligned with
+    # `tokens`, the pair ending at token j+1 targets labels[j+1]; IGNORE: not counted).
+    # None: every pair counts and targets the next token.
+    labels: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.row_start) - 1
+
+    def counted_targets(self) -> int:
+        """Targets that count in the loss (weight 1) over all rows."""
+        if self.labels is None:
+            return int(self.piece_len.sum())
+        return sum(
+            int(np.count_nonzero(self.labels[s + 1 : s + n + 1] != IGNORE))
+            for s, n in zip(self.piece_start, self.piece_len, strict=True)
+        )
 
     def __getitem__(self, row: int) -> dict[str, np.ndarray]:
         length = self.length
@@ -166,19 +180,35 @@ class PackedRows:
         for segment, piece in enumerate(range(first, stop), 1):
             start, n = int(self.piece_start[piece]), int(self.piece_len[piece])
             out["inputs"][at : at + n] = self.tokens[start : start + n]
-            out["targets"][at : at + n] = self.tokens[start + 1 : start + n + 1]
             out["positions"][at : at + n] = np.arange(n)
             out["segments"][at : at + n] = segment
-            out["weights"][at : at + n] = 1.0
+            if self.labels is None:
+                out["targets"][at : at + n] = self.tokens[start + 1 : start + n + 1]
+                out["weights"][at : at + n] = 1.0
+            else:
+                labels = self.labels[start + 1 : start + n + 1]
+                counted = labels != IGNORE
+                out["targets"][at : at + n] = np.where(counted, labels, 0)
+                out["weights"][at : at + n] = counted
             at += n
         return out
 
 
-def pack(documents: Sequence[np.ndarray], length: int) -> PackedRows:
-    """Cut each document into pieces of <= `length` pairs and pack them in order (next fit)."""
-    docs = [np.asarray(d, np.int32) for d in documents if len(d) >= 2]
+def pack(
+    documents: Sequence[np.ndarray], length: int, labels: Sequence[np.ndarray] | None = None
+) -> PackedRows:
+    """Cut each document into pieces of <= `length` pairs and pack them in order (next fit).
+
+    `labels` (SFT): per document, its labels aligned with its tokens (IGNORE: not
+    counted); they travel with the tokens, so every packed pair keeps its own label."""
+    keep = [i for i, d in enumerate(documents) if len(d) >= 2]
+    docs = [np.asarray(documents[i], np.int32) for i in keep]
     offsets = np.cumsum([0] + [len(d) for d in docs])
     tokens = np.concatenate(docs) if docs else np.zeros(0, np.int32)
+    flat_labels = None
+    if labels is not None:
+        kept = [np.asarray(labels[i], np.int32) for i in keep]
+        flat_labels = np.concatenate(kept) if kept else np.zeros(0, np.int32)
     piece_start, piece_len, row_start = [], [], [0]
     used = 0
     for doc, offset in zip(docs, offsets[:-1], strict=True):
@@ -199,6 +229,7 @@ def pack(documents: Sequence[np.ndarray], length: int) -> PackedRows:
         np.asarray(piece_len, np.int64),
         np.asarray(row_start, np.int64),
         length,
+        flat_labels,
     )
 
 
@@ -216,6 +247,7 @@ class TextSource:
     files: list[Path]
     documents: int
     kind: str = "text"  # the startup line's name for where the documents came from
+    text: PackedText | None = None  # what the rows were packed from (the startup line)
 
     def rows(self, step: int, start: int, stop: int) -> dict[str, np.ndarray]:
         base = step * self.global_batch
@@ -230,7 +262,7 @@ class TextSource:
         return self.rows(step, start, stop)
 
     def describe(self) -> str:
-        text = PackedText(self.packed, self.tokenizer, self.files, self.documents)
+        text = self.text or PackedText(self.packed, self.tokenizer, self.files, self.documents)
         return f"data: {self.kind}, {text.describe()}"
 
 
@@ -255,14 +287,20 @@ class PackedText:
     tokenizer: Tokenizer | None
     files: list[Path]
     documents: int
+    unit: str = "documents"  # what one row of the files is (SFT: conversations)
+    truncated: int = 0  # documents cut to max_target_length, the rest dropped (SFT)
 
     def describe(self) -> str:
         tokens = int(self.packed.piece_len.sum())
         fill = tokens / max(1, len(self.packed) * self.packed.length)
         name = self.tokenizer.name if self.tokenizer else "pre-tokenized"
+        counted = ""
+        if self.packed.labels is not None:
+            counted = f" ({self.packed.counted_targets():,} counted)"
+        cut = f", {self.truncated} truncated" if self.truncated else ""
         return (
-            f"{len(self.files)} files, {self.documents} documents, "
-            f"{name} tokens: {tokens:,} targets in {len(self.packed):,} "
+            f"{len(self.files)} files, {self.documents} {self.unit}{cut}, "
+            f"{name} tokens: {tokens:,} targets{counted} in {len(self.packed):,} "
             f"packed rows of {self.packed.length} ({fill:.0%} filled)"
         )
 
@@ -333,7 +371,7 @@ def shuffled_source(
         .repeat(reseed_each_epoch=True)
     )
     return TextSource(
-        dataset, text.packed, global_batch, text.tokenizer, text.files, text.documents, kind
+        dataset, text.packed, global_batch, text.tokenizer, text.files, text.documents, kind, text
     )
 
 
