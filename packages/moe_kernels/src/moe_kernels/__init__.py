@@ -7,7 +7,14 @@ from moe_kernels.config import (
     MoEConfig,
     fitting_expert_counts,
 )
-from moe_kernels.layer import dense_moe, init_params, param_shapes, param_specs, sparse_moe
+from moe_kernels.layer import (
+    LORA_TARGETS,
+    dense_moe,
+    init_params,
+    param_shapes,
+    param_specs,
+    sparse_moe,
+)
 from moe_kernels.module import MoE, RoutingBias
 from moe_kernels.routing import route, update_routing_bias
 
@@ -17,6 +24,7 @@ __all__ = [
     "CapacityPlan",
     "DEFAULT_PARAM_AXES",
     "DEFAULT_RULES",
+    "LORA_TARGETS",
     "MoE",
     "MoEConfig",
     "RoutingBias",

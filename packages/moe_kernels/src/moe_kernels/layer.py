@@ -56,6 +56,10 @@ from pspec_tags import (
 
 EXPERT_PARAMS = ("wi_0", "wi_1", "wo")
 SHARED_PARAMS = ("shared_wi_0", "shared_wi_1", "shared_wo")
+# Kernels that may carry LoRA factors `<kernel>_lora_a` (lead..., in, r) and
+# `<kernel>_lora_b` (lead..., r, out): the layer uses W + config.lora_scale x A @ B.
+LORA_TARGETS = EXPERT_PARAMS + SHARED_PARAMS
+LORA_SUFFIXES = ("_lora_a", "_lora_b")
 
 Params = Mapping[str, jax.Array]
 
@@ -78,6 +82,45 @@ def param_shapes(config: MoEConfig, embed_dim: int) -> dict[str, tuple[int, ...]
         fs = config.shared_dim
         shapes.update(shared_wi_0=(d, fs), shared_wi_1=(d, fs), shared_wo=(fs, d))
     return shapes
+
+
+def lora_param_names() -> tuple[str, ...]:
+    """Every name a LoRA factor may have in `params`."""
+    return tuple(k + s for k in LORA_TARGETS for s in LORA_SUFFIXES)
+
+
+def lora_base(name: str) -> str:
+    """The kernel a LoRA factor's name belongs to (any other name: itself)."""
+    for suffix in LORA_SUFFIXES:
+        if name.endswith(suffix) and name[: -len(suffix)] in LORA_TARGETS:
+            return name[: -len(suffix)]
+    return name
+
+
+def logical_axes_of(config: MoEConfig, name: str) -> tuple[str | None, ...]:
+    """A parameter's logical axes; a LoRA factor's follow its kernel's, with the
+    rank dim replicated (None): A keeps the input side, B the output side."""
+    axes = config.logical_axes[lora_base(name)]
+    if name.endswith("_lora_a") and name != lora_base(name):
+        return (*axes[:-1], None)
+    if name.endswith("_lora_b") and name != lora_base(name):
+        return (*axes[:-2], None, axes[-1])
+    return axes
+
+
+def _lora_shapes(params: Params, shapes: Mapping[str, tuple[int, ...]]) -> dict:
+    """The shapes the LoRA factors in `params` must have (ValueError for half a pair
+    or factors of a kernel the layer lacks)."""
+    out = {}
+    for kernel in LORA_TARGETS:
+        a, b = (kernel + s for s in LORA_SUFFIXES)
+        if a not in params and b not in params:
+            continue
+        if a not in params or b not in params or kernel not in shapes:
+            raise ValueError(f"LoRA factors of {kernel!r} need {a!r}, {b!r} and the kernel itself")
+        w, r = shapes[kernel], params[a].shape[-1]
+        out[a], out[b] = (*w[:-1], r), (*w[:-2], r, w[-1])
+    return out
 
 
 def init_params(
@@ -112,9 +155,9 @@ def param_specs(
     names = shapes if shapes is not None else config.logical_axes
     specs = {}
     for name in names:
-        spec = logical_to_spec(config.logical_axes[name], rules, mesh)
+        spec = logical_to_spec(logical_axes_of(config, name), rules, mesh)
         if shapes is not None:
-            if name in EXPERT_PARAMS:
+            if lora_base(name) in EXPERT_PARAMS:
                 _check_expert_dim(spec, shapes[name][0], config, mesh)
             spec = fit_to_shape(spec, shapes[name], mesh)
         specs[name] = spec
@@ -143,6 +186,7 @@ def _check_expert_dim(spec: P, num_experts: int, config: MoEConfig, mesh: Any) -
 
 def _check_params(params: Params, config: MoEConfig, embed_dim: int) -> None:
     want = param_shapes(config, embed_dim)
+    want.update(_lora_shapes(params, want))
     optional = {"bias"}
     for name, shape in want.items():
         if name not in params:
@@ -200,6 +244,8 @@ def _plan(
     specs = {}
     ep = 1
     for name, spec in rebuilt.items():
+        # A routed kernel's LoRA factors share its expert dim (and its expert sharding).
+        expert = lora_base(name) in EXPERT_PARAMS
         entries = []
         for dim, entry in enumerate(partitions(spec)):
             # Inside the body a weight may stay sharded over axes that shard the
@@ -211,11 +257,11 @@ def _plan(
                 a
                 for a in entry_axes(entry)
                 if a in token_axes
-                or (sparse and name in EXPERT_PARAMS and dim == 0 and a == config.expert_axis)
+                or (sparse and expert and dim == 0 and a == config.expert_axis)
             ]
             entries.append(entry_from_axes(keep))
         spec = P(*entries)
-        if sparse and name in EXPERT_PARAMS and partitions(spec) and partitions(spec)[0]:
+        if sparse and expert and partitions(spec) and partitions(spec)[0]:
             ep = sizes[config.expert_axis]
         if mode == "explicit" and keep_tags:
             # TAG: the spec was rebuilt from logical rules and carries no tag. A
@@ -276,6 +322,17 @@ def _layer_body(
             w = _gather(w, specs[name], skip)
         return w
 
+    def kernel(name, skip=()):
+        """A kernel as the layer uses it: W, or W + lora_scale x A @ B with its LoRA
+        factors, merged per shard after the gathers (the factors' gather transposes
+        then reduce-scatter factor-sized cotangents, never the kernel's)."""
+        w = gathered(name, skip)
+        if name + LORA_SUFFIXES[0] not in params:
+            return w
+        a, b = (gathered(name + s, skip) for s in LORA_SUFFIXES)
+        delta = jnp.matmul(a, b, precision=precision)
+        return w + (config.lora_scale * delta).astype(w.dtype)
+
     b, s, d = x_BxSxD.shape
     k, e = config.num_experts_per_tok, config.num_experts
     x_TxD = x_BxSxD.reshape(b * s, d)
@@ -296,7 +353,7 @@ def _layer_body(
     keep_A = None if cap is None else dispatch.within_capacity(ids_A, e, cap)
     if sparse:
         # Expert kernels keep their expert dim sharded (dim 0 is not gathered).
-        kernels = tuple(gathered(n, skip=(0,)).astype(dtype) for n in EXPERT_PARAMS)
+        kernels = tuple(kernel(n, skip=(0,)).astype(dtype) for n in EXPERT_PARAMS)
         e_local = e // ep
         if a2a:
             cap = dispatch.block_capacity(config, ids_A.shape[0], ep)
@@ -317,7 +374,7 @@ def _layer_body(
             # experts, so the routed output is the sum over that axis.
             routed_TxD = lax.psum(routed_TxD, plan.expert_axis)
     else:
-        wi0, wi1, wo = (gathered(n).astype(dtype) for n in EXPERT_PARAMS)
+        wi0, wi1, wo = (kernel(n).astype(dtype) for n in EXPERT_PARAMS)
         h0 = jnp.einsum("td,edf->tef", x_TxD, wi0, precision=precision)
         h1 = jnp.einsum("td,edf->tef", x_TxD, wi1, precision=precision)
         out_TxExD = jnp.einsum("tef,efd->ted", jax.nn.silu(h0) * h1, wo, precision=precision)
@@ -332,7 +389,7 @@ def _layer_body(
         routed_TxD = jnp.einsum("ted,te->td", out_TxExD.astype(jnp.float32), combine_TxE)
     y_TxD = routed_TxD.astype(dtype)
     if config.shared_dim:
-        shared = tuple(gathered(n).astype(dtype) for n in SHARED_PARAMS)
+        shared = tuple(kernel(n).astype(dtype) for n in SHARED_PARAMS)
         y_TxD = y_TxD + _swiglu_dense(x_TxD, *shared, precision)
     shard_stats = {
         "tokens_per_expert": stats["tokens_per_expert"][None],

@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from moe_kernels.config import DEFAULT_RULES, MoEConfig
-from moe_kernels.layer import dense_moe, init_params, param_specs, sparse_moe
+from moe_kernels.layer import dense_moe, init_params, lora_param_names, param_specs, sparse_moe
 from moe_kernels.routing import update_routing_bias
 
 
@@ -80,8 +80,10 @@ class MoE(nnx.Module):
             setattr(self, name, kind(value, **meta))
 
     def params(self) -> dict[str, jax.Array]:
-        """The current parameter values by name (what `sparse_moe` takes)."""
-        return {n: getattr(self, n)[...] for n in self.config.logical_axes if hasattr(self, n)}
+        """The current parameter values by name (what `sparse_moe` takes), LoRA
+        factors included where a caller attached them (`lora_param_names`)."""
+        names = (*self.config.logical_axes, *lora_param_names())
+        return {n: getattr(self, n)[...] for n in names if hasattr(self, n)}
 
     def _call_params(self) -> dict[str, jax.Array]:
         out = {}
