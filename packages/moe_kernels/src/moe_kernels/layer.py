@@ -48,8 +48,10 @@ from pspec_tags import (
     logical_to_spec,
     mesh_axes_used,
     partitions,
+    reduced_axes,
     shard,
     spec_of,
+    to_varying,
     truncate,
     untagged,
 )
@@ -322,6 +324,16 @@ def _layer_body(
             w = _gather(w, specs[name], skip)
         return w
 
+    def factor(name, skip=()):
+        """A LoRA factor gathered, its reduced axes cast to varying: the two factors
+        are reduced over different axis sets (B is not gathered over FSDP), which
+        JAX's automatic casts do not reconcile. The cast's transpose leaves the
+        cotangent unreduced over those axes, as the reduced in_spec promises."""
+        f = gathered(name, skip)
+        axes = tuple(sorted(reduced_axes(specs[name]))) if name in specs else ()
+        # TAG: reduced -> varying over exactly the in_spec's reduced axes (no reduction).
+        return to_varying(f, axes) if axes else f
+
     def kernel(name, skip=()):
         """A kernel as the layer uses it: W, or W + lora_scale x A @ B with its LoRA
         factors, merged per shard after the gathers (the factors' gather transposes
@@ -329,7 +341,7 @@ def _layer_body(
         w = gathered(name, skip)
         if name + LORA_SUFFIXES[0] not in params:
             return w
-        a, b = (gathered(name + s, skip) for s in LORA_SUFFIXES)
+        a, b = (factor(name + s, skip) for s in LORA_SUFFIXES)
         delta = jnp.matmul(a, b, precision=precision)
         return w + (config.lora_scale * delta).astype(w.dtype)
 
