@@ -258,8 +258,7 @@ def _plan(
             keep = [
                 a
                 for a in entry_axes(entry)
-                if a in token_axes
-                or (sparse and expert and dim == 0 and a == config.expert_axis)
+                if a in token_axes or (sparse and expert and dim == 0 and a == config.expert_axis)
             ]
             entries.append(entry_from_axes(keep))
         spec = P(*entries)

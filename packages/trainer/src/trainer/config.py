@@ -202,7 +202,9 @@ class ModelConfig:
     # and groups (attention, mlp, experts, shared_experts). lora_alpha's default is a
     # fixed 16 (scale 16 / rank), not tied to the rank.
     lora_rank: int = _key(0, "LoRA adapter rank (0: off, every parameter trained)")
-    lora_alpha: float = _key(16.0, "LoRA scale numerator: adapters add lora_alpha / lora_rank x A B")
+    lora_alpha: float = _key(
+        16.0, "LoRA scale numerator: adapters add lora_alpha / lora_rank x A B"
+    )
     lora_targets: str = _key(
         "attention", "LoRA: adapted projections, names or groups (docs/finetune.md#lora)"
     )

@@ -10,7 +10,6 @@ import math
 
 import moe_kernels
 from moe_kernels.config import TOPK_METHODS
-from trainer.model import lora
 from trainer.config import (
     DTYPES,
     ROPE_TYPES,
@@ -23,6 +22,7 @@ from trainer.config import (
     ParallelismConfig,
     mesh_shape,
 )
+from trainer.model import lora
 
 
 def _require(ok: bool, message: str) -> None:

@@ -65,7 +65,9 @@ class LoraSpec:
 
 def _absent(model: ModelConfig, name: str) -> str | None:
     """Why this model has no projection `name` (None: it has one)."""
-    dense_blocks = model.first_num_dense_layers or (model.mtp_num_layers and not model.num_moe_layers)
+    dense_blocks = model.first_num_dense_layers or (
+        model.mtp_num_layers and not model.num_moe_layers
+    )
     if name == "wq" and model.q_lora_rank:
         return f"q_lora_rank={model.q_lora_rank}: the queries go through wq_a and wq_b"
     if name in ("wq_a", "wq_b") and not model.q_lora_rank:
