@@ -57,7 +57,7 @@ from trainer.checkpoint_files import (  # noqa: F401 (public here: callers and t
     sweep_incomplete,
     warn,
 )
-from trainer.config import Config, ConfigError
+from trainer.config import FIELDS, Config, ConfigError
 
 SUBDIR = "checkpoints"
 # A checkpoint written with any other value of these cannot be restored into this run.
@@ -85,7 +85,7 @@ MODEL_KEYS = (
     "lora_targets",
 )
 # Keys a checkpoint written before they existed did not save: their value then was this.
-KEY_DEFAULTS = {"lora_rank": 0, "lora_targets": "attention"}
+KEY_DEFAULTS = {key: FIELDS[key].default for key in ("lora_rank", "lora_targets")}
 # State entries never saved: a LoRA run's frozen base, loaded again at every start
 # (from hf_model_path, load_parameters_path or the seed), like the initial weights.
 NOT_SAVED = ("frozen",)

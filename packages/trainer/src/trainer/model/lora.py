@@ -41,12 +41,14 @@ from trainer.sharding import ShardCtx
 
 A_SUFFIX, B_SUFFIX = "_lora_a", "_lora_b"
 
-GROUPS: dict[str, tuple[str, ...]] = {
-    "attention": ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b", "wo"),
-    "mlp": ("mlp_wi_0", "mlp_wi_1", "mlp_wo"),
-    "experts": ("expert_wi_0", "expert_wi_1", "expert_wo"),
-    "shared_experts": ("shared_wi_0", "shared_wi_1", "shared_wo"),
-}
+# Keyword arguments, not a dict literal: the config reference would take the group
+# name `attention` for the config key of that name.
+GROUPS: dict[str, tuple[str, ...]] = dict(
+    attention=("wq", "wq_a", "wq_b", "wkv_a", "wkv_b", "wo"),
+    mlp=("mlp_wi_0", "mlp_wi_1", "mlp_wo"),
+    experts=("expert_wi_0", "expert_wi_1", "expert_wo"),
+    shared_experts=("shared_wi_0", "shared_wi_1", "shared_wo"),
+)
 TARGETS = tuple(name for names in GROUPS.values() for name in names)
 
 

@@ -74,7 +74,7 @@ def moe_layer(config: ModelConfig, ctx: ShardCtx, *, rngs) -> moe_kernels.MoE:
     spec, axes = lora.spec_of(config), layer.config.logical_axes
     for name in moe_kernels.LORA_TARGETS:
         # Routed kernels (E, in, out) share their expert dim with both factors.
-        lead, target = (0, name) if name.startswith("shared_") else (1, f"expert_{name}")
+        lead, target = (0, name) if name.startswith("shared_") else (1, "expert_" + name)
         if hasattr(layer, name):
             lora.attach(layer, name, target, spec, rngs, logical=axes[name], lead=lead)
     return layer
