@@ -75,9 +75,7 @@ def test_adapters_alone_are_reduced_once_per_step(trained):
 @pytest.mark.slow
 def test_base_is_untouched_and_training_moves(trained):
     name, run, base, _, history = trained
-    jax.tree.map(
-        np.testing.assert_array_equal, jax.tree.map(np.asarray, run.state["frozen"]), base
-    )
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, run.state["frozen"]), base)
     assert all(np.isfinite(m["loss"]) and m["grad_norm"] > 0 for m in history)
     frozen_dtypes = {str(x.dtype) for x in jax.tree.leaves(run.state["frozen"])}
     assert frozen_dtypes == ({"bfloat16"} if "bf16" in name else {"float32"})
