@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import hlo_tools
+from trainer import abstract_model, export_hf, flops, hf, report
 from trainer import data as data_lib
-from trainer import export_hf, hf, report
 from trainer import model as model_lib
 from trainer import run as run_lib
 from trainer.config import ConfigError, make_config
@@ -263,3 +263,25 @@ def test_targets_resolve_groups_to_the_model_s_projections():
     model = make_config({"lora_rank": "2", "lora_targets": "experts,wo"}).model
     assert lora.resolve_targets(model) == {"expert_wi_0", "expert_wi_1", "expert_wo", "wo"}
     assert lora.spec_of(make_config({}).model) is None  # lora_rank=0: off
+
+
+def test_training_flops_drop_the_base_weight_gradients():
+    def parts(**overrides):
+        config = make_config({"lora_rank": "4", **overrides})
+        adapters = abstract_model.parameters(config).adapters
+        count = sum(x.size for x in jax.tree.leaves(adapters))
+        return config.model, count, flops.training_flops_per_token(config.model, config.data)
+
+    full_config = make_config({})
+    attention = flops.training_flops_per_token(full_config.model, full_config.data)
+    attention -= 6 * flops.active_matmul_params(full_config.model)
+    n = flops.active_matmul_params(full_config.model)
+    # Attention adapters: each factor element is used once per token (every layer).
+    _, count, total = parts()
+    assert total == 4 * n + 6 * count + attention
+    # Routed experts: a token goes through k of E experts; their kernels' gradient is
+    # formed (the merged layer), 2 flops per kernel element a token touches.
+    model, count, total = parts(lora_targets="experts")
+    k, e, d, f = model.num_experts_per_tok, model.num_experts, model.emb_dim, model.base_moe_mlp_dim
+    merged = 2 * model.num_moe_layers * k * 3 * d * f
+    assert total == 4 * n + merged + 6 * count * k / e + attention
