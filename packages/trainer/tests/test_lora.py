@@ -257,6 +257,11 @@ def test_bad_lora_settings_are_config_errors(overrides, message):
         validate(config, 8)
 
 
+def test_a_misspelt_target_is_refused_with_lora_off_too():
+    with pytest.raises(ConfigError, match="unknown target 'experts_wo'"):
+        validate(make_config({"lora_targets": "experts_wo"}), 8)
+
+
 def test_targets_resolve_groups_to_the_model_s_projections():
     model = make_config({"lora_rank": "2", "q_lora_rank": "0"}).model
     assert lora.resolve_targets(model) == {"wq", "wkv_a", "wkv_b", "wo"}

@@ -83,28 +83,34 @@ def _absent(model: ModelConfig, name: str) -> str | None:
     return None
 
 
-def resolve_targets(model: ModelConfig) -> frozenset[str]:
-    """The target names `lora_targets` selects in this model; ConfigError naming an
-    unknown word, a projection the model lacks, or a group of which it has none."""
+def _words(model: ModelConfig) -> list[str]:
+    """lora_targets' words; ConfigError for an unknown one or none at all."""
     words = [w.strip() for w in model.lora_targets.split(",") if w.strip()]
     if not words:
         raise ConfigError(f"lora_targets={model.lora_targets!r} names no target")
-    chosen: set[str] = set()
     for word in words:
+        if word not in GROUPS and word not in TARGETS:
+            known = ", ".join((*GROUPS, *TARGETS))
+            raise ConfigError(f"lora_targets: unknown target {word!r} (known: {known})")
+    return words
+
+
+def resolve_targets(model: ModelConfig) -> frozenset[str]:
+    """The target names `lora_targets` selects in this model; ConfigError naming an
+    unknown word, a projection the model lacks, or a group of which it has none."""
+    chosen: set[str] = set()
+    for word in _words(model):
         if word in GROUPS:
             present = [n for n in GROUPS[word] if _absent(model, n) is None]
             if not present:
                 reason = _absent(model, GROUPS[word][0])
                 raise ConfigError(f"lora_targets: group {word!r} selects nothing ({reason})")
             chosen.update(present)
-        elif word in TARGETS:
+        else:
             reason = _absent(model, word)
             if reason:
                 raise ConfigError(f"lora_targets: {word!r} is not in this model ({reason})")
             chosen.add(word)
-        else:
-            known = ", ".join((*GROUPS, *TARGETS))
-            raise ConfigError(f"lora_targets: unknown target {word!r} (known: {known})")
     return frozenset(chosen)
 
 
@@ -113,6 +119,7 @@ def check(model: ModelConfig) -> None:
     if model.lora_rank < 0:
         raise ConfigError(f"lora_rank={model.lora_rank} must be >= 0 (0: LoRA off)")
     if not model.lora_rank:
+        _words(model)  # a misspelt name is refused even while LoRA is off
         return
     if not model.lora_alpha > 0:
         raise ConfigError(f"lora_alpha={model.lora_alpha} must be > 0")
