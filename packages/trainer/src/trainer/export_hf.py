@@ -1,11 +1,15 @@
-"""`export-hf run_dir=RUN output=DIR [step=N]`: a run's checkpoint as a Hugging Face directory.
+"""`export-hf run_dir=RUN output=DIR [step=N] [export_dtype=float32|bfloat16]`: a run's
+checkpoint as a Hugging Face directory.
 
 Reads the run's config from the checkpoint, restores the parameters and routing
 biases of step N (default: the newest), writes them with `trainer.hf.save` and
-copies the run's tokenizer (tokenizer_path, as tokenizer.json) beside them. A LoRA
-run's checkpoint holds its adapters: its frozen base is loaded again as the run
-loaded it (hf_model_path, load_parameters_path, or drawn from the seed) and the
-merged weights W + lora_alpha / lora_rank x A @ B are written.
+copies the run's tokenizer (tokenizer_path, as tokenizer.json) beside them. A run
+started from `hf_model_path` exports over that directory's config.json (the keys
+training did not change kept as they were), its generation_config.json and, unless
+export_dtype says otherwise, its dtype (bfloat16 for fp8 files). A LoRA run's
+checkpoint holds its adapters: its frozen base is loaded again as the run loaded it
+(hf_model_path, load_parameters_path, or drawn from the seed) and the merged weights
+W + lora_alpha / lora_rank x A @ B are written.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import sys
 from trainer.config import FIELDS, Config, ConfigError, make_config, parse_overrides
 from trainer.initial_weights import step_directory
 
-KEYS = ("run_dir", "output", "step")
+KEYS = ("run_dir", "output", "step", "export_dtype")
 # The initial-weight keys: not read again for a whole model, but a LoRA run's base.
 INITIAL_WEIGHTS = ("hf_model_path", "load_parameters_path")
 
@@ -35,6 +39,7 @@ def _arguments(argv: list[str]) -> dict[str, str]:
 
 
 def _run_config(checkpoints: str, step: int):
+    """(Config, hf_model_path) of the run whose checkpoint step is `step`."""
     import orbax.checkpoint as ocp
 
     manager = ocp.CheckpointManager(
@@ -66,13 +71,15 @@ def _lora_trees(step_path: str, config: Config, paths: dict, ctx, model) -> dict
     return {"params": model_lib.merged(model, base, saved["params"]), "router": saved["router"]}
 
 
-def export(run_dir: str, output: str, step: int | None = None) -> str:
-    """Write step `step` (newest: None) of the run in `run_dir` to `output`; returns
-    the checkpoint directory it read."""
+def export(run_dir: str, output: str, step: int | None = None, dtype: str | None = None) -> str:
+    """Write step `step` (newest: None) of the run in `run_dir` to `output` in `dtype`
+    (None: the source's, see the module doc); returns the checkpoint directory read."""
     from trainer import hf
     from trainer import model as model_lib
     from trainer.initial_weights import restore_parameters
 
+    if dtype is not None and dtype not in hf.export_config.EXPORT_DTYPES:
+        raise ConfigError(f"export_dtype={dtype!r} is not one of {hf.export_config.EXPORT_DTYPES}")
     checkpoints = os.path.abspath(os.path.join(run_dir, "checkpoints"))
     if not os.path.isdir(checkpoints):
         raise ConfigError(f"export-hf: {checkpoints} not found (run_dir= is a run's directory)")
@@ -81,7 +88,11 @@ def export(run_dir: str, output: str, step: int | None = None) -> str:
         raise ConfigError(f"export-hf: no checkpoint of step {step} in {checkpoints}")
     directory, step = step_directory(path)
     config, paths = _run_config(directory, step)
+    source = paths["hf_model_path"] or None
     hf.config_map.to_hf(config)  # refuses an unexportable config before any reading
+    if source and hf.export_config.read_source(source) is None:
+        print(f"export-hf: {source}/config.json is gone: config.json from the run's keys alone")
+        source = None
     ctx = hf.default_ctx(config)
     model = model_lib.define(config.model, ctx)
     step_path = os.path.join(directory, str(step))
@@ -89,7 +100,7 @@ def export(run_dir: str, output: str, step: int | None = None) -> str:
         trees = _lora_trees(step_path, config, paths, ctx, model)
     else:
         trees = restore_parameters(step_path, ctx, model)
-    hf.save(output, config, trees)
+    hf.save(output, config, trees, dtype=dtype, source=source)
     if config.tokenizer_path and os.path.isfile(config.tokenizer_path):
         shutil.copyfile(config.tokenizer_path, os.path.join(output, "tokenizer.json"))
         hf.copy_tokenizer(os.path.dirname(config.tokenizer_path), output)
@@ -102,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = _arguments(argv)
         step = int(args["step"]) if args.get("step") else None
-        source = export(args["run_dir"], args["output"], step)
+        source = export(args["run_dir"], args["output"], step, args.get("export_dtype"))
     except (ConfigError, ValueError) as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
