@@ -182,6 +182,7 @@ def test_the_step_reduces_adapter_gradients_only_once_per_step(runs):
     assert f"({mib:.3f} MiB)" in head
     lora_line = next(line for line in runs["startup"] if line.startswith("lora:"))
     assert "rank 4, alpha 8 (scale 2)" in lora_line and "expert_wi_0" in lora_line
+    assert f"{mib:.3f} MiB: the gradient the step reduces" in lora_line
 
 
 def test_resume_is_exact(runs):

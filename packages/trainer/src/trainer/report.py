@@ -51,9 +51,10 @@ def lora_lines(model: ModelConfig, state: dict) -> list[str]:
     targets = ", ".join(sorted(lora.resolve_targets(model)))
     return [
         f"lora: rank {rank}, alpha {alpha:g} (scale {alpha / rank:g}) on {targets}: "
-        f"{trained:,} trained parameters (f32), {trained / max(base, 1) * 100:.3f}% of the "
-        f"{base:,} frozen ones ({'/'.join(dtypes)}): no gradient, optimizer state or "
-        "gradient reduction for those"
+        f"{trained:,} trained parameters (f32, {trained * 4 / MIB:.3f} MiB: the gradient "
+        f"the step reduces), {trained / max(base, 1) * 100:.3f}% of the {base:,} frozen "
+        f"ones ({'/'.join(dtypes)}): no gradient, optimizer state or gradient reduction "
+        "for those"
     ]
 
 
