@@ -7,14 +7,8 @@ from moe_kernels.config import (
     MoEConfig,
     fitting_expert_counts,
 )
-from moe_kernels.layer import (
-    LORA_TARGETS,
-    dense_moe,
-    init_params,
-    param_shapes,
-    param_specs,
-    sparse_moe,
-)
+from moe_kernels.layer import dense_moe, init_params, param_shapes, param_specs, sparse_moe
+from moe_kernels.lora import LORA_TARGETS
 from moe_kernels.module import MoE, RoutingBias
 from moe_kernels.routing import route, update_routing_bias
 

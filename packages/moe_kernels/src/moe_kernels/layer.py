@@ -35,7 +35,7 @@ from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from moe_kernels import dispatch
+from moe_kernels import dispatch, lora
 from moe_kernels.config import DEFAULT_RULES, MoEConfig, fitting_expert_counts
 from moe_kernels.grouped import resolve as resolve_grouped
 from moe_kernels.routing import route
@@ -48,20 +48,14 @@ from pspec_tags import (
     logical_to_spec,
     mesh_axes_used,
     partitions,
-    reduced_axes,
     shard,
     spec_of,
-    to_varying,
     truncate,
     untagged,
 )
 
 EXPERT_PARAMS = ("wi_0", "wi_1", "wo")
 SHARED_PARAMS = ("shared_wi_0", "shared_wi_1", "shared_wo")
-# Kernels that may carry LoRA factors `<kernel>_lora_a` (lead..., in, r) and
-# `<kernel>_lora_b` (lead..., r, out): the layer uses W + config.lora_scale x A @ B.
-LORA_TARGETS = EXPERT_PARAMS + SHARED_PARAMS
-LORA_SUFFIXES = ("_lora_a", "_lora_b")
 
 Params = Mapping[str, jax.Array]
 
@@ -84,45 +78,6 @@ def param_shapes(config: MoEConfig, embed_dim: int) -> dict[str, tuple[int, ...]
         fs = config.shared_dim
         shapes.update(shared_wi_0=(d, fs), shared_wi_1=(d, fs), shared_wo=(fs, d))
     return shapes
-
-
-def lora_param_names() -> tuple[str, ...]:
-    """Every name a LoRA factor may have in `params`."""
-    return tuple(k + s for k in LORA_TARGETS for s in LORA_SUFFIXES)
-
-
-def lora_base(name: str) -> str:
-    """The kernel a LoRA factor's name belongs to (any other name: itself)."""
-    for suffix in LORA_SUFFIXES:
-        if name.endswith(suffix) and name[: -len(suffix)] in LORA_TARGETS:
-            return name[: -len(suffix)]
-    return name
-
-
-def logical_axes_of(config: MoEConfig, name: str) -> tuple[str | None, ...]:
-    """A parameter's logical axes; a LoRA factor's follow its kernel's, with the
-    rank dim replicated (None): A keeps the input side, B the output side."""
-    axes = config.logical_axes[lora_base(name)]
-    if name.endswith("_lora_a") and name != lora_base(name):
-        return (*axes[:-1], None)
-    if name.endswith("_lora_b") and name != lora_base(name):
-        return (*axes[:-2], None, axes[-1])
-    return axes
-
-
-def _lora_shapes(params: Params, shapes: Mapping[str, tuple[int, ...]]) -> dict:
-    """The shapes the LoRA factors in `params` must have (ValueError for half a pair
-    or factors of a kernel the layer lacks)."""
-    out = {}
-    for kernel in LORA_TARGETS:
-        a, b = (kernel + s for s in LORA_SUFFIXES)
-        if a not in params and b not in params:
-            continue
-        if a not in params or b not in params or kernel not in shapes:
-            raise ValueError(f"LoRA factors of {kernel!r} need {a!r}, {b!r} and the kernel itself")
-        w, r = shapes[kernel], params[a].shape[-1]
-        out[a], out[b] = (*w[:-1], r), (*w[:-2], r, w[-1])
-    return out
 
 
 def init_params(
@@ -157,9 +112,9 @@ def param_specs(
     names = shapes if shapes is not None else config.logical_axes
     specs = {}
     for name in names:
-        spec = logical_to_spec(logical_axes_of(config, name), rules, mesh)
+        spec = logical_to_spec(lora.logical_axes_of(config, name), rules, mesh)
         if shapes is not None:
-            if lora_base(name) in EXPERT_PARAMS:
+            if lora.base_name(name) in EXPERT_PARAMS:
                 _check_expert_dim(spec, shapes[name][0], config, mesh)
             spec = fit_to_shape(spec, shapes[name], mesh)
         specs[name] = spec
@@ -188,7 +143,7 @@ def _check_expert_dim(spec: P, num_experts: int, config: MoEConfig, mesh: Any) -
 
 def _check_params(params: Params, config: MoEConfig, embed_dim: int) -> None:
     want = param_shapes(config, embed_dim)
-    want.update(_lora_shapes(params, want))
+    want.update(lora.factor_shapes(params, want))
     optional = {"bias"}
     for name, shape in want.items():
         if name not in params:
@@ -247,7 +202,7 @@ def _plan(
     ep = 1
     for name, spec in rebuilt.items():
         # A routed kernel's LoRA factors share its expert dim (and its expert sharding).
-        expert = lora_base(name) in EXPERT_PARAMS
+        expert = lora.base_name(name) in EXPERT_PARAMS
         entries = []
         for dim, entry in enumerate(partitions(spec)):
             # Inside the body a weight may stay sharded over axes that shard the
@@ -323,26 +278,15 @@ def _layer_body(
             w = _gather(w, specs[name], skip)
         return w
 
-    def factor(name, skip=()):
-        """A LoRA factor gathered, its reduced axes cast to varying: the two factors
-        are reduced over different axis sets (B is not gathered over FSDP), which
-        JAX's automatic casts do not reconcile. The cast's transpose leaves the
-        cotangent unreduced over those axes, as the reduced in_spec promises."""
-        f = gathered(name, skip)
-        axes = tuple(sorted(reduced_axes(specs[name]))) if name in specs else ()
-        # TAG: reduced -> varying over exactly the in_spec's reduced axes (no reduction).
-        return to_varying(f, axes) if axes else f
-
     def kernel(name, skip=()):
-        """A kernel as the layer uses it: W, or W + lora_scale x A @ B with its LoRA
-        factors, merged per shard after the gathers (the factors' gather transposes
-        then reduce-scatter factor-sized cotangents, never the kernel's)."""
+        """A kernel as the layer uses it: W, or merged with its LoRA factors (moe_kernels.lora)."""
         w = gathered(name, skip)
-        if name + LORA_SUFFIXES[0] not in params:
+        if name + lora.SUFFIXES[0] not in params:
             return w
-        a, b = (factor(name + s, skip) for s in LORA_SUFFIXES)
-        delta = jnp.matmul(a, b, precision=precision)
-        return w + (config.lora_scale * delta).astype(w.dtype)
+        a, b = (
+            lora.as_varying(gathered(name + s, skip), specs.get(name + s)) for s in lora.SUFFIXES
+        )
+        return lora.merged(w, a, b, config.lora_scale, precision)
 
     b, s, d = x_BxSxD.shape
     k, e = config.num_experts_per_tok, config.num_experts

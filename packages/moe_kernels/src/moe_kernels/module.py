@@ -10,8 +10,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from moe_kernels import lora
 from moe_kernels.config import DEFAULT_RULES, MoEConfig
-from moe_kernels.layer import dense_moe, init_params, lora_param_names, param_specs, sparse_moe
+from moe_kernels.layer import dense_moe, init_params, param_specs, sparse_moe
 from moe_kernels.routing import update_routing_bias
 
 
@@ -81,8 +82,8 @@ class MoE(nnx.Module):
 
     def params(self) -> dict[str, jax.Array]:
         """The current parameter values by name (what `sparse_moe` takes), LoRA
-        factors included where a caller attached them (`lora_param_names`)."""
-        names = (*self.config.logical_axes, *lora_param_names())
+        factors included where a caller attached them (`moe_kernels.lora`)."""
+        names = (*self.config.logical_axes, *lora.param_names())
         return {n: getattr(self, n)[...] for n in names if hasattr(self, n)}
 
     def _call_params(self) -> dict[str, jax.Array]:
