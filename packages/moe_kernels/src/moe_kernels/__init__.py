@@ -8,6 +8,7 @@ from moe_kernels.config import (
     fitting_expert_counts,
 )
 from moe_kernels.layer import dense_moe, sparse_moe
+from moe_kernels.lora import LORA_TARGETS
 from moe_kernels.module import MoE, RoutingBias
 from moe_kernels.params import init_params, param_shapes, param_specs
 from moe_kernels.routing import route, update_routing_bias
@@ -18,6 +19,7 @@ __all__ = [
     "CapacityPlan",
     "DEFAULT_PARAM_AXES",
     "DEFAULT_RULES",
+    "LORA_TARGETS",
     "MoE",
     "MoEConfig",
     "RoutingBias",

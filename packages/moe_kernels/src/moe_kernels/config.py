@@ -78,6 +78,9 @@ class MoEConfig:
     router_z_loss: also return each token's router z, logsumexp(logits)^2, as
         stats['router_z_BxS'] (for a z-loss; off: not computed at all).
     precision: matmul precision (`jax.lax.Precision` name or None).
+    lora_scale: alpha / rank of LoRA adapters on the expert kernels: params
+        `<kernel>_lora_a` / `<kernel>_lora_b` (layer.LORA_TARGETS) make each such
+        kernel W + lora_scale x A @ B inside the layer (unused without them).
     grouped_matmul: how the sparse path runs the experts' grouped matmuls
         (grouped.IMPLS): 'ragged_dot', 'padded_blocks', or 'auto' (padded_blocks
         on GPU, ragged_dot elsewhere).
@@ -112,6 +115,7 @@ class MoEConfig:
     precision: str | None = "highest"
     grouped_matmul: str = "auto"
     router_z_loss: bool = False
+    lora_scale: float = 1.0
 
     def __post_init__(self):
         axes = self.param_axes

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from moe_kernels import lora
 from moe_kernels.config import DEFAULT_RULES, MoEConfig
 from moe_kernels.layer import dense_moe, sparse_moe
 from moe_kernels.params import init_params, param_specs
@@ -81,8 +82,10 @@ class MoE(nnx.Module):
             setattr(self, name, kind(value, **meta))
 
     def params(self) -> dict[str, jax.Array]:
-        """The current parameter values by name (what `sparse_moe` takes)."""
-        return {n: getattr(self, n)[...] for n in self.config.logical_axes if hasattr(self, n)}
+        """The current parameter values by name (what `sparse_moe` takes), LoRA
+        factors included where a caller attached them (`moe_kernels.lora`)."""
+        names = (*self.config.logical_axes, *lora.param_names())
+        return {n: getattr(self, n)[...] for n in names if hasattr(self, n)}
 
     def _call_params(self) -> dict[str, jax.Array]:
         out = {}

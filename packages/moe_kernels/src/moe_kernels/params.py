@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from moe_kernels import lora
 from moe_kernels.config import MoEConfig, fitting_expert_counts
 from pspec_tags import entry_axes, fit_to_shape, logical_to_spec, partitions
 
@@ -68,9 +69,9 @@ def param_specs(
     names = shapes if shapes is not None else config.logical_axes
     specs = {}
     for name in names:
-        spec = logical_to_spec(config.logical_axes[name], rules, mesh)
+        spec = logical_to_spec(lora.logical_axes_of(config, name), rules, mesh)
         if shapes is not None:
-            if name in EXPERT_PARAMS:
+            if lora.base_name(name) in EXPERT_PARAMS:
                 _check_expert_dim(spec, shapes[name][0], config, mesh)
             spec = fit_to_shape(spec, shapes[name], mesh)
         specs[name] = spec
@@ -99,6 +100,7 @@ def _check_expert_dim(spec: P, num_experts: int, config: MoEConfig, mesh: Any) -
 
 def check_params(params: Params, config: MoEConfig, embed_dim: int) -> None:
     want = param_shapes(config, embed_dim)
+    want.update(lora.factor_shapes(params, want))
     optional = {"bias"}
     for name, shape in want.items():
         if name not in params:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from moe_kernels import dispatch
+from moe_kernels import dispatch, lora
 from moe_kernels.config import MoEConfig
 from moe_kernels.grouped import resolve as resolve_grouped
 from moe_kernels.params import EXPERT_PARAMS, SHARED_PARAMS
@@ -60,6 +60,16 @@ def layer_body(
             w = _gather(w, specs[name], skip)
         return w
 
+    def kernel(name, skip=()):
+        """A kernel as the layer uses it: W, or merged with its LoRA factors (moe_kernels.lora)."""
+        w = gathered(name, skip)
+        if name + lora.SUFFIXES[0] not in params:
+            return w
+        a, b = (
+            lora.as_varying(gathered(name + s, skip), specs.get(name + s)) for s in lora.SUFFIXES
+        )
+        return lora.merged(w, a, b, config.lora_scale, precision)
+
     b, s, d = x_BxSxD.shape
     k, e = config.num_experts_per_tok, config.num_experts
     x_TxD = x_BxSxD.reshape(b * s, d)
@@ -80,7 +90,7 @@ def layer_body(
     keep_A = None if cap is None else dispatch.within_capacity(ids_A, e, cap)
     if sparse:
         # Expert kernels keep their expert dim sharded (dim 0 is not gathered).
-        kernels = tuple(gathered(n, skip=(0,)).astype(dtype) for n in EXPERT_PARAMS)
+        kernels = tuple(kernel(n, skip=(0,)).astype(dtype) for n in EXPERT_PARAMS)
         e_local = e // ep
         if a2a:
             cap = dispatch.block_capacity(config, ids_A.shape[0], ep)
@@ -101,7 +111,7 @@ def layer_body(
             # experts, so the routed output is the sum over that axis.
             routed_TxD = lax.psum(routed_TxD, plan.expert_axis)
     else:
-        wi0, wi1, wo = (gathered(n).astype(dtype) for n in EXPERT_PARAMS)
+        wi0, wi1, wo = (kernel(n).astype(dtype) for n in EXPERT_PARAMS)
         h0 = jnp.einsum("td,edf->tef", x_TxD, wi0, precision=precision)
         h1 = jnp.einsum("td,edf->tef", x_TxD, wi1, precision=precision)
         out_TxExD = jnp.einsum("tef,efd->ted", jax.nn.silu(h0) * h1, wo, precision=precision)
@@ -116,7 +126,7 @@ def layer_body(
         routed_TxD = jnp.einsum("ted,te->td", out_TxExD.astype(jnp.float32), combine_TxE)
     y_TxD = routed_TxD.astype(dtype)
     if config.shared_dim:
-        shared = tuple(gathered(n).astype(dtype) for n in SHARED_PARAMS)
+        shared = tuple(kernel(n).astype(dtype) for n in SHARED_PARAMS)
         y_TxD = y_TxD + _swiglu_dense(x_TxD, *shared, precision)
     shard_stats = {
         "tokens_per_expert": stats["tokens_per_expert"][None],

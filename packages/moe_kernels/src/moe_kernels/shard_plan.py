@@ -11,6 +11,7 @@ import jax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from moe_kernels import lora
 from moe_kernels.config import MoEConfig
 from moe_kernels.params import EXPERT_PARAMS, Params, param_specs
 from pspec_tags import (
@@ -60,6 +61,8 @@ def shard_plan(
     specs = {}
     ep = 1
     for name, spec in rebuilt.items():
+        # A routed kernel's LoRA factors share its expert dim (and its expert sharding).
+        expert = lora.base_name(name) in EXPERT_PARAMS
         entries = []
         for dim, entry in enumerate(partitions(spec)):
             # Inside the body a weight may stay sharded over axes that shard the
@@ -70,12 +73,11 @@ def shard_plan(
             keep = [
                 a
                 for a in entry_axes(entry)
-                if a in token_axes
-                or (sparse and name in EXPERT_PARAMS and dim == 0 and a == config.expert_axis)
+                if a in token_axes or (sparse and expert and dim == 0 and a == config.expert_axis)
             ]
             entries.append(entry_from_axes(keep))
         spec = P(*entries)
-        if sparse and name in EXPERT_PARAMS and partitions(spec) and partitions(spec)[0]:
+        if sparse and expert and partitions(spec) and partitions(spec)[0]:
             ep = sizes[config.expert_axis]
         if mode == "explicit" and keep_tags:
             # TAG: the spec was rebuilt from logical rules and carries no tag. A

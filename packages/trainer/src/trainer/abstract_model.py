@@ -21,6 +21,7 @@ class AbstractModel:
     model: Any  # model.ModelDef
     params: Any  # ShapeDtypeStructs in the compute layout
     router: Any
+    adapters: Any = None  # the LoRA factors (lora_rank > 0): what is trained then
 
 
 def parameters(config: Config, num_devices: int = 8, num_slices: int = 1) -> AbstractModel:
@@ -46,4 +47,5 @@ def parameters(config: Config, num_devices: int = 8, num_slices: int = 1) -> Abs
     with jax.sharding.use_abstract_mesh(mesh):
         model = model_lib.define(config.model, ctx)
         params, router = model_lib.abstract_state(model, ctx)
-    return AbstractModel(ctx, model, params, router)
+        adapters = model_lib.abstract_adapters(model, ctx)
+    return AbstractModel(ctx, model, params, router, adapters)

@@ -245,7 +245,8 @@ def report_lines(result: AotResult) -> list[str]:
         f"topology: {topo.name}{slices} ({where}, "
         f"{topo.hbm_gib:g} GiB HBM each); compiled on this host, not run",
         report.mesh_line(dict(run.ctx.mesh.shape), config.shard_mode),
-        report.params_line_of(config.model, run.state["params"]),
+        report.params_line_of(config.model, run.state.get("frozen", run.state["params"])),
+        *report.lora_lines(config.model, run.state),
         report.batch_line(config.accumulation, config.data, run.batch_size),
         *(reduction_choice.startup_lines(run.reduction_choice) if run.reduction_choice else []),
         *report.plan_lines(config.accumulation, run.plan),

@@ -4,7 +4,8 @@ A checkpoint is step `N` under `run_dir/checkpoints/N` with two items: `state`
 (params, optimizer state, router biases, step: every array of the run's state)
 and `meta` (JSON: step, rows of data consumed, the config). The data position
 and every random stream follow from (seed, step), so restoring the state
-restores the run exactly.
+restores the run exactly. A LoRA run's `params` are its adapters; its frozen base
+is not saved (NOT_SAVED) but loaded again at every start, as at the first.
 
 This module takes the whole Config: a checkpoint saves all of it, a restart compares
 it with the saved one, and the checkpoint directory follows run_dir (output and model).
@@ -56,7 +57,7 @@ from trainer.checkpoint_files import (  # noqa: F401 (public here: callers and t
     sweep_incomplete,
     warn,
 )
-from trainer.config import Config, ConfigError
+from trainer.config import FIELDS, Config, ConfigError
 
 SUBDIR = "checkpoints"
 # A checkpoint written with any other value of these cannot be restored into this run.
@@ -79,7 +80,15 @@ MODEL_KEYS = (
     "rope_interleave",
     "weight_dtype",
     "scan_layers",
+    # The adapters' shapes (LoRA): a checkpoint of another rank or set holds other arrays.
+    "lora_rank",
+    "lora_targets",
 )
+# Keys a checkpoint written before they existed did not save: their value then was this.
+KEY_DEFAULTS = {key: FIELDS[key].default for key in ("lora_rank", "lora_targets")}
+# State entries never saved: a LoRA run's frozen base, loaded again at every start
+# (from hf_model_path, load_parameters_path or the seed), like the initial weights.
+NOT_SAVED = ("frozen",)
 # These change the data stream or the schedule: a resume with other values is
 # allowed (extending `steps`, say) but no longer continues the same run.
 TRAJECTORY_KEYS = (
@@ -97,6 +106,7 @@ TRAJECTORY_KEYS = (
     "train_data_columns",
     "use_sft",
     "sft_train_on_completion_only",
+    "lora_alpha",
 )
 
 
@@ -206,6 +216,11 @@ def _all_processes_ok(ok: bool) -> bool:
     return bool(np.all(multihost_utils.process_allgather(np.array([int(ok)], np.int32))))
 
 
+def persisted(state: dict) -> dict:
+    """The part of a run's state a checkpoint holds (all but NOT_SAVED)."""
+    return {k: v for k, v in state.items() if k not in NOT_SAVED}
+
+
 def _state_bytes(state: Any) -> int:
     """What a checkpoint of `state` takes, about: its arrays' bytes, uncompressed."""
     return sum(x.nbytes for x in jax.tree.leaves(state))
@@ -260,7 +275,7 @@ class Checkpointer:
     def check_space(self, state: Any) -> None:
         """Warn when the disk cannot hold max_checkpoints_to_keep + 1 checkpoints of `state`
         (a save writes the new one before the oldest goes)."""
-        self.checkpoint_bytes = _state_bytes(state)
+        self.checkpoint_bytes = _state_bytes(persisted(state))
         need = (self.config.max_checkpoints_to_keep + 1) * self.checkpoint_bytes
         free = shutil.disk_usage(self.directory).free
         if free < need:
@@ -279,7 +294,14 @@ class Checkpointer:
         Each damaged one is reported, moved to quarantine and the next older one
         tried; None when there is no checkpoint, CheckpointRestoreError when none
         of them is intact. ConfigError (another model's checkpoint) is not damage.
+        The entries a checkpoint does not hold (NOT_SAVED) come back from `state`.
         """
+        restored = self._restore_newest_intact(persisted(state), mesh)
+        if restored is not None:
+            restored.state = {**restored.state, **{k: state[k] for k in NOT_SAVED if k in state}}
+        return restored
+
+    def _restore_newest_intact(self, state: Any, mesh: jax.sharding.Mesh) -> Restored | None:
         tried = []
         for step in files.step_dirs(self.directory):
             path = os.path.join(self.directory, str(step))
@@ -377,6 +399,7 @@ class Checkpointer:
         """ConfigError when `saved` is another model's config; else the trajectory keys
         that changed, listed ("" when none)."""
         current = _config_dict(self.config)
+        saved = {**KEY_DEFAULTS, **saved}
         differ = [k for k in MODEL_KEYS if k in saved and saved[k] != current[k]]
         if differ:
             listing = ", ".join(f"{k}={saved[k]!r} (now {current[k]!r})" for k in differ)
@@ -402,6 +425,7 @@ class Checkpointer:
         if step == self.last_saved:
             return False
         self.wait()
+        state = persisted(state)
         ocp = self._ocp
         meta = {
             "step": step,

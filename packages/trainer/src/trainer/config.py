@@ -204,6 +204,20 @@ class ModelConfig:
     # the mean over depths of each depth's cross-entropy (V3: 0.3, later 0.1).
     mtp_num_layers: int = _key(0, "multi-token prediction depths (0: off)")
     mtp_loss_scaling_factor: float = _key(0.1, "weight of the MTP loss")
+    # LoRA (model/lora.py, docs/finetune.md#lora): lora_rank > 0 freezes every
+    # parameter and trains low-rank adapters A, B on the lora_targets, each adapted
+    # projection computing x W + lora_alpha / lora_rank x (x A) B; B starts at zero, so
+    # step 0 is the base model. lora_targets: a comma list of parameter names (wq,
+    # wq_a, wq_b, wkv_a, wkv_b, wo, mlp_wi_0, ..., expert_wi_0, ..., shared_wi_0, ...)
+    # and groups (attention, mlp, experts, shared_experts). lora_alpha's default is a
+    # fixed 16 (scale 16 / rank), not tied to the rank.
+    lora_rank: int = _key(0, "LoRA adapter rank (0: off, every parameter trained)")
+    lora_alpha: float = _key(
+        16.0, "LoRA scale numerator: adapters add lora_alpha / lora_rank x A B"
+    )
+    lora_targets: str = _key(
+        "attention", "LoRA: adapted projections, names or groups (docs/finetune.md#lora)"
+    )
 
     @property
     def emb_dim(self) -> int:

@@ -51,7 +51,7 @@ class Evaluator:
     evaluation: EvaluationConfig
     ctx: ShardCtx
     eval_set: EvalSet
-    step_fn: Any  # jitted (params, router, batch, acc) -> acc
+    step_fn: Any  # jitted (params, router, batch, acc, frozen) -> acc
     finalize_fn: Any  # jitted acc -> {accumulator: its sum}, replicated
     zeros_fn: Any  # jitted () -> acc
     compiled: Any = None
@@ -66,7 +66,11 @@ class Evaluator:
         if self.compiled is None:
             with jax.set_mesh(self.ctx.mesh):
                 lowered = self.step_fn.lower(
-                    state["params"], state["router"], self.batch(0), self.zeros_fn()
+                    state["params"],
+                    state["router"],
+                    self.batch(0),
+                    self.zeros_fn(),
+                    state.get("frozen"),
                 )
                 options = xla_options.for_mesh(self.parallelism, self.ctx.mesh)
                 self.compiled = lowered.compile(compiler_options=options)
@@ -79,7 +83,9 @@ class Evaluator:
         with jax.set_mesh(self.ctx.mesh):
             acc = self.zeros_fn()
             for index in range(self.eval_set.steps):
-                acc = compiled(state["params"], state["router"], self.batch(index), acc)
+                acc = compiled(
+                    state["params"], state["router"], self.batch(index), acc, state.get("frozen")
+                )
             sums = jax.device_get(self.finalize_fn(acc))
         tokens = float(sums["weight"])
         loss = float(sums["loss"]) / max(tokens, 1.0)
@@ -125,25 +131,41 @@ def make_evaluator(
     # ZeRO-1 keeps the master parameters sharded over 'data': the forward runs on
     # them gathered to the layout the train step computes with (the parameters'
     # own logical shardings), as the train step gathers them before its loop.
+    # With LoRA the trained parameters are the adapters, and `frozen` the base.
     compute = None
     if parallelism.shard_optimizer_over_data:
-        params_abstract, _ = model_lib.abstract_state(model, ctx)
+        params_abstract, _ = model_lib.abstract_state(model_lib.trained_view(model), ctx)
         compute = jax.tree.map(lambda p: p.sharding.spec, params_abstract)
 
-    def eval_step(params: dict, router: dict, batch: dict, acc: dict) -> dict:
+    def eval_step(params: dict, router: dict, batch: dict, acc: dict, frozen=None) -> dict:
         if compute is not None:
             params = accum.zero1_gather(params, compute, mode=ctx.mode)
+        adapters = None
+        if frozen is not None:
+            params, adapters = frozen, params
         new = {}
         if target:
             (logits, _), depths, _ = model_lib.apply_with_mtp(
-                model, params, router, batch, lambda lg, t, w: (top1_hits(lg, t), w), target
+                model,
+                params,
+                router,
+                batch,
+                lambda lg, t, w: (top1_hits(lg, t), w),
+                target,
+                adapters=adapters,
             )
             hits, mtp_weights = depths[target - 1]
             new["mtp_hits"] = acc["mtp_hits"] + ctx.act(hits * mtp_weights, data_lib.TOKENS)
             new["mtp_weight"] = acc["mtp_weight"] + ctx.act(mtp_weights, data_lib.TOKENS)
         else:
             logits, _ = model_lib.apply(
-                model, params, router, batch["inputs"], batch["positions"], batch["segments"]
+                model,
+                params,
+                router,
+                batch["inputs"],
+                batch["positions"],
+                batch["segments"],
+                adapters=adapters,
             )
         weights = batch["weights"].astype(jnp.float32)
         nll = token_cross_entropy(logits, batch["targets"]) * weights

@@ -6,19 +6,25 @@ biases of step N (default: the newest), writes them with `trainer.hf.save` and
 copies the run's tokenizer (tokenizer_path, as tokenizer.json) beside them. A run
 started from `hf_model_path` exports over that directory's config.json (the keys
 training did not change kept as they were), its generation_config.json and, unless
-export_dtype says otherwise, its dtype (bfloat16 for fp8 files).
+export_dtype says otherwise, its dtype (bfloat16 for fp8 files). A LoRA run's
+checkpoint holds its adapters: its frozen base is loaded again as the run loaded it
+(hf_model_path, load_parameters_path, or drawn from the seed) and the merged weights
+W + lora_alpha / lora_rank x A @ B are written.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import sys
 
-from trainer.config import FIELDS, ConfigError, make_config, parse_overrides
+from trainer.config import FIELDS, Config, ConfigError, make_config, parse_overrides
 from trainer.initial_weights import step_directory
 
 KEYS = ("run_dir", "output", "step", "export_dtype")
+# The initial-weight keys: not read again for a whole model, but a LoRA run's base.
+INITIAL_WEIGHTS = ("hf_model_path", "load_parameters_path")
 
 
 def _arguments(argv: list[str]) -> dict[str, str]:
@@ -42,12 +48,27 @@ def _run_config(checkpoints: str, step: int):
     meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
     # Rebuilt from the saved keys alone: the run's initial-weight paths are not read
     # again (they may be gone), keys of another trainer version are left out.
-    saved = {
-        k: v
-        for k, v in meta["config"].items()
-        if k in FIELDS and k not in ("hf_model_path", "load_parameters_path")
-    }
-    return make_config(saved), meta["config"].get("hf_model_path") or None
+    saved = {k: v for k, v in meta["config"].items() if k in FIELDS and k not in INITIAL_WEIGHTS}
+    paths = {k: meta["config"].get(k, "") for k in INITIAL_WEIGHTS}
+    return make_config(saved), paths
+
+
+def _lora_trees(step_path: str, config: Config, paths: dict, ctx, model) -> dict:
+    """{"params": the merged weights, "router"} of a LoRA run's checkpoint."""
+    from trainer import initial_weights
+    from trainer import model as model_lib
+
+    saved = initial_weights.restore_parameters(step_path, ctx, model, adapters=True)
+    with_paths = dataclasses.replace(config, **paths)
+    try:
+        source = initial_weights.source(with_paths.model, with_paths.checkpointing)
+    except ConfigError as error:
+        raise ConfigError(f"export-hf: the LoRA run's frozen base: {error}") from None
+    if source is None:
+        base, _ = model_lib.init(ctx, model, config.seed)
+    else:
+        base, _ = source.load(with_paths, ctx, model)
+    return {"params": model_lib.merged(model, base, saved["params"]), "router": saved["router"]}
 
 
 def export(run_dir: str, output: str, step: int | None = None, dtype: str | None = None) -> str:
@@ -66,15 +87,19 @@ def export(run_dir: str, output: str, step: int | None = None, dtype: str | None
     if step is not None and not os.path.isdir(path):
         raise ConfigError(f"export-hf: no checkpoint of step {step} in {checkpoints}")
     directory, step = step_directory(path)
-    config, source = _run_config(directory, step)
+    config, paths = _run_config(directory, step)
+    source = paths["hf_model_path"] or None
     hf.config_map.to_hf(config)  # refuses an unexportable config before any reading
     if source and hf.export_config.read_source(source) is None:
         print(f"export-hf: {source}/config.json is gone: config.json from the run's keys alone")
         source = None
     ctx = hf.default_ctx(config)
-    trees = restore_parameters(
-        os.path.join(directory, str(step)), ctx, model_lib.define(config.model, ctx)
-    )
+    model = model_lib.define(config.model, ctx)
+    step_path = os.path.join(directory, str(step))
+    if model.lora:
+        trees = _lora_trees(step_path, config, paths, ctx, model)
+    else:
+        trees = restore_parameters(step_path, ctx, model)
     hf.save(output, config, trees, dtype=dtype, source=source)
     if config.tokenizer_path and os.path.isfile(config.tokenizer_path):
         shutil.copyfile(config.tokenizer_path, os.path.join(output, "tokenizer.json"))

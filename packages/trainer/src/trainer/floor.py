@@ -44,6 +44,8 @@ def check_floor_layout(
     if parallelism.shard_optimizer_over_data:
         raise ValueError("the floor step keeps the optimizer replicated: set "
                          "shard_optimizer_over_data=false")  # fmt: skip
+    if model.lora_rank:
+        raise ValueError("the floor step trains every parameter: set lora_rank=0")
     if model.mtp_num_layers:
         # Its MTP loss weights need the whole batch's target counts (a collective
         # before the per-device loop); the floor is the plain model's yardstick.

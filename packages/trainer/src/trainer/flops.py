@@ -10,6 +10,12 @@ counted without a causal discount (the PaLM convention). Embedding lookups
 and norms are not matmuls and are left out. Multi-token prediction adds, per
 depth, its 2d -> d projection, one block, the shared output head again, and
 one more layer of attention products.
+
+With LoRA (lora_rank > 0) no base weight's gradient is formed: the first term is
+4 x the active matmul parameters, plus 2 x those of the adapted expert kernels (the
+MoE layer merges their adapters and forms the kernel's gradient), plus 6 x the
+adapter parameters a token multiplies through. The per-microbatch merge of the
+experts' adapters (independent of the token count) is left out.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import math
 import jax
 
 from trainer.config import DataConfig, ModelConfig, OutputConfig
+from trainer.model.lora import resolve_targets
 
 # Peak dense bf16 TFLOP/s per chip, by `device_kind` prefix.
 PEAK_TFLOPS = {
@@ -78,11 +85,56 @@ def active_matmul_params(model: ModelConfig) -> int:
     return layers + d * model.vocab_size + mtp
 
 
+def _lora_projections(model: ModelConfig) -> dict[str, tuple[int, int, int, bool]]:
+    """Per LoRA target: (in dim, out dim, uses per token, an expert kernel?)."""
+    d, h = model.emb_dim, model.base_num_query_heads
+    blocks = model.base_num_decoder_layers + model.mtp_num_layers
+    moe_blocks = model.num_moe_layers + (model.mtp_num_layers if model.num_moe_layers else 0)
+    dense_blocks = blocks - moe_blocks
+    f, fs = model.base_moe_mlp_dim, model.shared_experts * model.base_moe_mlp_dim
+    k = model.num_experts_per_tok
+    return {
+        "wq": (d, h * model.qk_head_dim, blocks, False),
+        "wq_a": (d, model.q_lora_rank, blocks, False),
+        "wq_b": (model.q_lora_rank, h * model.qk_head_dim, blocks, False),
+        "wkv_a": (d, model.kv_lora_rank + model.qk_rope_head_dim, blocks, False),
+        "wkv_b": (
+            model.kv_lora_rank,
+            h * (model.qk_nope_head_dim + model.v_head_dim),
+            blocks,
+            False,
+        ),
+        "wo": (h * model.v_head_dim, d, blocks, False),
+        "mlp_wi_0": (d, model.base_mlp_dim, dense_blocks, False),
+        "mlp_wi_1": (d, model.base_mlp_dim, dense_blocks, False),
+        "mlp_wo": (model.base_mlp_dim, d, dense_blocks, False),
+        "expert_wi_0": (d, f, k * moe_blocks, True),
+        "expert_wi_1": (d, f, k * moe_blocks, True),
+        "expert_wo": (f, d, k * moe_blocks, True),
+        "shared_wi_0": (d, fs, moe_blocks, True),
+        "shared_wi_1": (d, fs, moe_blocks, True),
+        "shared_wo": (fs, d, moe_blocks, True),
+    }
+
+
+def lora_matmul_flops_per_token(model: ModelConfig) -> float:
+    """The matmul term of the training FLOPs with LoRA (module docstring)."""
+    shapes = _lora_projections(model)
+    adapters = merged = 0
+    for name in resolve_targets(model):
+        n_in, n_out, uses, expert = shapes[name]
+        adapters += uses * model.lora_rank * (n_in + n_out)
+        merged += uses * n_in * n_out if expert else 0
+    return 4.0 * active_matmul_params(model) + 2.0 * merged + 6.0 * adapters
+
+
 def training_flops_per_token(model: ModelConfig, data: DataConfig) -> float:
     """The formula in the module docstring."""
     layers = model.base_num_decoder_layers + model.mtp_num_layers
     attention = layers * data.max_target_length * model.base_num_query_heads
     attention *= model.qk_head_dim + model.v_head_dim
+    if model.lora_rank:
+        return lora_matmul_flops_per_token(model) + 6.0 * attention
     return 6.0 * active_matmul_params(model) + 6.0 * attention
 
 

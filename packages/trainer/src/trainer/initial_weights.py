@@ -65,17 +65,25 @@ def step_directory(path: str) -> tuple[str, int]:
     return path, steps[-1]
 
 
-def restore_parameters(path: str, ctx, model) -> dict[str, dict]:
-    """params and router of another run's checkpoint, in this run's shardings."""
+def restore_parameters(path: str, ctx, model, adapters: bool = False) -> dict[str, dict]:
+    """params and router of another run's checkpoint, in this run's shardings.
+
+    `adapters`: read a LoRA run's `params` (its adapters, shaped as `model`'s). Without
+    it the checkpoint must hold a whole model: a LoRA run's does not (ConfigError).
+    """
     import orbax.checkpoint as ocp
 
     from trainer import model as model_lib
 
     directory, step = step_directory(path)
     params, router = model_lib.abstract_state(model, ctx)
+    if adapters:
+        params = model_lib.abstract_adapters(model, ctx)
     manager = ocp.CheckpointManager(
         os.path.abspath(directory), options=ocp.CheckpointManagerOptions(read_only=True)
     )
+    if not adapters:
+        _refuse_adapters_only(manager, step, path)
     target = {"params": params, "router": router}
     # Only these two subtrees of the saved state: `partial_restore` where this orbax
     # has it, else the older spelling of the same (an empty `transforms`).
@@ -88,3 +96,17 @@ def restore_parameters(path: str, ctx, model) -> dict[str, dict]:
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), **partial
     )
     return manager.restore(step, args=ocp.args.Composite(state=restore)).state
+
+
+def _refuse_adapters_only(manager, step: int, path: str) -> None:
+    """ConfigError when step `step` is a LoRA run's: its params are adapters only."""
+    import orbax.checkpoint as ocp
+
+    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+    rank = meta.get("config", {}).get("lora_rank", 0)
+    if rank:
+        raise ConfigError(
+            f"load_parameters_path={path!r} is a LoRA run's checkpoint (lora_rank={rank}): "
+            "it holds the adapters only; export it with export-hf (merged weights) and "
+            "start from that directory with hf_model_path"
+        )

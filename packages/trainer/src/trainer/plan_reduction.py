@@ -37,14 +37,17 @@ def config_of(args: list[str]) -> Config:
 
 def abstract_params(config: Config) -> tuple[Any, Any, Any]:
     """(ShardCtx on an abstract mesh of the topology, the compute-layout parameters
-    as ShapeDtypeStructs, their gradient dtypes): no device is touched."""
+    as ShapeDtypeStructs, their gradient dtypes): no device is touched. With LoRA the
+    trained parameters are the adapters: they are what is reduced."""
     from trainer import abstract_model, aot
+    from trainer.model import trained_view
     from trainer.reduction_choice import gradient_traits
 
     topo = aot.resolve(config.parallelism)  # ConfigError for an unknown topology or a bad mesh
     slices = config.compile_topology_num_slices
     m = abstract_model.parameters(config, topo.chips * slices, slices)
-    return m.ctx, m.params, gradient_traits(m.model, m.params)
+    params = m.adapters if m.model.lora else m.params
+    return m.ctx, params, gradient_traits(trained_view(m.model), params)
 
 
 def choice_for(config: Config):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import jax
+
 import accum
 import hlo_tools
 from trainer import flops
@@ -35,6 +37,25 @@ def params_line_of(model: ModelConfig, params) -> str:
         flops.mtp_param_count(params),
         model.mtp_num_layers,
     )
+
+
+def lora_lines(model: ModelConfig, state: dict) -> list[str]:
+    """With LoRA (a state holding a frozen base): what is trained and what is frozen."""
+    if "frozen" not in state:
+        return []
+    from trainer.model import lora  # the model package is not needed for other reports
+
+    trained, base = flops.count_params(state["params"]), flops.count_params(state["frozen"])
+    dtypes = sorted({str(x.dtype) for x in jax.tree.leaves(state["frozen"])})
+    rank, alpha = model.lora_rank, model.lora_alpha
+    targets = ", ".join(sorted(lora.resolve_targets(model)))
+    return [
+        f"lora: rank {rank}, alpha {alpha:g} (scale {alpha / rank:g}) on {targets}: "
+        f"{trained:,} trained parameters (f32, {trained * 4 / MIB:.3f} MiB: the gradient "
+        f"the step reduces), {trained / max(base, 1) * 100:.3f}% of the {base:,} frozen "
+        f"ones ({'/'.join(dtypes)}): no gradient, optimizer state or gradient reduction "
+        "for those"
+    ]
 
 
 def batch_line(accumulation: AccumulationConfig, data: DataConfig, global_batch: int) -> str:

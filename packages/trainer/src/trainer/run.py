@@ -80,9 +80,14 @@ def setup(config: Config, devices: list | None = None) -> Run:
     source = input_pipeline.make_source(config, batch)
     eval_set = eval_data.make_eval_set(config, len(devices), sizes)
     checkpoints = checkpoint.open_checkpointer(config, batch)
-    # A run with checkpoints of its own resumes from them: never from its initial weights.
+    # A run with checkpoints of its own resumes from them: never from its initial weights,
+    # except for a LoRA run's frozen base, which its checkpoints do not hold.
     resuming = bool(checkpoints and checkpoints.manager.latest_step() is not None)
-    weights = None if resuming else initial_weights.source(config.model, config.checkpointing)
+    weights = (
+        None
+        if resuming and not config.lora_rank
+        else initial_weights.source(config.model, config.checkpointing)
+    )
     run = _build(config, devices, sizes, batch, abstract=False, weights=weights)
     run.source, run.checkpoints = source, checkpoints
     run.evaluator = evaluate.make_evaluator(
@@ -94,8 +99,9 @@ def setup(config: Config, devices: list | None = None) -> Run:
         restored = checkpoints.restore_latest(run.state, run.ctx.mesh)
     if restored:
         run.state, run.start_step, run.restored_from = restored.state, restored.step, restored.path
-    elif weights:
-        run.initialized_from = weights.describe()
+    if weights and (not restored or run.model.lora):
+        frozen = "frozen base (LoRA): " if run.model.lora else ""
+        run.initialized_from = frozen + weights.describe()
     return run
 
 
@@ -176,9 +182,18 @@ def _build(
         params, router = weights.load(config, ctx, model)
     else:
         params, router = model_lib.init(ctx, model, config.seed)
+    frozen = None
+    if model.lora:
+        # The parameters become the frozen base; the adapters are what the step trains.
+        frozen = params
+        params = (
+            model_lib.abstract_adapters(model, ctx)
+            if abstract
+            else model_lib.init_adapters(ctx, model, config.seed)
+        )
     choice = None
     if config.gradient_reduction_policy == "auto":
-        grad_dtypes = reduction_choice.gradient_traits(model, params)
+        grad_dtypes = reduction_choice.gradient_traits(model_lib.trained_view(model), params)
         config, choice = reduction_choice.resolve(config, ctx, params, devices, grad_dtypes)
     plan = reduction_plan(config.parallelism, config.accumulation, ctx, params)
     tx = make_optimizer(config.training)
@@ -195,6 +210,8 @@ def _build(
     else:
         step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
     state = {"params": params, "opt_state": opt_state, "router": router, "step": step}
+    if frozen is not None:
+        state["frozen"] = frozen
     run = Run(config, ctx, model, state, jit_step(fns.step, state), batch, plan)
     run.reduction_choice = choice
     return run
@@ -362,7 +379,8 @@ def startup_lines(run: Run) -> list[str]:
     sizes = dict(run.ctx.mesh.shape)
     lines = [
         report.mesh_line(sizes, config.shard_mode),
-        report.params_line_of(config.model, run.state["params"]),
+        report.params_line_of(config.model, run.state.get("frozen", run.state["params"])),
+        *report.lora_lines(config.model, run.state),
         report.batch_line(config.accumulation, config.data, run.batch_size),
     ]
     if run.reduction_choice:

@@ -34,11 +34,14 @@ def make_loss_fn(
     model_def: model_lib.ModelDef,
     router: dict,
     mtp_scale_D: jax.Array | None = None,
+    frozen: dict | None = None,
 ) -> Callable:
     """`loss_fn(params, microbatch) -> (loss_sum, aux)` in accum's contract.
 
     With MTP on, `mtp_scale_D` (`mtp_loss_scales` of the whole step's batch) turns
-    each depth's cross-entropy sum into its share of the loss sum.
+    each depth's cross-entropy sum into its share of the loss sum. With LoRA,
+    `frozen` is the base parameters and `params` the adapters: the base is a constant
+    of the differentiated function, so no gradient of it is ever computed or reduced.
     """
     if model.mtp_num_layers and mtp_scale_D is None:
         raise ValueError("mtp_num_layers > 0 needs mtp_scale_D (train_step.mtp_loss_scales)")
@@ -53,13 +56,25 @@ def make_loss_fn(
 
         keep = not aux_loss
         mtp_stats: dict = {}
+        weights, adapters = (params, None) if frozen is None else (frozen, params)
         if model.mtp_num_layers:
             (logits, stats), depths, mtp_stats = model_lib.apply_with_mtp(
-                model_def, params, router, mb, lambda lg, t, w: (token_cross_entropy(lg, t), w)
+                model_def,
+                weights,
+                router,
+                mb,
+                lambda lg, t, w: (token_cross_entropy(lg, t), w),
+                adapters=adapters,
             )
         else:
             logits, stats = model_lib.apply(
-                model_def, params, router, mb["inputs"], mb["positions"], mb["segments"]
+                model_def,
+                weights,
+                router,
+                mb["inputs"],
+                mb["positions"],
+                mb["segments"],
+                adapters=adapters,
             )
         ce_sum, weight = cross_entropy_sum(
             logits, mb["targets"], mb["weights"], keep_unreduced=keep
@@ -186,10 +201,15 @@ def make_step(
     compute_dtype = jnp.dtype(model.dtype)
     schedule = accumulation.gradient_accumulation_schedule
     steps = accumulation.gradient_accumulation_steps
-    if schedule == "fused" and not accum.fuses_in_scan(
-        schedule, plan, steps, scans_layers=model.scan_layers
+    if schedule == "fused" and (
+        model_def.lora
+        or not accum.fuses_in_scan(schedule, plan, steps, scans_layers=model.scan_layers)
     ):
-        schedule = "plain"  # nothing to fuse into (unscanned layers have no layer scan)
+        # Nothing to fuse into (unscanned layers have no layer scan), or LoRA: the
+        # per-microbatch gradient is the adapters' (nothing to save), and the fused
+        # layer stack's custom backward would differentiate the frozen base too.
+        schedule = "plain"
+    trained = model_lib.trained_view(model_def)
 
     def step(state: dict, batch: dict) -> tuple[dict, dict]:
         grad_shardings, params = None, state["params"]
@@ -202,12 +222,12 @@ def make_step(
                 params,
                 compute_shardings,
                 compute_dtype=compute_dtype,
-                cast=model_def.param_cast_at_use,
+                cast=trained.param_cast_at_use,
                 mode=ctx.mode,
             )
         mtp_scale_D = mtp_loss_scales(model, batch, ctx) if model.mtp_num_layers else None
         loss, aux, grads = accum.accumulate_gradients(
-            make_loss_fn(model, model_def, state["router"], mtp_scale_D),
+            make_loss_fn(model, model_def, state["router"], mtp_scale_D, state.get("frozen")),
             params,
             batch,
             num_microbatches=accumulation.gradient_accumulation_steps,
@@ -271,5 +291,7 @@ def apply_gradients(
         per_layer = model.moe_z_loss_coeff * model.num_moe_layers
         metrics["router_z_loss"] = aux["router_z_sum"] / (weight * per_layer)
     new_state = {"params": params, "opt_state": opt_state, "router": router}
+    if "frozen" in state:
+        new_state["frozen"] = state["frozen"]  # the LoRA base: passed through untouched
     new_state["step"] = state["step"] + 1
     return new_state, metrics

@@ -22,6 +22,7 @@ from trainer.config import (
     ParallelismConfig,
     mesh_shape,
 )
+from trainer.model import lora
 
 
 def _require(ok: bool, message: str) -> None:
@@ -131,6 +132,7 @@ def _check_model(config: Config) -> None:
         f"qk_rope_head_dim={config.qk_rope_head_dim} must be even (RoPE rotates pairs)",
     )
     check_architecture(config.model, config.data)
+    lora.check(config.model)
     if config.num_moe_layers:
         _check_routing(config.model)
     _check_mtp(config.model, config.data, config.evaluation)
@@ -248,6 +250,12 @@ def _check_accumulation_schedule(
     _require(
         schedule not in ("overlapped", "overlapped_ring") or model.scan_layers,
         f"{key} needs scan_layers=true (it works inside the backward layer scan)",
+    )
+    _require(
+        schedule not in ("overlapped", "overlapped_ring") or not model.lora_rank,
+        f"{key} does not run with lora_rank={model.lora_rank}: LoRA's step differentiates "
+        "the small adapters only, without the fused layer backward the overlapped schedules "
+        "need; use plain or fused (which runs as plain with LoRA)",
     )
     if schedule != "overlapped_ring":
         return

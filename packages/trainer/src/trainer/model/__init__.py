@@ -15,6 +15,7 @@ from flax import nnx
 from moe_kernels import RoutingBias
 from trainer.config import ModelConfig
 from trainer.model.decoder import Decoder
+from trainer.model.lora import LoraParam, merged_params
 from trainer.model.params import (
     cast_at_use_of,
     host_value,
@@ -41,6 +42,16 @@ class ModelDef:
     param_cast_at_use: dict | None = None  # params.CAST_AT_USE per parameter
     param_use_dtype: dict | None = None  # params.USE_DTYPE per parameter (None: unset)
     param_summed_in_use: dict | None = None  # params.SUMMED_IN_USE per parameter
+    # LoRA (lora_rank > 0): the adapter factors' template and logical axes (empty
+    # without LoRA), and their scale alpha / rank.
+    adapter_template: Any = None
+    adapter_logical: dict = dataclasses.field(default_factory=dict)
+    lora_scale: float = 1.0
+
+    @property
+    def lora(self) -> bool:
+        """Whether the model has LoRA adapters (then they alone are trained)."""
+        return bool(self.adapter_logical)
 
 
 def _logical_tree(state: nnx.State, read=logical_axes_of) -> dict:
@@ -62,7 +73,8 @@ def define(config: ModelConfig, ctx: ShardCtx) -> ModelDef:
     # Shapes only: no value is drawn here (init draws them from the seed), so
     # any key serves the trace.
     abstract = nnx.eval_shape(lambda: Decoder(config, ctx, rngs=nnx.Rngs(0)))
-    graphdef, params, router = nnx.split(abstract, nnx.Param, RoutingBias)
+    # LoRA factors first: the parameters are everything else, the frozen base.
+    graphdef, adapters, params, router = nnx.split(abstract, LoraParam, nnx.Param, RoutingBias)
     return ModelDef(
         graphdef,
         params,
@@ -73,6 +85,27 @@ def define(config: ModelConfig, ctx: ShardCtx) -> ModelDef:
         param_cast_at_use=_logical_tree(params, cast_at_use_of),
         param_use_dtype=_logical_tree(params, use_dtype_of),
         param_summed_in_use=_logical_tree(params, summed_in_use_of),
+        adapter_template=adapters,
+        adapter_logical=_logical_tree(adapters),
+        lora_scale=config.lora_alpha / config.lora_rank if config.lora_rank else 1.0,
+    )
+
+
+def trained_view(model: ModelDef) -> ModelDef:
+    """`model` with its param_* fields describing what the optimizer trains: the
+    parameters, or with LoRA the adapter factors (f32, cast to the compute dtype at
+    their one use, like a matmul weight)."""
+    if not model.lora:
+        return model
+    leaf = lambda value: jax.tree.map(lambda _: value, model.adapter_logical, is_leaf=_is_axes)  # noqa: E731
+    return dataclasses.replace(
+        model,
+        param_template=model.adapter_template,
+        param_logical=model.adapter_logical,
+        weight_dtype="float32",
+        param_cast_at_use=leaf(True),
+        param_use_dtype=leaf(None),
+        param_summed_in_use=leaf(False),
     )
 
 
@@ -102,6 +135,30 @@ def abstract_state(model: ModelDef, ctx: ShardCtx) -> tuple[dict, dict]:
     return structs(model.param_template, model.param_logical, model.weight_dtype), structs(
         model.router_template, model.router_logical
     )
+
+
+def abstract_adapters(model: ModelDef, ctx: ShardCtx) -> dict:
+    """ShapeDtypeStructs (f32, with shardings) of the LoRA factors ({} without LoRA)."""
+    if not model.lora:
+        return {}
+    shapes = nnx.to_pure_dict(model.adapter_template)
+    specs = shardings(model.adapter_logical, shapes, ctx)
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, "float32", sharding=sh), shapes, specs
+    )
+
+
+def init_adapters(ctx: ShardCtx, model: ModelDef, seed: int) -> dict:
+    """The LoRA factors drawn on the host from `seed` (A normal, B zeros), placed."""
+    if not model.lora:
+        return {}
+    return _host_init(model.adapter_template, abstract_adapters(model, ctx), seed)
+
+
+def merged(model: ModelDef, params: dict, adapters: dict) -> dict:
+    """The parameters with the adapters merged in (W + alpha / r x A @ B per adapted
+    weight, in W's dtype): one model with the LoRA run's function, for export."""
+    return merged_params(params, adapters, model.lora_scale) if model.lora else params
 
 
 def _host_init(template: nnx.State, abstract: dict, seed: int) -> dict:
@@ -134,21 +191,39 @@ def _fill(template: nnx.State, pure: dict) -> nnx.State:
     return state
 
 
-def _merge(model: ModelDef, params: dict, router: dict) -> Decoder:
-    return nnx.merge(
-        model.graphdef, _fill(model.param_template, params), _fill(model.router_template, router)
-    )
+def _merge(model: ModelDef, params: dict, router: dict, adapters: dict | None) -> Decoder:
+    states = [_fill(model.param_template, params), _fill(model.router_template, router)]
+    if model.lora:
+        if adapters is None:
+            raise ValueError("this model has LoRA adapters (lora_rank > 0): pass adapters=")
+        states.append(_fill(model.adapter_template, adapters))
+    return nnx.merge(model.graphdef, *states)
 
 
-def apply(model: ModelDef, params: dict, router: dict, tokens_BxS, positions_BxS, segments_BxS):
-    """Run the decoder on plain-dict parameters: (logits_BxSxV f32, MoE stats)."""
-    return _merge(model, params, router)(tokens_BxS, positions_BxS, segments_BxS)
+def apply(
+    model: ModelDef,
+    params: dict,
+    router: dict,
+    tokens_BxS,
+    positions_BxS,
+    segments_BxS,
+    adapters: dict | None = None,
+):
+    """Run the decoder on plain-dict parameters: (logits_BxSxV f32, MoE stats).
+    `adapters`: the LoRA factors, required when the model has them."""
+    return _merge(model, params, router, adapters)(tokens_BxS, positions_BxS, segments_BxS)
 
 
 def apply_with_mtp(
-    model: ModelDef, params: dict, router: dict, batch: dict, consume, depths: int | None = None
+    model: ModelDef,
+    params: dict,
+    router: dict,
+    batch: dict,
+    consume,
+    depths: int | None = None,
+    adapters: dict | None = None,
 ):
     """`Decoder.with_mtp` on plain-dict parameters: ((logits, MoE stats), [consume(
     logits, targets, weights) per MTP depth], MTP MoE stats). `batch` holds inputs,
-    targets, positions, segments and weights (a microbatch)."""
-    return _merge(model, params, router).with_mtp(batch, consume, depths)
+    targets, positions, segments and weights (a microbatch); `adapters` as in `apply`."""
+    return _merge(model, params, router, adapters).with_mtp(batch, consume, depths)

@@ -10,7 +10,7 @@ from flax import nnx
 
 import pspec_tags as pt
 from trainer.config import ModelConfig
-from trainer.model import attention_kernel
+from trainer.model import attention_kernel, lora
 from trainer.model.layers import BSE, RMSNorm
 from trainer.model.params import param
 from trainer.model.rope import rope, softmax_scale
@@ -77,56 +77,54 @@ class MLA(nnx.Module):
             NAMES.wkv_b,
         )
         self.wo_HxVxD = param(rngs, (h, c.v_head_dim, d), NAMES.wo, fan_in=h * c.v_head_dim)
+        self._attach_lora(lora.spec_of(config), rngs)
         self.config, self.ctx = config, ctx
         self.dtype = jnp.dtype(config.dtype)
         # "dot_product" or "cudnn_flash": attention_kernel decides "auto" once.
         self.kernel = attention_kernel.resolve(config, ctx)
 
+    def _attach_lora(self, spec: lora.LoraSpec | None, rngs: nnx.Rngs) -> None:
+        """LoRA adapters on the projections `spec` targets (none without LoRA)."""
+        weights = (
+            ("wq_DxHxK", "wq", NAMES.wq),
+            ("wq_a_DxQ", "wq_a", NAMES.wq_a),
+            ("wq_b_QxHxK", "wq_b", NAMES.wq_b),
+            ("wkv_a_DxCR", "wkv_a", NAMES.wkv_a),
+            ("wkv_b_CxHxNV", "wkv_b", NAMES.wkv_b),
+            ("wo_HxVxD", "wo", NAMES.wo),
+        )
+        for attr, target, logical in weights:
+            if hasattr(self, attr):
+                ins = 2 if attr == "wo_HxVxD" else 1  # wo contracts heads and value dims
+                lora.attach(self, attr, target, spec, rngs, logical=logical, ins=ins)
+
+    def _project(self, equation, x, attr, logical, out):
+        """One projection of this layer (with its LoRA adapters, when it has them)."""
+        return lora.project(self.ctx, equation, x, self, attr, logical, out=out, dtype=self.dtype)
+
     def _queries(self, x_BxSxD: jax.Array) -> jax.Array:
         """q_BxSxHxK before RoPE: through the low-rank path, or the plain one."""
-        ctx, dt = self.ctx, self.dtype
         if not self.config.q_lora_rank:
-            return ctx.einsum(
-                "bsd,dhk->bshk",
-                x_BxSxD,
-                ctx.weight(self.wq_DxHxK[...].astype(dt), NAMES.wq),
-                out=NAMES.q,
-            )
-        q_BxSxQ = ctx.einsum(
-            "bsd,dq->bsq",
-            x_BxSxD,
-            ctx.weight(self.wq_a_DxQ[...].astype(dt), NAMES.wq_a),
-            out=NAMES.lora,
-        )
-        return ctx.einsum(
-            "bsq,qhk->bshk",
-            self.q_norm(q_BxSxQ),
-            ctx.weight(self.wq_b_QxHxK[...].astype(dt), NAMES.wq_b),
-            out=NAMES.q,
+            return self._project("bsd,dhk->bshk", x_BxSxD, "wq_DxHxK", NAMES.wq, NAMES.q)
+        q_BxSxQ = self._project("bsd,dq->bsq", x_BxSxD, "wq_a_DxQ", NAMES.wq_a, NAMES.lora)
+        return self._project(
+            "bsq,qhk->bshk", self.q_norm(q_BxSxQ), "wq_b_QxHxK", NAMES.wq_b, NAMES.q
         )
 
     def __call__(
         self, x_BxSxD: jax.Array, positions_BxS: jax.Array, segments_BxS: jax.Array
     ) -> jax.Array:
-        c, ctx, dt = self.config, self.ctx, self.dtype
+        c, ctx = self.config, self.ctx
         nope, rope_dim = c.qk_nope_head_dim, c.qk_rope_head_dim
 
         q_BxSxHxK = self._queries(x_BxSxD)
         q_nope, q_pe = q_BxSxHxK[..., :nope], q_BxSxHxK[..., nope:]
         q_BxSxHxK = jnp.concatenate([q_nope, rope(q_pe, positions_BxS, c)], -1)
 
-        kv_BxSxCR = ctx.einsum(
-            "bsd,dc->bsc",
-            x_BxSxD,
-            ctx.weight(self.wkv_a_DxCR[...].astype(dt), NAMES.wkv_a),
-            out=NAMES.lora,
-        )
+        kv_BxSxCR = self._project("bsd,dc->bsc", x_BxSxD, "wkv_a_DxCR", NAMES.wkv_a, NAMES.lora)
         kv_c, k_pe_BxSxR = kv_BxSxCR[..., : c.kv_lora_rank], kv_BxSxCR[..., c.kv_lora_rank :]
-        kv_BxSxHxNO = ctx.einsum(
-            "bsc,chk->bshk",
-            self.kv_norm(kv_c),
-            ctx.weight(self.wkv_b_CxHxNV[...].astype(dt), NAMES.wkv_b),
-            out=NAMES.q,
+        kv_BxSxHxNO = self._project(
+            "bsc,chk->bshk", self.kv_norm(kv_c), "wkv_b_CxHxNV", NAMES.wkv_b, NAMES.q
         )
         k_nope, v_BxSxHxO = kv_BxSxHxNO[..., :nope], kv_BxSxHxNO[..., nope:]
         # One rope key shared by every head (DeepSeek's decoupled RoPE).
@@ -155,12 +153,7 @@ class MLA(nnx.Module):
                 q_BxSxHxK, k_BxUxHxK, v_BxUxHxO, positions_BxS, segments_BxS,
                 kv_positions_BxU, kv_segments_BxU, scale,
             )  # fmt: skip
-        return ctx.einsum(
-            "bshv,hvd->bsd",
-            out_BxSxHxO,
-            ctx.weight(self.wo_HxVxD[...].astype(dt), NAMES.wo),
-            out=NAMES.out,
-        )
+        return self._project("bshv,hvd->bsd", out_BxSxHxO, "wo_HxVxD", NAMES.wo, NAMES.out)
 
     def _dot_product(self, q, k, v, positions_BxS, segments_BxS, kv_pos_BxU, kv_seg_BxU, scale):
         """Attention as einsums and a softmax over materialized (B, H, S, U) scores."""

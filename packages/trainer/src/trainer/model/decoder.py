@@ -11,6 +11,7 @@ from flax import nnx
 import accum
 import pspec_tags as pt
 from trainer.config import ModelConfig
+from trainer.model import lora
 from trainer.model.attention import MLA
 from trainer.model.layers import BSE, MLP, RMSNorm
 from trainer.model.moe_block import moe_layer
@@ -48,7 +49,14 @@ class Block(nnx.Module):
         self.ffn = (
             moe_layer(config, ctx, rngs=rngs)
             if moe
-            else MLP(config.emb_dim, config.base_mlp_dim, ctx, dt, rngs=rngs)
+            else MLP(
+                config.emb_dim,
+                config.base_mlp_dim,
+                ctx,
+                dt,
+                rngs=rngs,
+                lora_spec=lora.spec_of(config),
+            )
         )
         self.is_moe, self.ctx = moe, ctx
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import pspec_tags as pt
+from trainer.model import lora
 from trainer.model.params import param
 from trainer.sharding import ShardCtx
 
@@ -47,28 +48,33 @@ class RMSNorm(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU feed-forward: (silu(x W0) * x W1) Wo."""
+    """SwiGLU feed-forward: (silu(x W0) * x W1) Wo; `lora`: adapters on the weights
+    it targets (mlp_wi_0, mlp_wi_1, mlp_wo)."""
 
-    def __init__(self, dim: int, hidden: int, ctx: ShardCtx, dtype, *, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        ctx: ShardCtx,
+        dtype,
+        *,
+        rngs: nnx.Rngs,
+        lora_spec: lora.LoraSpec | None = None,
+    ):
         self.wi_0 = param(rngs, (dim, hidden), MLP_NAMES.wi)
         self.wi_1 = param(rngs, (dim, hidden), MLP_NAMES.wi)
         self.wo = param(rngs, (hidden, dim), MLP_NAMES.wo)
+        for attr, logical in (("wi_0", MLP_NAMES.wi), ("wi_1", MLP_NAMES.wi), ("wo", MLP_NAMES.wo)):
+            lora.attach(self, attr, f"mlp_{attr}", lora_spec, rngs, logical=logical)
         self.ctx, self.dtype = ctx, dtype
 
     def __call__(self, x_BxSxD: jax.Array) -> jax.Array:
-        ctx, dt = self.ctx, self.dtype
         hidden = MLP_NAMES.hidden
         # Casting a (possibly reduced) weight is fine: it meets no activation. The
         # cast comes first so an FSDP gather (ctx.weight) moves compute-dtype bytes.
-        h0 = ctx.einsum(
-            "bsd,df->bsf", x_BxSxD, ctx.weight(self.wi_0[...].astype(dt), MLP_NAMES.wi), out=hidden
-        )
-        h1 = ctx.einsum(
-            "bsd,df->bsf", x_BxSxD, ctx.weight(self.wi_1[...].astype(dt), MLP_NAMES.wi), out=hidden
-        )
-        return ctx.einsum(
-            "bsf,fd->bsd",
-            jax.nn.silu(h0) * h1,
-            ctx.weight(self.wo[...].astype(dt), MLP_NAMES.wo),
-            out=MLP_NAMES.out,
-        )
+        h0 = self._project("bsd,df->bsf", x_BxSxD, "wi_0", MLP_NAMES.wi, hidden)
+        h1 = self._project("bsd,df->bsf", x_BxSxD, "wi_1", MLP_NAMES.wi, hidden)
+        return self._project("bsf,fd->bsd", jax.nn.silu(h0) * h1, "wo", MLP_NAMES.wo, MLP_NAMES.out)
+
+    def _project(self, equation, x, attr, logical, out):
+        return lora.project(self.ctx, equation, x, self, attr, logical, out=out, dtype=self.dtype)

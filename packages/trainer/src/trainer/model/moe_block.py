@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import moe_kernels
 from trainer.config import ModelConfig
+from trainer.model import lora
 from trainer.model.params import CAST_AT_USE, INIT, LOGICAL, USE_DTYPE
 from trainer.sharding import ShardCtx
 
@@ -27,6 +28,8 @@ def moe_config(config: ModelConfig) -> moe_kernels.MoEConfig:
         num_shared_experts=config.shared_experts,
         # Same meaning on both sides: 0 = no token dropped.
         capacity_factor=config.capacity_factor,
+        # alpha / rank for the expert adapters (trainer.model.lora); unused without them.
+        lora_scale=config.lora_alpha / config.lora_rank if config.lora_rank else 1.0,
         precision=None,
         grouped_matmul=config.grouped_matmul,
         # Per-token router z out of the layer only when the z-loss uses it.
@@ -47,8 +50,10 @@ def _metadata(name: str, shape: tuple, logical: tuple) -> dict:
 
 
 def moe_layer(config: ModelConfig, ctx: ShardCtx, *, rngs) -> moe_kernels.MoE:
-    """Routed experts (sparse ragged_dot or dense reference) plus shared experts."""
-    return moe_kernels.MoE(
+    """Routed experts (sparse ragged_dot or dense reference) plus shared experts, with
+    LoRA adapters on the expert kernels lora_targets names (moe_kernels merges them
+    into the kernels inside its shard_map)."""
+    layer = moe_kernels.MoE(
         moe_config(config),
         config.emb_dim,
         rngs=rngs,
@@ -66,3 +71,10 @@ def moe_layer(config: ModelConfig, ctx: ShardCtx, *, rngs) -> moe_kernels.MoE:
         # checkpoint would only add memory there (0.36 GiB on 671b / v5p).
         recompute_casts=ctx.manual or config.remat_policy == "none",
     )
+    spec, axes = lora.spec_of(config), layer.config.logical_axes
+    for name in moe_kernels.LORA_TARGETS:
+        # Routed kernels (E, in, out) share their expert dim with both factors.
+        lead, target = (0, name) if name.startswith("shared_") else (1, "expert_" + name)
+        if hasattr(layer, name):
+            lora.attach(layer, name, target, spec, rngs, logical=axes[name], lead=lead)
+    return layer

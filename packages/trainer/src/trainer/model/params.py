@@ -45,8 +45,12 @@ def param(
     dtype: str = "float32",
     cast_at_use: bool = True,
     summed_in_use: bool = False,
-) -> nnx.Param:
-    """A parameter of `shape` named by `logical`; 'normal' is scaled by 1/sqrt(fan_in)."""
+    kind: type[nnx.Variable] = nnx.Param,
+) -> nnx.Variable:
+    """A parameter of `shape` named by `logical`; 'normal' is scaled by 1/sqrt(fan_in).
+
+    `kind`: the variable type (nnx.Param; lora.LoraParam for an adapter factor, which
+    `trainer.model.define` splits from the parameters it freezes)."""
     if len(shape) != len(logical):
         raise ValueError(f"shape {tuple(shape)} and logical axes {tuple(logical)} differ in rank")
     if init == "ones":
@@ -65,7 +69,7 @@ def param(
     metadata = {LOGICAL: tuple(logical), INIT: recipe, CAST_AT_USE: cast_at_use}
     if summed_in_use:
         metadata[SUMMED_IN_USE] = True
-    return nnx.Param(value, **metadata)
+    return kind(value, **metadata)
 
 
 def host_value(variable: nnx.Variable, path: tuple, seed: int) -> np.ndarray:
