@@ -23,9 +23,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trainer import model as model_lib
-from trainer.config import Config
+from trainer.config import ModelConfig, ParallelismConfig
 from trainer.generate import kv_cache
-from trainer.generate.sampling import Sampling, sample
+from trainer.generate.draw import sample
+from trainer.generate.sampling import Sampling
 from trainer.sharding import ShardCtx, logical_rules
 
 # The scanned parameter stacks the main model runs, in order (MTP's are not run:
@@ -48,12 +49,12 @@ class Shapes:
         return self.prompt_length + self.max_new_tokens
 
 
-def _stack_layers(config: Config) -> dict[str, int]:
+def _stack_layers(config: ModelConfig) -> dict[str, int]:
     counts = {"dense_layers": config.first_num_dense_layers, "moe_layers": config.num_moe_layers}
     return {name: count for name, count in counts.items() if count}
 
 
-def empty_cache(config: Config, shapes: Shapes) -> dict:
+def empty_cache(config: ModelConfig, shapes: Shapes) -> dict:
     """The cache of every layer, zero: {stack: {latent, rope_key}} stacked per layer."""
     return {
         name: kv_cache.layer_cache(config, count, shapes.batch, shapes.cache_length)
@@ -100,23 +101,16 @@ def forward(decoder, tokens_BxS, start_B, write_index, cache: dict):
     return decoder.head(decoder.final_norm(last_Bx1xD))[:, 0], out_cache
 
 
-@functools.cache
-def _model(config: Config, mesh):
-    ctx = ShardCtx(mesh, logical_rules(config.parallelism), config.shard_mode)
-    return model_lib.define(config.model, ctx)
-
-
-def _prefill(model, params, router, tokens_BxP, start_B, *, config: Config, shapes: Shapes):
+def _prefill(model, params, router, tokens_BxP, start_B, *, config: ModelConfig, shapes: Shapes):
     decoder = model_lib.merged(model, params, router)
     return forward(decoder, tokens_BxP, start_B, 0, empty_cache(config, shapes))
 
 
 def _decode(
-    model, params, router, cache, logits_BxV, start_B, key, *,
-    shapes: Shapes, sampling: Sampling, eos_ids: tuple[int, ...],
+    model, params, router, cache, logits_BxV, start_B, key, eos_E, *,
+    shapes: Shapes, sampling: Sampling,
 ):  # fmt: skip
     decoder = model_lib.merged(model, params, router)
-    eos_E = jnp.asarray(eos_ids or (NO_TOKEN,), jnp.int32)
     first_B = sample(logits_BxV, jax.random.fold_in(key, 0), sampling)
     out_BxN = jnp.full((shapes.batch, shapes.max_new_tokens), NO_TOKEN, jnp.int32)
     out_BxN = out_BxN.at[:, 0].set(first_B)
@@ -142,11 +136,14 @@ def _decode(
 
 
 @functools.cache
-def compiled(config: Config, mesh, shapes: Shapes, sampling: Sampling, eos_ids: tuple[int, ...]):
-    """(prefill, decode) jitted for these shapes, sampling and eos ids."""
-    model = _model(config, mesh)
+def compiled(
+    config: ModelConfig, parallelism: ParallelismConfig, mesh, shapes: Shapes, sampling: Sampling
+):
+    """(prefill, decode) jitted for this model on `mesh`, these shapes and this
+    sampling. decode takes the eos ids as an array (NO_TOKEN alone: none), so they
+    cost no compile."""
+    ctx = ShardCtx(mesh, logical_rules(parallelism), parallelism.shard_mode)
+    model = model_lib.define(config, ctx)
     prefill = jax.jit(functools.partial(_prefill, model, config=config, shapes=shapes))
-    decode = jax.jit(
-        functools.partial(_decode, model, shapes=shapes, sampling=sampling, eos_ids=eos_ids)
-    )
+    decode = jax.jit(functools.partial(_decode, model, shapes=shapes, sampling=sampling))
     return prefill, decode
