@@ -28,9 +28,7 @@ def _arguments(argv: list[str]) -> dict[str, str]:
     return args
 
 
-def run_config(checkpoints: str, step: int, overrides: dict | None = None):
-    """The Config a run saved with checkpoint `step` (trainer keys in `overrides` win;
-    generate's dtype=, for one)."""
+def _run_config(checkpoints: str, step: int):
     import orbax.checkpoint as ocp
 
     manager = ocp.CheckpointManager(
@@ -44,7 +42,7 @@ def run_config(checkpoints: str, step: int, overrides: dict | None = None):
         for k, v in meta["config"].items()
         if k in FIELDS and k not in ("hf_model_path", "load_parameters_path")
     }
-    return make_config({**saved, **(overrides or {})})
+    return make_config(saved)
 
 
 def export(run_dir: str, output: str, step: int | None = None) -> str:
@@ -61,7 +59,7 @@ def export(run_dir: str, output: str, step: int | None = None) -> str:
     if step is not None and not os.path.isdir(path):
         raise ConfigError(f"export-hf: no checkpoint of step {step} in {checkpoints}")
     directory, step = step_directory(path)
-    config = run_config(directory, step)
+    config = _run_config(directory, step)
     hf.config_map.to_hf(config)  # refuses an unexportable config before any reading
     ctx = hf.default_ctx(config)
     trees = restore_parameters(

@@ -58,10 +58,13 @@ def _describe(arguments, source, rows) -> list[str]:
     s = arguments.sampling
     how = s.strategy if s.strategy == "greedy" else f"{s.strategy} (seed {arguments.seed})"
     eos = ",".join(map(str, source.eos_ids)) or "none"
+    shortest, longest = min(map(len, rows)), max(map(len, rows))
+    batch = f"{len(rows)} prompts" if len(rows) > 1 else "1 prompt"
+    lengths = f"{longest}" if shortest == longest else f"{shortest}-{longest} (left-padded)"
     return [
         f"model: {source.where} ({c.dtype} compute, {c.weight_dtype} weights)",
-        f"generate: {len(rows)} prompt(s) of {min(map(len, rows))}-{max(map(len, rows))} "
-        f"tokens (left-padded), up to {arguments.max_new_tokens} new tokens, {how}, eos {eos}",
+        f"generate: {batch} of {lengths} tokens, up to {arguments.max_new_tokens} new tokens, "
+        f"{how}, eos {eos}",
         f"kv cache: per token and layer the latent ({c.kv_lora_rank}) and the rope key "
         f"({c.qk_rope_head_dim}), {c.dtype}; attention absorbs wkv_b (DeepSeek's MLA decode)",
     ]

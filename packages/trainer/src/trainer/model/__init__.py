@@ -152,9 +152,3 @@ def apply_with_mtp(
     logits, targets, weights) per MTP depth], MTP MoE stats). `batch` holds inputs,
     targets, positions, segments and weights (a microbatch)."""
     return _merge(model, params, router).with_mtp(batch, consume, depths)
-
-
-def merged(model: ModelDef, params: dict, router: dict) -> Decoder:
-    """The NNX Decoder holding plain-dict `params` and `router` (what `apply` runs),
-    for callers that run its parts (trainer.generate's cached decoding)."""
-    return _merge(model, params, router)
