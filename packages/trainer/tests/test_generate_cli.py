@@ -5,6 +5,7 @@ draw from the tokens they should; a run's checkpoint generates like its weights.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ from trainer.generate.sampling import Sampling, check
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 CHAT = FIXTURES / "v3_chat"
 GENERATE = Path(sys.executable).parent / "generate"
+DOCS = Path(__file__).parents[3] / "docs" / "finetune.md"
 
 
 @pytest.mark.parametrize(
@@ -46,6 +48,13 @@ def test_bad_arguments_name_the_key(argv, message):
     with pytest.raises(ConfigError) as error:
         args_lib.parse(argv)
     assert message in str(error.value)
+
+
+def test_the_docs_table_lists_every_key_in_order():
+    text = DOCS.read_text()
+    section = text[text.index("## Generate") :]
+    section = section[: section.index("\n## ")] if "\n## " in section else section
+    assert re.findall(r"^\| `(\w+)` \|", section, re.M) == list(args_lib.KEYS)
 
 
 def _error(capsys, *words: str) -> str:

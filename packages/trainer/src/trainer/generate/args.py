@@ -101,12 +101,12 @@ def _file_prompts(path: str) -> list[str]:
     return prompts
 
 
-def _source(values: dict[str, list[str]]) -> tuple[str, str, int | None]:
+def _source(values: dict[str, list[str]], files: bool) -> tuple[str, str, int | None]:
     hf_path, run_dir = values.get("hf_model_path", [""])[0], values.get("run_dir", [""])[0]
     if bool(hf_path) == bool(run_dir):
         raise ConfigError("generate: give one of hf_model_path= or run_dir=")
     for key, path in (("hf_model_path", hf_path), ("run_dir", run_dir)):
-        if path and not os.path.isdir(path):
+        if files and path and not os.path.isdir(path):
             raise ConfigError(f"{key}={path!r} is not a directory")
     step = _number("step", values["step"][0], int) if "step" in values else None
     if step is not None and not run_dir:
@@ -126,13 +126,16 @@ def _sampling(values: dict[str, list[str]]) -> Sampling:
     )  # fmt: skip
 
 
-def parse(argv: list[str]) -> Arguments:
-    """`generate`'s command line -> Arguments; ConfigError naming the first bad key."""
+def parse(argv: list[str], *, files: bool = True) -> Arguments:
+    """`generate`'s command line -> Arguments; ConfigError naming the first bad key.
+    `files=False` checks the words alone: no directory looked for, no prompts_file
+    read (its rows then are its path; what the docs' command check uses)."""
     values = _split(argv)
-    hf_path, run_dir, step = _source(values)
+    hf_path, run_dir, step = _source(values, files)
     texts = list(values.get("prompt", []))
     if "prompts_file" in values:
-        texts += _file_prompts(values["prompts_file"][0])
+        path = values["prompts_file"][0]
+        texts += _file_prompts(path) if files else [path]
     id_rows = [_token_ids(v) for v in values.get("prompt_ids", [])]
     if texts and id_rows:
         raise ConfigError("generate: give text prompts (prompt=, prompts_file=) or prompt_ids=")

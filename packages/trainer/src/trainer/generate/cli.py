@@ -60,11 +60,12 @@ def _describe(arguments, source, rows) -> list[str]:
     eos = ",".join(map(str, source.eos_ids)) or "none"
     shortest, longest = min(map(len, rows)), max(map(len, rows))
     batch = f"{len(rows)} prompts" if len(rows) > 1 else "1 prompt"
-    lengths = f"{longest}" if shortest == longest else f"{shortest}-{longest} (left-padded)"
+    lengths = f"{longest}" if shortest == longest else f"{shortest}-{longest}"
+    padded = " (left-padded)" if shortest != longest else ""
     return [
         f"model: {source.where} ({c.dtype} compute, {c.weight_dtype} weights)",
-        f"generate: {batch} of {lengths} tokens, up to {arguments.max_new_tokens} new tokens, "
-        f"{how}, eos {eos}",
+        f"generate: {batch} of {lengths} tokens{padded}, up to {arguments.max_new_tokens} new "
+        f"tokens, {how}, eos {eos}",
         f"kv cache: per token and layer the latent ({c.kv_lora_rank}) and the rope key "
         f"({c.qk_rope_head_dim}), {c.dtype}; attention absorbs wkv_b (DeepSeek's MLA decode)",
     ]
