@@ -25,7 +25,16 @@ from trainer.hf import config_map, safetensors
 from trainer.sharding import ShardCtx, logical_rules, make_mesh
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-NAMES = ("v3_yarn", "v2_lite", "v2_grouped", "v3_fp8", "v3_sharded_mtp", "v3_chat")
+NAMES = (
+    "v3_yarn",
+    "v2_lite",
+    "v2_grouped",
+    "v3_fp8",
+    "v3_sharded_mtp",
+    "v3_chat",
+    "moonlight",
+    "kimi_k2",
+)
 TOLERANCE = 1e-4
 
 

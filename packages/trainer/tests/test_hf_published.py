@@ -131,8 +131,13 @@ def test_published_tensors_map_one_to_one_onto_the_preset(file, preset):
     assert mapped == {name for leaf in present for _, name in leaf.names()}
     trainer_elements = sum(math.prod(leaf.shape) for leaf in present)
     assert trainer_elements == sum(math.prod(tensors[n][0]) for n in mapped)
-    # And config.json itself maps onto the preset's model.
+    # And config.json itself maps onto the preset's model (the balance-loss weight,
+    # V2-Lite's aux_loss_alpha, is a training choice the preset leaves at 0).
     from_hf = config_map.from_hf(published)
+    from_hf.pop("load_balance_loss_weight", None)
+    # The import's explicit latent epsilon is what the preset's -1 means (its one 1e-6).
+    assert from_hf.pop("latent_norm_epsilon") == config.normalization_layer_epsilon
+    assert config.latent_norm_epsilon < 0
     assert {k: getattr(config, k) for k in from_hf} == {
         k: getattr(make_config(from_hf), k) for k in from_hf
     }

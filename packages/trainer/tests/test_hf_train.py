@@ -4,6 +4,7 @@ The fixture v3_yarn carries a character-level tokenizer.json."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -61,6 +62,20 @@ def test_start_resume_export_and_load_parameters(tmp_path):
     for name, ref in original.items():
         assert np.array_equal(np.asarray(ref.array()), np.asarray(exported[name].array())), name
     assert (out / "tokenizer.json").read_bytes() == (hf_dir / "tokenizer.json").read_bytes()
+    # ... over the source's config.json (token ids kept) and generation_config.json;
+    # export_dtype=bfloat16 rounds every tensor but the routing biases.
+    source_config = json.loads((hf_dir / "config.json").read_text())
+    exported_config = json.loads((out / "config.json").read_text())
+    assert exported_config == dict(source_config, num_nextn_predict_layers=0)
+    generation = "generation_config.json"
+    assert (out / generation).read_bytes() == (hf_dir / generation).read_bytes()
+    bf16 = tmp_path / "export_bf16"
+    args = [f"run_dir={run.config.run_dir}", f"output={bf16}"]
+    assert export_hf.main([*args, "export_dtype=bfloat16"]) == 0
+    dtypes = {n: r.dtype for n, r in safetensors.read_directory(str(bf16)).items()}
+    assert {str(d) for n, d in dtypes.items() if "e_score" not in n} == {"bfloat16"}
+    assert json.loads((bf16 / "config.json").read_text())["dtype"] == "bfloat16"
+    assert export_hf.main([*args, "export_dtype=float16"]) == 2
 
     # load_parameters_path: another run (same model keys) starts from those parameters.
     checkpoints = os.path.join(run.config.run_dir, "checkpoints")

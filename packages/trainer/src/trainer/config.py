@@ -74,6 +74,15 @@ class ModelConfig:
     hf_model_path: str = _key(
         "", "Hugging Face directory: architecture, initial weights, tokenizer (docs/hf.md)"
     )
+    # NaN/Inf in a tensor of hf_model_path is refused naming file and tensor (a
+    # corrupt download would otherwise train silently on NaN); false skips the check.
+    hf_check_finite: bool = _key(True, "refuse NaN/Inf in hf_model_path's tensors (false: skip)")
+    # MLA's q and kv latent norms: < 0 uses normalization_layer_epsilon (MaxText's one
+    # epsilon); transformers and DeepSeek's code fix them at 1e-6 whatever
+    # rms_norm_eps says, so a Hugging Face import sets 1e-6 (Moonlight: 1e-5 elsewhere).
+    latent_norm_epsilon: float = _key(
+        -1.0, "RMSNorm epsilon of MLA's q/kv latent norms (< 0: normalization_layer_epsilon)"
+    )
     vocab_size: int = _key(256, "vocabulary size (embedding and output head rows)")
     base_emb_dim: int = _key(64, "model width (embedding dimension)")
     base_num_decoder_layers: int = _key(3, "decoder layers, dense ones included")

@@ -1,8 +1,12 @@
-"""`export-hf run_dir=RUN output=DIR [step=N]`: a run's checkpoint as a Hugging Face directory.
+"""`export-hf run_dir=RUN output=DIR [step=N] [export_dtype=float32|bfloat16]`: a run's
+checkpoint as a Hugging Face directory.
 
 Reads the run's config from the checkpoint, restores the parameters and routing
 biases of step N (default: the newest), writes them with `trainer.hf.save` and
-copies the run's tokenizer (tokenizer_path, as tokenizer.json) beside them.
+copies the run's tokenizer (tokenizer_path, as tokenizer.json) beside them. A run
+started from `hf_model_path` exports over that directory's config.json (the keys
+training did not change kept as they were), its generation_config.json and, unless
+export_dtype says otherwise, its dtype (bfloat16 for fp8 files).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import sys
 from trainer.config import FIELDS, ConfigError, make_config, parse_overrides
 from trainer.initial_weights import step_directory
 
-KEYS = ("run_dir", "output", "step")
+KEYS = ("run_dir", "output", "step", "export_dtype")
 
 
 def _arguments(argv: list[str]) -> dict[str, str]:
@@ -29,6 +33,7 @@ def _arguments(argv: list[str]) -> dict[str, str]:
 
 
 def _run_config(checkpoints: str, step: int):
+    """(Config, hf_model_path) of the run whose checkpoint step is `step`."""
     import orbax.checkpoint as ocp
 
     manager = ocp.CheckpointManager(
@@ -42,16 +47,18 @@ def _run_config(checkpoints: str, step: int):
         for k, v in meta["config"].items()
         if k in FIELDS and k not in ("hf_model_path", "load_parameters_path")
     }
-    return make_config(saved)
+    return make_config(saved), meta["config"].get("hf_model_path") or None
 
 
-def export(run_dir: str, output: str, step: int | None = None) -> str:
-    """Write step `step` (newest: None) of the run in `run_dir` to `output`; returns
-    the checkpoint directory it read."""
+def export(run_dir: str, output: str, step: int | None = None, dtype: str | None = None) -> str:
+    """Write step `step` (newest: None) of the run in `run_dir` to `output` in `dtype`
+    (None: the source's, see the module doc); returns the checkpoint directory read."""
     from trainer import hf
     from trainer import model as model_lib
     from trainer.initial_weights import restore_parameters
 
+    if dtype is not None and dtype not in hf.export_config.EXPORT_DTYPES:
+        raise ConfigError(f"export_dtype={dtype!r} is not one of {hf.export_config.EXPORT_DTYPES}")
     checkpoints = os.path.abspath(os.path.join(run_dir, "checkpoints"))
     if not os.path.isdir(checkpoints):
         raise ConfigError(f"export-hf: {checkpoints} not found (run_dir= is a run's directory)")
@@ -59,13 +66,16 @@ def export(run_dir: str, output: str, step: int | None = None) -> str:
     if step is not None and not os.path.isdir(path):
         raise ConfigError(f"export-hf: no checkpoint of step {step} in {checkpoints}")
     directory, step = step_directory(path)
-    config = _run_config(directory, step)
+    config, source = _run_config(directory, step)
     hf.config_map.to_hf(config)  # refuses an unexportable config before any reading
+    if source and hf.export_config.read_source(source) is None:
+        print(f"export-hf: {source}/config.json is gone: config.json from the run's keys alone")
+        source = None
     ctx = hf.default_ctx(config)
     trees = restore_parameters(
         os.path.join(directory, str(step)), ctx, model_lib.define(config.model, ctx)
     )
-    hf.save(output, config, trees)
+    hf.save(output, config, trees, dtype=dtype, source=source)
     if config.tokenizer_path and os.path.isfile(config.tokenizer_path):
         shutil.copyfile(config.tokenizer_path, os.path.join(output, "tokenizer.json"))
         hf.copy_tokenizer(os.path.dirname(config.tokenizer_path), output)
@@ -78,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = _arguments(argv)
         step = int(args["step"]) if args.get("step") else None
-        source = export(args["run_dir"], args["output"], step)
+        source = export(args["run_dir"], args["output"], step, args.get("export_dtype"))
     except (ConfigError, ValueError) as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2

@@ -1,20 +1,21 @@
 """Hugging Face checkpoints in and out: `load`, `save`, `forward`.
 
 A HF directory (config.json, one safetensors file or several with
-model.safetensors.index.json, tokenizer.json) of model_type deepseek_v3 or
-deepseek_v2 maps onto the trainer's Config and parameter tree and back. Nothing
-outside this package knows the HF names. `params` here is the pair of trees the
-trainer's state holds: {"params": ..., "router": ...} (the router tree holds the
-routing biases, HF's e_score_correction_bias), stacked for the scanned layers.
+model.safetensors.index.json, tokenizer.json) of model_type deepseek_v3,
+deepseek_v2 or kimi_k2 (V3's layout) maps onto the trainer's Config and parameter
+tree and back. Nothing outside this package knows the HF names. `params` here is
+the pair of trees the trainer's state holds: {"params": ..., "router": ...} (the
+router tree holds the routing biases, HF's e_score_correction_bias), stacked for
+the scanned layers.
 docs/hf.md has the key table.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import os
 import shutil
+import sys
 from typing import Any
 
 import jax
@@ -23,12 +24,13 @@ import numpy as np
 
 from trainer import model as model_lib
 from trainer.config import Config, ConfigError, make_config, mesh_shape
-from trainer.hf import config_map, keys, safetensors, stream
+from trainer.hf import config_map, export_config, keys, notes, safetensors, stream
 from trainer.sharding import ShardCtx, logical_rules, make_mesh
 
 # Shards above this size get split (transformers' default max_shard_size is 5 GB).
 MAX_SHARD_BYTES = 5 * 1024**3
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+FILE_DTYPE = {"float32": "F32", "bfloat16": "BF16"}  # export dtype -> safetensors name
 
 
 def config_from_hf(path: str, **overrides: Any) -> Config:
@@ -48,8 +50,7 @@ def plan_import(path: str, config: Config, targets: dict[str, dict]) -> stream.P
     """Check the files of `path` against `targets` ({"params", "router"} trees of
     ShapeDtypeStructs): SafetensorsError naming file and key before any data is read."""
     hf = config_map.read_config_json(path)
-    model_type = hf.get("model_type")
-    leaves = keys.leaves(targets, config, model_type)
+    leaves = keys.leaves(targets, config, config_map.family_of(hf))
     refs = safetensors.read_directory(path)
     return stream.check(leaves, refs, config.base_num_decoder_layers, path)
 
@@ -58,12 +59,17 @@ def import_params(
     path: str, config: Config, ctx: ShardCtx, progress: bool = True, model=None
 ) -> dict[str, dict]:
     """{"params", "router"} of HF directory `path`, streamed onto `ctx`'s mesh in the
-    shardings the trainer gives them (`model`: its ModelDef, when already built)."""
+    shardings the trainer gives them (`model`: its ModelDef, when already built).
+    With `progress`, one stderr line per config.json key read otherwise than it says
+    or not used (hf.notes)."""
     model = model or model_lib.define(config.model, ctx)
     params_abs, router_abs = model_lib.abstract_state(model, ctx)
     targets = {"params": params_abs, "router": router_abs}
     plan = plan_import(path, config, targets)
-    return stream.import_leaves(plan, targets, progress)
+    if progress:
+        for note in notes.lines(config_map.read_config_json(path), config):
+            print(f"hf import: {note}", file=sys.stderr, flush=True)
+    return stream.import_leaves(plan, targets, progress, config.hf_check_finite)
 
 
 def load(
@@ -107,23 +113,42 @@ def save(
     *,
     max_shard_bytes: int = MAX_SHARD_BYTES,
     progress: bool = True,
+    dtype: str | None = None,
+    source: str | None = None,
 ) -> None:
     """Write `params` ({"params", "router"}) as a HF directory transformers loads:
-    config.json and safetensors, sharded with an index above `max_shard_bytes`.
-    Tensors keep the parameters' dtypes (weight_dtype; routing biases float32)."""
-    hf = config_map.to_hf(config)
-    _check_exportable(config, params, hf["model_type"])
+    config.json, generation_config.json when token ids are known, and safetensors,
+    sharded with an index above `max_shard_bytes`.
+
+    `source`: the HF directory the model was imported from; its config.json keys
+    the trainer did not change, its generation_config.json and its dtype are kept
+    (hf.export_config). `dtype` (float32 or bfloat16) is every tensor's but the
+    routing biases' (float32); default: the source's, else each parameter's own
+    (weight_dtype), so an f32 round trip is bitwise."""
+    source_hf = export_config.read_source(source)
+    if source and source_hf is None:
+        raise ConfigError(f"{source}/config.json: not found (source= is the imported directory)")
+    if dtype is None and source_hf is not None:
+        dtype = export_config.source_dtype(source_hf, source)
+    if dtype is not None and dtype not in export_config.EXPORT_DTYPES:
+        raise ConfigError(f"export_dtype={dtype!r} is not one of {export_config.EXPORT_DTYPES}")
+    computed = config_map.to_hf(config)
+    _check_exportable(config, params, computed["model_type"])
     _check_empty(path)
-    leaves = keys.leaves(params, config, hf["model_type"])
+    hf = export_config.merge(computed, source_hf, config)
+    hf = export_config.set_dtype(hf, dtype or config.weight_dtype)
+    leaves = keys.leaves(params, config, computed["model_type"])
     leaves = [leaf for leaf in leaves if not leaf.optional]
     leaves += keys.mtp_copies(leaves, config.base_num_decoder_layers)
-    # Each tensor keeps its parameter's dtype, so an f32 round trip is bitwise.
-    entries = list(
-        stream.export_tensors(
-            leaves, params, lambda leaf: np.dtype(_leaf_array(params, leaf).dtype)
-        )
-    )
-    sizes = {name: int(np.prod(shape)) * dtype.itemsize for name, _, shape, dtype in entries}
+
+    def dtype_of(leaf: keys.Leaf) -> np.dtype:
+        if dtype is None:
+            return np.dtype(_leaf_array(params, leaf).dtype)
+        # Routing biases stay float32, as in DeepSeek's files.
+        return safetensors.DTYPES["F32" if leaf.tree == "router" else FILE_DTYPE[dtype]]
+
+    entries = list(stream.export_tensors(leaves, params, dtype_of))
+    sizes = {name: int(np.prod(shape)) * kind.itemsize for name, _, shape, kind in entries}
     groups = safetensors.plan_shards(sizes, max_shard_bytes)
     files = safetensors.shard_names(len(groups))
     os.makedirs(path, exist_ok=True)
@@ -138,9 +163,10 @@ def save(
             name: file for file, group in zip(files, groups, strict=True) for name in group
         }
         safetensors.write_index(path, weight_map, sum(sizes.values()))
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf, f, indent=2, sort_keys=True)
-        f.write("\n")
+    generation = export_config.generation_config(hf, source)
+    if generation is not None:
+        export_config.write_json(os.path.join(path, export_config.GENERATION_CONFIG), generation)
+    export_config.write_json(os.path.join(path, "config.json"), hf)
 
 
 def _leaf_array(trees: dict, leaf: keys.Leaf):

@@ -65,6 +65,9 @@ MTP_SHARED_COPIES = {
     ("logits_DxV",): ("shared_head.head.weight", 1),
 }
 SCALE_SUFFIX = "_scale_inv"
+# Tensors some checkpoints hold that no parameter reads: Kimi-K2's per-layer RoPE
+# frequencies (computed from config.json; transformers ignores them too).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 # deepseek_v2 has no routing bias tensor: the trainer's stays zero.
 OPTIONAL_IN_V2 = "mlp.gate.e_score_correction_bias"

@@ -68,6 +68,37 @@ class TensorRef:
         return np.memmap(self.path, self.dtype, "r", self.offset, self.shape)
 
 
+def _is_int_list(value, length: int | None = None) -> bool:
+    return (
+        isinstance(value, list)
+        and (length is None or len(value) == length)
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value)
+    )
+
+
+def _tensor_ref(path: str, name: str, entry, data_start: int) -> TensorRef:
+    """One header entry as a TensorRef; SafetensorsError naming file and tensor when
+    a field is missing or malformed."""
+    where = f"{path}: tensor {name}"
+    if not isinstance(entry, dict):
+        raise SafetensorsError(f"{where}: header entry is not an object")
+    for key in ("dtype", "shape", "data_offsets"):
+        if key not in entry:
+            raise SafetensorsError(f"{where}: header entry has no {key}")
+    dtype = DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+    if dtype is None:
+        raise SafetensorsError(f"{where} has unsupported dtype {entry['dtype']}")
+    if not _is_int_list(entry["shape"]):
+        raise SafetensorsError(f"{where}: shape {entry['shape']!r} is not a list of sizes")
+    offsets = entry["data_offsets"]
+    if not _is_int_list(offsets, 2) or offsets[0] > offsets[1]:
+        raise SafetensorsError(f"{where}: data_offsets {offsets!r} are not [begin, end]")
+    shape = tuple(entry["shape"])
+    if offsets[1] - offsets[0] != math.prod(shape) * dtype.itemsize:
+        raise SafetensorsError(f"{where}'s offsets do not match its shape")
+    return TensorRef(name, path, dtype, shape, data_start + offsets[0])
+
+
 def read_header(path: str) -> dict[str, TensorRef]:
     """The tensors of one safetensors file, by name; SafetensorsError naming the file
     when it is missing, truncated or its header is malformed."""
@@ -85,36 +116,44 @@ def read_header(path: str) -> dict[str, TensorRef]:
             header = json.loads(f.read(length))
         except ValueError as err:
             raise SafetensorsError(f"{path}: malformed header ({err})") from None
+    if not isinstance(header, dict):
+        raise SafetensorsError(f"{path}: header is a JSON {type(header).__name__}, not an object")
     data_start = 8 + length
     refs = {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        dtype = DTYPES.get(entry.get("dtype"))
-        if dtype is None:
+        ref = _tensor_ref(path, name, entry, data_start)
+        if ref.offset + ref.nbytes > size:
             raise SafetensorsError(
-                f"{path}: tensor {name} has unsupported dtype {entry.get('dtype')}"
+                f"{path}: truncated: tensor {name} ends at byte {ref.offset + ref.nbytes} of {size}"
             )
-        begin, end = entry["data_offsets"]
-        shape = tuple(int(n) for n in entry["shape"])
-        if end - begin != math.prod(shape) * dtype.itemsize:
-            raise SafetensorsError(f"{path}: tensor {name}'s offsets do not match its shape")
-        if data_start + end > size:
-            raise SafetensorsError(
-                f"{path}: truncated: tensor {name} ends at byte {data_start + end} of {size}"
-            )
-        refs[name] = TensorRef(name, path, dtype, shape, data_start + begin)
+        refs[name] = ref
     return refs
+
+
+def _read_weight_map(index_path: str) -> dict[str, str]:
+    """The index's tensor -> file map; SafetensorsError naming the index when it is
+    not JSON or has no weight_map of tensor -> file name."""
+    try:
+        with open(index_path) as f:
+            index = json.load(f)
+    except ValueError as err:
+        raise SafetensorsError(f"{index_path}: not JSON ({err})") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise SafetensorsError(f"{index_path}: no weight_map object")
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or not file:
+            raise SafetensorsError(f"{index_path}: tensor {name} maps to {file!r}, not a file")
+    return weight_map
 
 
 def read_directory(directory: str) -> dict[str, TensorRef]:
     """Every tensor of a checkpoint directory (one file, or the files of its index)."""
     index_path = os.path.join(directory, INDEX)
     if os.path.isfile(index_path):
-        with open(index_path) as f:
-            weight_map = json.load(f).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise SafetensorsError(f"{index_path}: no weight_map")
+        weight_map = _read_weight_map(index_path)
         files = sorted(set(weight_map.values()))
     elif os.path.isfile(os.path.join(directory, SINGLE)):
         weight_map, files = None, [SINGLE]

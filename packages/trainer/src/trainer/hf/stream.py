@@ -22,11 +22,20 @@ import jax
 import numpy as np
 
 from trainer.hf import fp8
-from trainer.hf.keys import SCALE_SUFFIX, Leaf, is_fp8_weight_of, layer_index, mtp_depths
+from trainer.hf.keys import (
+    IGNORED_SUFFIXES,
+    SCALE_SUFFIX,
+    Leaf,
+    is_fp8_weight_of,
+    layer_index,
+    mtp_depths,
+)
 from trainer.hf.safetensors import DTYPES, SafetensorsError, TensorRef
 
 FLOAT_DTYPES = {DTYPES[n] for n in ("F32", "BF16", "F16")}
 FP8_DTYPE = DTYPES["F8_E4M3"]
+BF16 = DTYPES["BF16"]
+FINITE_CHUNK = 1 << 20  # elements per step of the NaN/Inf check (a 1 MB temporary)
 
 
 class Progress:
@@ -64,6 +73,7 @@ class Plan:
     leaves: list[Leaf]
     refs: dict[str, TensorRef]
     skipped: list[str]  # MTP layers' tensors (layer index >= num layers) nothing reads
+    ignored: list[str] = dataclasses.field(default_factory=list)  # IGNORED_SUFFIXES
 
     def nbytes(self, leaf: Leaf) -> int:
         total = 0
@@ -108,16 +118,19 @@ def check(leaves: list[Leaf], refs: dict[str, TensorRef], num_layers: int, direc
                 expected.add(name + SCALE_SUFFIX)
             elif ref.dtype not in FLOAT_DTYPES:
                 raise SafetensorsError(f"{_where(ref)} has unsupported dtype {ref.dtype}")
-    skipped = []
+    skipped, ignored = [], []
     for name, ref in refs.items():
         if name in expected:
+            continue
+        if name.endswith(IGNORED_SUFFIXES):
+            ignored.append(name)
             continue
         index = layer_index(name)
         if index is not None and index >= num_layers:
             skipped.append(name)
             continue
         raise SafetensorsError(f"{_where(ref)} is not a parameter of this config")
-    return Plan(leaves, refs, skipped)
+    return Plan(leaves, refs, skipped, ignored)
 
 
 class _Reader:
@@ -138,8 +151,27 @@ class _Reader:
         return self.cached[1]
 
 
-def _region(leaf: Leaf, reader: _Reader, index: tuple, dtype: np.dtype) -> np.ndarray:
-    """The slice `index` of the leaf, read from only the HF tensors it touches."""
+def _finite(array: np.ndarray) -> bool:
+    """Whether every element of a contiguous float array is finite, a chunk at a time
+    (no array-sized temporary); bfloat16 by its exponent bits (all ones: Inf or NaN),
+    which is several times faster than numpy's isfinite on ml_dtypes' type."""
+    flat = array.reshape(-1)
+    if flat.dtype == BF16:
+        bits = flat.view(np.uint16)
+        return not any(
+            ((bits[i : i + FINITE_CHUNK] & 0x7F80) == 0x7F80).any()
+            for i in range(0, bits.size, FINITE_CHUNK)
+        )
+    return all(
+        np.isfinite(flat[i : i + FINITE_CHUNK]).all() for i in range(0, flat.size, FINITE_CHUNK)
+    )
+
+
+def _region(
+    leaf: Leaf, reader: _Reader, index: tuple, dtype: np.dtype, check_finite: bool = True
+) -> np.ndarray:
+    """The slice `index` of the leaf, read from only the HF tensors it touches;
+    SafetensorsError naming file and tensor for a NaN or Inf in it (`check_finite`)."""
     index = tuple(index) + (slice(None),) * (len(leaf.shape) - len(index))
     ranges = [range(*s.indices(n)) for s, n in zip(index, leaf.shape, strict=True)]
     out = np.empty([len(r) for r in ranges], dtype)
@@ -153,6 +185,10 @@ def _region(leaf: Leaf, reader: _Reader, index: tuple, dtype: np.dtype) -> np.nd
             out[pos] = 0
             continue
         out[pos] = leaf.to_trainer(reader.tensor(name))[rest]
+        if check_finite and not _finite(out[pos]):
+            raise SafetensorsError(
+                f"{_where(reader.refs[name])} holds NaN or Inf (hf_check_finite=false loads it)"
+            )
     return out
 
 
@@ -166,9 +202,12 @@ def _place(target, read: Callable[[tuple], np.ndarray]) -> jax.Array:
     return jax.make_array_from_single_device_arrays(target.shape, target.sharding, arrays)
 
 
-def import_leaves(plan: Plan, targets: dict[str, dict], progress: bool = True) -> dict[str, dict]:
+def import_leaves(
+    plan: Plan, targets: dict[str, dict], progress: bool = True, check_finite: bool = True
+) -> dict[str, dict]:
     """Arrays for every leaf, each built on its target's sharding (`targets` mirrors
-    the trees with ShapeDtypeStructs carrying shardings)."""
+    the trees with ShapeDtypeStructs carrying shardings); with `check_finite`, a NaN
+    or Inf is a SafetensorsError naming file and tensor."""
     reader = _Reader(plan.refs)
     total = sum(plan.nbytes(leaf) for leaf in plan.leaves)
     count = sum(len(leaf.names()) for leaf in plan.leaves)
@@ -184,6 +223,12 @@ def import_leaves(plan: Plan, targets: dict[str, dict], progress: bool = True) -
             f"layers: {why}",
             file=sys.stderr,
         )
+    if plan.ignored and progress:
+        print(
+            f"hf import: ignoring {len(plan.ignored)} rotary_emb.inv_freq tensors: the RoPE "
+            "frequencies come from config.json (as in transformers)",
+            file=sys.stderr,
+        )
     out: dict[str, dict] = {}
     for leaf in plan.leaves:
         target = targets[leaf.tree]
@@ -191,7 +236,8 @@ def import_leaves(plan: Plan, targets: dict[str, dict], progress: bool = True) -
             target = target[key]
         dtype = np.dtype(target.dtype)
         array = _place(
-            target, lambda index, leaf=leaf, dtype=dtype: _region(leaf, reader, index, dtype)
+            target,
+            lambda index, leaf=leaf, dtype=dtype: _region(leaf, reader, index, dtype, check_finite),
         )
         node = out.setdefault(leaf.tree, {})
         for key in leaf.path[:-1]:

@@ -60,14 +60,17 @@ class MLA(nnx.Module):
     def __init__(self, config: ModelConfig, ctx: ShardCtx, *, rngs: nnx.Rngs):
         c = config
         d, h = c.emb_dim, c.base_num_query_heads
+        # The latent norms' own epsilon when set (a Hugging Face import: 1e-6).
+        latent_eps = c.latent_norm_epsilon
+        latent_eps = latent_eps if latent_eps >= 0 else c.normalization_layer_epsilon
         if c.q_lora_rank:
             self.wq_a_DxQ = param(rngs, (d, c.q_lora_rank), NAMES.wq_a)
-            self.q_norm = RMSNorm(c.q_lora_rank, c.normalization_layer_epsilon, rngs=rngs)
+            self.q_norm = RMSNorm(c.q_lora_rank, latent_eps, rngs=rngs)
             self.wq_b_QxHxK = param(rngs, (c.q_lora_rank, h, c.qk_head_dim), NAMES.wq_b)
         else:
             self.wq_DxHxK = param(rngs, (d, h, c.qk_head_dim), NAMES.wq)
         self.wkv_a_DxCR = param(rngs, (d, c.kv_lora_rank + c.qk_rope_head_dim), NAMES.wkv_a)
-        self.kv_norm = RMSNorm(c.kv_lora_rank, c.normalization_layer_epsilon, rngs=rngs)
+        self.kv_norm = RMSNorm(c.kv_lora_rank, latent_eps, rngs=rngs)
         self.wkv_b_CxHxNV = param(
             rngs,
             (c.kv_lora_rank, h, c.qk_nope_head_dim + c.v_head_dim),
