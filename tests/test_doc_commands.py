@@ -3,16 +3,18 @@
 The commands are read from README.md, docs/*.md and packages/*/README.md: each line of
 a ```bash block (backslash continuations joined), each `$ `-prefixed line of a plain
 ``` block (the lines under it are its output) and each inline `uv run ...` span. Kept
-are tagtrain's own programs: `train`, `plan-reduction`, `export-hf`, `plot-metrics`,
-`hlo-report` and `python` (an example file or `-c`); `nox`, `pytest`, `uv sync` and the
-shell's own are left out. The Python blocks that are whole programs (no name used that
-the block does not define) run too; README.md's are test_readme_examples.py's.
+are tagtrain's own programs: `train`, `plan-reduction`, `export-hf`, `generate`,
+`plot-metrics`, `hlo-report` and `python` (an example file or `-c`); `nox`, `pytest`,
+`uv sync` and the shell's own are left out. The Python blocks that are whole programs
+(no name used that the block does not define) run too; README.md's are
+test_readme_examples.py's.
 
 - cpu tier, text only (a few seconds): each command's arguments go through its program's
   own parser: `train`'s keys through `make_config` (MaxText's names as `train` reads
   them) and its `--flags` against the flags `train` defines, `plan-reduction`'s through
-  `config_of`, `export-hf`'s, `plot-metrics`' and `hlo-report`'s through theirs; a
-  Python example file exists and a `-c` program compiles. No page names a removed key.
+  `config_of`, `export-hf`'s, `generate`'s, `plot-metrics`' and `hlo-report`'s through
+  theirs; a Python example file exists and a `-c` program compiles. No page names a
+  removed key.
 - slow tier: every fenced command runs, page after page in one scratch directory (the
   repository's examples/ and packages/ linked in, /tmp/ moved under it) with tiny
   overrides: at most 2 steps (a run of 1,000 or more steps is one the docs stop by
@@ -48,7 +50,9 @@ PAGES = [
     *sorted(p for p in ROOT.glob("docs/*.md") if p.name != "training.md"),
     *sorted(ROOT.glob("packages/*/README.md")),
 ]
-PROGRAMS = ("train", "plan-reduction", "export-hf", "plot-metrics", "hlo-report", "python")
+PROGRAMS = (
+    "train", "plan-reduction", "export-hf", "generate", "plot-metrics", "hlo-report", "python"
+)  # fmt: skip
 FENCE = re.compile(r"^( *)```(\w*)\n(.*?)^\1```", re.S | re.M)
 INLINE = re.compile(r"`((?:[A-Z_]+=\S+ )*(?:uv run|\.venv/bin/)[^`]*)`")
 # Shell words that separate one program's invocation from the next.
@@ -222,6 +226,10 @@ def check_arguments(command: Command) -> None:
             from trainer import export_hf
 
             export_hf._arguments(args)
+        elif name == "generate":
+            from trainer.generate import args as generate_args
+
+            generate_args.parse(args, files=False)  # the run it reads may not exist yet
         elif name == "plot-metrics":
             from trainer import plots
 

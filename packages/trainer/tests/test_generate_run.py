@@ -1,0 +1,81 @@
+"""`generate run_dir=...`: a run's newest checkpoint, with the run's own config and
+tokenizer. Started from v3_chat and saved untrained, it generates what transformers
+does from v3_chat; after a short training (slow tier), the argmax of the full forward
+of the trained weights, not of those it started from."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from trainer import hf
+from trainer import run as run_lib
+from trainer.config import make_config
+from trainer.generate import cli
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+CHAT = FIXTURES / "v3_chat"
+TEXT = Path(__file__).parents[3] / "examples" / "text" / "train.txt"
+CASE = json.loads((CHAT / "greedy.json").read_text())["cases"][0]  # "The quick brown fox"
+
+
+def _argmax_continuation(config, params, prompt: list[int], steps: int) -> list[int]:
+    """Greedy by the full forward on the growing sequence, on one device."""
+    mesh = hf.default_ctx(config).mesh
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    params = jax.device_put(jax.device_get(params), replicated)
+    row = list(prompt)
+    for _ in range(steps):
+        row.append(int(np.asarray(hf.forward(config, params, [row]))[0, -1].argmax()))
+    return row[len(prompt) :]
+
+
+def _overrides(directory: Path, **extra: str) -> dict:
+    return {
+        "hf_model_path": str(CHAT),
+        "dtype": "float32",
+        "async_checkpointing": "false",
+        "dataset_type": "text",  # so the run's tokenizer_path is v3_chat's tokenizer.json
+        "dataset_path": str(TEXT),
+        "base_output_directory": str(directory),
+        **extra,
+    }
+
+
+def _generate(capsys, run_dir: str, steps: int) -> tuple[list[int], str]:
+    argv = [f"run_dir={run_dir}", f"prompt={CASE['prompt']}", f"max_new_tokens={steps}"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    ids_line = next(line for line in out.splitlines() if line.startswith("ids: "))
+    return [int(t) for t in ids_line.removeprefix("ids: ").split(",")], out
+
+
+def test_a_saved_run_generates_with_its_config_and_tokenizer(capsys, tmp_path):
+    """No training step (nothing compiled but generation): the checkpoint holds
+    v3_chat's weights, so the text prompt continues as transformers continues it."""
+    run = run_lib.setup(make_config(_overrides(tmp_path)))
+    run.checkpoints.save(1, run.state)
+    run.checkpoints.wait()
+    got, out = _generate(capsys, run.config.run_dir, len(CASE["new_ids"]))
+    assert got == CASE["new_ids"]
+    assert f"checkpoint {Path(run.config.run_dir).resolve() / 'checkpoints' / '1'}" in out
+    assert "float32 compute" in out and "eos 1" in out  # the run's dtype, v3_chat's eos
+
+
+@pytest.mark.slow
+def test_generates_from_the_newest_checkpoint_after_training(capsys, tmp_path):
+    """Two steps at a high learning rate: the greedy tokens move, and generate follows
+    the trained weights (the newest checkpoint, step 2)."""
+    extra = {"steps": "2", "learning_rate": "0.05", "warmup_steps_fraction": "0"}
+    run = run_lib.setup(make_config(_overrides(tmp_path, **extra)))
+    run_lib.train(run)
+    run.checkpoints.wait()
+    got, out = _generate(capsys, run.config.run_dir, 4)
+    assert f"checkpoint {Path(run.config.run_dir).resolve() / 'checkpoints' / '2'}" in out
+    trained = {"params": run.state["params"], "router": run.state["router"]}
+    assert got == _argmax_continuation(run.config, trained, CASE["prompt_ids"], 4)
+    assert got != CASE["new_ids"][:4]  # the trained weights, not v3_chat's
