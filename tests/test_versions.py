@@ -24,6 +24,7 @@ DISTRIBUTION = {
     "etils": "etils",
     "flax": "flax",
     "grain": "grain",
+    "jinja2": "jinja2",
     "hlo_tools": "hlo-tools",
     "jax": "jax",
     "matplotlib": "matplotlib",
