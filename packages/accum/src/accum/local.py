@@ -42,9 +42,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from accum.device_grads import device_grads, device_key
 from accum.local_mapped import mapped_accumulate, mapped_add
 from accum.plan import ReductionPlan, is_floating
-from accum.seed import value_and_grad
 from accum.tags import reduce_to, safe_inverse
 from accum.trace_record import record_params, traced
 from accum.verdict import ADD_SCOPE, LOOP_SCOPE, marked
@@ -132,13 +132,8 @@ def _normalized(loss_sum: jax.Array, aux: dict, grads: Any) -> tuple[jax.Array, 
 def _device_grads(loss_fn, varying, microbatch, rng, index, device) -> tuple:
     """(loss_sum, aux, grads) of this device's rows of one microbatch; dropout
     keys folded with the microbatch `index` and the `device`."""
-    args = (microbatch,)
-    if rng is not None:
-        args += (jax.random.fold_in(jax.random.fold_in(rng, index), device),)
-    (loss_sum, aux), grads = value_and_grad(loss_fn)(varying, *args)
-    if "weight" not in aux:
-        raise KeyError("loss_fn's aux must hold 'weight' (the number of counted targets)")
-    return loss_sum, aux, grads
+    key = () if rng is None else (device_key(rng, index, device),)
+    return device_grads(loss_fn, varying, microbatch, *key)
 
 
 def local_accumulate(

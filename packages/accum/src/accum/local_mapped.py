@@ -28,6 +28,7 @@ numbers. Non-batch axes keep their explicit shardings inside the map.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -38,8 +39,8 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from accum.device_grads import device_grads, device_key
 from accum.plan import ReductionPlan, is_floating
-from accum.seed import value_and_grad
 from accum.verdict import LOOP_SCOPE, marked
 from pspec_tags import entry_axes, partitions, spec_of
 
@@ -98,7 +99,7 @@ def _row_axes(microbatch: Any) -> Any:
 def _keys(rng: jax.Array, index: jax.Array, devices: jax.Array) -> jax.Array:
     """One dropout key per device row: `rng` folded with the microbatch `index`
     and the device position, as accum.local folds them."""
-    return jax.vmap(lambda d: jax.random.fold_in(jax.random.fold_in(rng, index), d))(devices)
+    return jax.vmap(lambda d: device_key(rng, index, d))(devices)
 
 
 def _row_zeros(p: jax.Array, devices: int, axes: tuple, accum_dtype: Any) -> jax.Array:
@@ -116,18 +117,13 @@ def mapped_grads(
     out as `device_rows` gives it: row d is device d's rows' partial sums."""
     axes, devices = plan.batch_axes, _devices(plan)
 
-    def one_device(params, rows, *key):
-        (loss_sum, aux), grads = value_and_grad(loss_fn)(params, rows, *key)
-        if "weight" not in aux:
-            raise KeyError("loss_fn's aux must hold 'weight' (the number of counted targets)")
-        return loss_sum, aux, grads
-
     args, in_axes = (params, microbatch), (None, _row_axes(microbatch))
     if rng is not None:
         ids = jnp.arange(devices, dtype=jnp.uint32, out_sharding=P(axes))
         args, in_axes = (*args, _keys(rng, index, ids)), (*in_axes, 0)
     # TAG: the weights unmapped (whole on every device), the rows mapped over the
     # batch axes: vmap's gradient of an unmapped input keeps one row per device.
+    one_device = functools.partial(device_grads, loss_fn)
     return jax.vmap(one_device, in_axes=in_axes, spmd_axis_name=axes)(*args)
 
 

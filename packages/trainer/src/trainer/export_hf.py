@@ -19,12 +19,10 @@ import os
 import shutil
 import sys
 
-from trainer.config import FIELDS, Config, ConfigError, make_config, parse_overrides
-from trainer.initial_weights import step_directory
+from trainer.config import Config, ConfigError, parse_overrides
+from trainer.initial_weights import saved_run_config, step_directory
 
 KEYS = ("run_dir", "output", "step", "export_dtype")
-# The initial-weight keys: not read again for a whole model, but a LoRA run's base.
-INITIAL_WEIGHTS = ("hf_model_path", "load_parameters_path")
 
 
 def _arguments(argv: list[str]) -> dict[str, str]:
@@ -36,21 +34,6 @@ def _arguments(argv: list[str]) -> dict[str, str]:
         if not args.get(key):
             raise ConfigError(f"export-hf: {key}= is required")
     return args
-
-
-def _run_config(checkpoints: str, step: int):
-    """(Config, hf_model_path) of the run whose checkpoint step is `step`."""
-    import orbax.checkpoint as ocp
-
-    manager = ocp.CheckpointManager(
-        checkpoints, options=ocp.CheckpointManagerOptions(read_only=True)
-    )
-    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-    # Rebuilt from the saved keys alone: the run's initial-weight paths are not read
-    # again (they may be gone), keys of another trainer version are left out.
-    saved = {k: v for k, v in meta["config"].items() if k in FIELDS and k not in INITIAL_WEIGHTS}
-    paths = {k: meta["config"].get(k, "") for k in INITIAL_WEIGHTS}
-    return make_config(saved), paths
 
 
 def _lora_trees(step_path: str, config: Config, paths: dict, ctx, model) -> dict:
@@ -87,7 +70,7 @@ def export(run_dir: str, output: str, step: int | None = None, dtype: str | None
     if step is not None and not os.path.isdir(path):
         raise ConfigError(f"export-hf: no checkpoint of step {step} in {checkpoints}")
     directory, step = step_directory(path)
-    config, paths = _run_config(directory, step)
+    config, paths = saved_run_config(directory, step)
     source = paths["hf_model_path"] or None
     hf.config_map.to_hf(config)  # refuses an unexportable config before any reading
     if source and hf.export_config.read_source(source) is None:

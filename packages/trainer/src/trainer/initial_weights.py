@@ -12,7 +12,18 @@ import dataclasses
 import inspect
 import os
 
-from trainer.config import CheckpointingConfig, Config, ConfigError, ModelConfig
+from trainer.config import (
+    FIELDS,
+    CheckpointingConfig,
+    Config,
+    ConfigError,
+    ModelConfig,
+    make_config,
+)
+
+# The keys naming where a run's first weights came from: not read again for a whole
+# model, but a LoRA run's base (export-hf).
+INITIAL_WEIGHTS = ("hf_model_path", "load_parameters_path")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,12 +109,34 @@ def restore_parameters(path: str, ctx, model, adapters: bool = False) -> dict[st
     return manager.restore(step, args=ocp.args.Composite(state=restore)).state
 
 
-def _refuse_adapters_only(manager, step: int, path: str) -> None:
-    """ConfigError when step `step` is a LoRA run's: its params are adapters only."""
+def saved_meta(manager, step: int) -> dict:
+    """The JSON metadata saved with checkpoint `step` (the run's config keys among it)."""
     import orbax.checkpoint as ocp
 
-    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-    rank = meta.get("config", {}).get("lora_rank", 0)
+    return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+
+
+def saved_run_config(
+    checkpoints: str, step: int, overrides: dict | None = None
+) -> tuple[Config, dict[str, str]]:
+    """(Config, initial-weight paths) of the run whose checkpoint `step` lies under
+    `checkpoints`, `overrides` winning. Rebuilt from the saved keys alone: the run's
+    initial-weight paths are not read again (they may be gone), keys of another
+    trainer version are left out."""
+    import orbax.checkpoint as ocp
+
+    manager = ocp.CheckpointManager(
+        checkpoints, options=ocp.CheckpointManagerOptions(read_only=True)
+    )
+    keys = saved_meta(manager, step)["config"]
+    saved = {k: v for k, v in keys.items() if k in FIELDS and k not in INITIAL_WEIGHTS}
+    paths = {k: keys.get(k, "") for k in INITIAL_WEIGHTS}
+    return make_config({**saved, **(overrides or {})}), paths
+
+
+def _refuse_adapters_only(manager, step: int, path: str) -> None:
+    """ConfigError when step `step` is a LoRA run's: its params are adapters only."""
+    rank = saved_meta(manager, step).get("config", {}).get("lora_rank", 0)
     if rank:
         raise ConfigError(
             f"load_parameters_path={path!r} is a LoRA run's checkpoint (lora_rank={rank}): "

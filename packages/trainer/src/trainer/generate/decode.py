@@ -101,19 +101,8 @@ def forward(decoder, tokens_BxS, start_B, write_index, cache: dict):
     return decoder.head(decoder.final_norm(last_Bx1xD))[:, 0], out_cache
 
 
-def _decoder(model: model_lib.ModelDef, params: dict, router: dict):
-    """The NNX Decoder holding plain-dict `params` and `router` (as model.apply builds
-    it), so its parts can run one by one."""
-    states = []
-    for template, values in ((model.param_template, params), (model.router_template, router)):
-        state = jax.tree.map(lambda x: x, template)  # a copy: replace_by_pure_dict mutates
-        nnx.replace_by_pure_dict(state, values)
-        states.append(state)
-    return nnx.merge(model.graphdef, *states)
-
-
 def _prefill(model, params, router, tokens_BxP, start_B, *, config: ModelConfig, shapes: Shapes):
-    decoder = _decoder(model, params, router)
+    decoder = model_lib.build_decoder(model, params, router)
     return forward(decoder, tokens_BxP, start_B, 0, empty_cache(config, shapes))
 
 
@@ -121,7 +110,7 @@ def _decode(
     model, params, router, cache, logits_BxV, start_B, key, eos_E, *,
     shapes: Shapes, sampling: Sampling,
 ):  # fmt: skip
-    decoder = _decoder(model, params, router)
+    decoder = model_lib.build_decoder(model, params, router)
     first_B = sample(logits_BxV, jax.random.fold_in(key, 0), sampling)
     out_BxN = jnp.full((shapes.batch, shapes.max_new_tokens), NO_TOKEN, jnp.int32)
     out_BxN = out_BxN.at[:, 0].set(first_B)

@@ -13,9 +13,10 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from trainer.config import FIELDS, Config, ConfigError, make_config
+from trainer.config import Config, ConfigError
 from trainer.generate import codec
 from trainer.generate.args import Arguments
+from trainer.initial_weights import saved_run_config, step_directory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +44,6 @@ class Source:
 
 def _checkpoint(run_dir: str, step: int | None) -> tuple[str, int]:
     """(the run's checkpoints directory, the step to read)."""
-    from trainer.initial_weights import step_directory
-
     checkpoints = os.path.abspath(os.path.join(run_dir, "checkpoints"))
     if not os.path.isdir(checkpoints):
         raise ConfigError(f"run_dir={run_dir!r} has no checkpoints/ (a run's directory)")
@@ -92,24 +91,9 @@ def _run_tokenizer(args: Arguments, config: Config) -> tuple[codec.Codec | None,
     return None, ""
 
 
-def run_config(checkpoints: str, step: int, overrides: dict) -> Config:
-    """The Config the run saved with checkpoint `step`, `overrides` winning. Its
-    initial-weight paths are dropped (the checkpoint holds the weights; the paths may
-    be gone), as are keys this trainer version does not have."""
-    import orbax.checkpoint as ocp
-
-    manager = ocp.CheckpointManager(
-        checkpoints, options=ocp.CheckpointManagerOptions(read_only=True)
-    )
-    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-    dropped = ("hf_model_path", "load_parameters_path")
-    saved = {k: v for k, v in meta["config"].items() if k in FIELDS and k not in dropped}
-    return make_config({**saved, **overrides})
-
-
 def _from_run(args: Arguments, overrides: dict) -> Source:
     checkpoints, step = _checkpoint(args.run_dir, args.step)
-    config = run_config(checkpoints, step, overrides)
+    config, _ = saved_run_config(checkpoints, step, overrides)
     tokenizer, tokenizer_dir = _run_tokenizer(args, config)
     declared = codec.checkpoint_eos(tokenizer_dir) if tokenizer_dir else None
     eos = _eos(args, declared, tokenizer)

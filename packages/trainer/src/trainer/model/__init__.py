@@ -191,7 +191,11 @@ def _fill(template: nnx.State, pure: dict) -> nnx.State:
     return state
 
 
-def _merge(model: ModelDef, params: dict, router: dict, adapters: dict | None) -> Decoder:
+def build_decoder(
+    model: ModelDef, params: dict, router: dict, adapters: dict | None = None
+) -> Decoder:
+    """The NNX Decoder holding plain-dict `params`, `router` (and a LoRA model's
+    `adapters`), so it can be called whole or its parts run one by one."""
     states = [_fill(model.param_template, params), _fill(model.router_template, router)]
     if model.lora:
         if adapters is None:
@@ -211,7 +215,7 @@ def apply(
 ):
     """Run the decoder on plain-dict parameters: (logits_BxSxV f32, MoE stats).
     `adapters`: the LoRA factors, required when the model has them."""
-    return _merge(model, params, router, adapters)(tokens_BxS, positions_BxS, segments_BxS)
+    return build_decoder(model, params, router, adapters)(tokens_BxS, positions_BxS, segments_BxS)
 
 
 def apply_with_mtp(
@@ -226,4 +230,4 @@ def apply_with_mtp(
     """`Decoder.with_mtp` on plain-dict parameters: ((logits, MoE stats), [consume(
     logits, targets, weights) per MTP depth], MTP MoE stats). `batch` holds inputs,
     targets, positions, segments and weights (a microbatch); `adapters` as in `apply`."""
-    return _merge(model, params, router, adapters).with_mtp(batch, consume, depths)
+    return build_decoder(model, params, router, adapters).with_mtp(batch, consume, depths)
