@@ -51,8 +51,8 @@ CAPACITY_FACTORS = ("0", "1.0")
 
 def measure(topology: str, cf: str) -> dict:
     import hlo_tools
-    from trainer import aot
     from trainer.config import make_config
+    from trainer.run import aot
 
     overrides = {
         **BASE,

@@ -2,7 +2,7 @@
 
 deepseek3-small, GA=4, one 1024-token sequence per device per microbatch, remat
 full, compiled on this CPU host with the trainer's TPU compile options
-(`tpu_async_collectives=true`, trainer/xla_options.py: asynchronous all-reduce
+(`tpu_async_collectives=true`, trainer/run/xla_options.py: asynchronous all-reduce
 collective fusions, no all-reduce combining). Rows: auto and
 gradient_accumulation_schedule=overlapped (the last microbatch's per-layer reductions inside
 its backward layer scan, pipelined by one layer and bucketed per layer) on v5e-8
@@ -78,7 +78,7 @@ def main() -> int:
         [
             "deepseek3-small, GA=4, 1 x 1024 tokens per device per microbatch, remat full, "
             "bf16 compute, f32 weights, data=8; TPU compile options: tpu_async_collectives=true "
-            "(trainer/xla_options.py) unless the row says false",
+            "(trainer/run/xla_options.py) unless the row says false",
             bl.accumulation_note() + " (rows set their own keys on top)",
             "columns as on aot_fused.md; async-overlapped share = gradient reduction bytes "
             "per step issued by an async start with compute scheduled between start and done; "

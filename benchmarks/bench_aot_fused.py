@@ -85,8 +85,8 @@ CACHE = os.path.join(tempfile.gettempdir(), "bench_aot_fused")
 def compile_variant(slug: str, variant: dict, reuse: bool) -> dict:
     """{"hlo", "memory", "hbm", "slices", "params", "data", "compile_s", "tree"}; cached
     under CACHE (tree: `git describe` when the compile ran)."""
-    from trainer import aot
     from trainer.config import make_config
+    from trainer.run import aot
 
     meta_path, hlo_path = (os.path.join(CACHE, f"{slug}.{ext}") for ext in ("json", "hlo"))
     if reuse and os.path.exists(meta_path):

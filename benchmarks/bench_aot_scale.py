@@ -75,8 +75,8 @@ def grad_reductions(module):
 
 def measure(shape: dict, variant: dict) -> dict:
     import hlo_tools
-    from trainer import aot
     from trainer.config import make_config
+    from trainer.run import aot
 
     config = make_config(
         {**shape, **COMMON, **variant, "base_output_directory": tempfile.mkdtemp()}

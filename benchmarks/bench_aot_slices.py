@@ -11,7 +11,7 @@ the deferred single-slice compile (v5e-8, data=8), the number aot_scale.md repor
 Per-device memory (compiled.memory_analysis()) and collective bytes per step
 (trip-count weighted), split into cross-slice (the megascale DCN transfers of the
 per-slice TPU program) and in-slice, in and after the loops; and accum.cost's
-predicted gradient bytes beside hlo_tools' count of them (trainer.reduction_bytes).
+predicted gradient bytes beside hlo_tools' count of them (trainer.step.reduction_bytes).
 
 Writes benchmarks/results/aot_slices.md and .csv. Needs libtpu (the `tpu` extra):
 
@@ -76,8 +76,8 @@ CACHE = os.path.join(tempfile.gettempdir(), "bench_aot_slices")
 def compile_variant(name: str, variant: dict, reuse: bool) -> dict:
     """{"hlo", "memory_total", "hbm", "slices", "params", "data", "tree"}; cached under
     CACHE (`tree`: the checkout it was compiled from)."""
-    from trainer import aot
     from trainer.config import make_config
+    from trainer.run import aot
 
     slug = name.replace(", ", "_").replace(" ", "_")
     meta_path, hlo_path = (os.path.join(CACHE, f"{slug}.{ext}") for ext in ("json", "hlo"))
@@ -141,9 +141,10 @@ def _predicted_columns(variant: dict, module) -> dict:
     abstract setup of the same config (no compile)."""
     if variant.get("shard_mode") == "auto":
         return {}
-    from trainer import aot, reduction_bytes
-    from trainer import run as run_lib
     from trainer.config import make_config
+    from trainer.run import aot
+    from trainer.run import run as run_lib
+    from trainer.step import reduction_bytes
 
     config = make_config({**COMMON, **variant, "base_output_directory": tempfile.mkdtemp()})
     devices = aot.devices_for(aot.resolve(config.parallelism), config.compile_topology_num_slices)

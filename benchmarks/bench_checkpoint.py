@@ -52,9 +52,9 @@ class Bench:
     def __init__(self, root: str):
         import orbax.checkpoint as ocp
 
-        from trainer import checkpoint
-        from trainer import run as run_lib
         from trainer.config import make_config
+        from trainer.io import checkpoint
+        from trainer.run import run as run_lib
 
         self.ocp = ocp
         config = make_config({**MODEL, "enable_tensorboard": "false"})
@@ -98,7 +98,7 @@ class Bench:
     def restore_plain(self) -> None:
         from etils import epath
 
-        from trainer import checkpoint
+        from trainer.io import checkpoint
 
         ocp = self.ocp
         path = epath.Path(self.plain_dir) / str(self.plain.latest_step())
@@ -157,7 +157,7 @@ def main() -> None:
         f"median of {ROUNDS} interleaved rounds after {WARMUP} warm-up round "
         "(the warm-up compiles the checksum programs)",
         "plain: orbax alone (CheckpointManager save, StandardCheckpointHandler restore); "
-        "verified: trainer.checkpoint.Checkpointer (checksums per array, recorded and checked)",
+        "verified: trainer.io.checkpoint.Checkpointer (checksums per array, recorded and checked)",
         f"the loop's extra wait in a verified save is dispatching the checksums: one small "
         f"program per array shard held as replica 0 ({leaves} arrays here, all on one device "
         "under data=8), one stack per device, one all-reduce; the hashing itself runs after",

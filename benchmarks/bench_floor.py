@@ -1,6 +1,6 @@
 """The floor: our explicit path against a hand-written shard_map data-parallel step.
 
-trainer.floor runs the same model per device inside one `jax.shard_map` with no
+trainer.run.floor runs the same model per device inside one `jax.shard_map` with no
 sharding annotations and one psum of every partial sum after the microbatch
 loop: the least traffic data parallelism can have. Beside it, on the same
 data=8 layout of 8 virtual CPU devices: the trainer's explicit path (deferred

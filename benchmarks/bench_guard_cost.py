@@ -70,9 +70,9 @@ def _lower_both(build, args_of):
 
 
 def measure_cpu() -> dict:
-    from trainer import run as run_lib
-    from trainer import xla_options
     from trainer.config import make_config
+    from trainer.run import run as run_lib
+    from trainer.run import xla_options
 
     config = make_config({**CPU_SHAPE, "base_output_directory": tempfile.mkdtemp()})
     run, lowered, recorded, plain = _lower_both(
@@ -88,9 +88,9 @@ def measure_cpu() -> dict:
 
 
 def measure_aot() -> dict:
-    from trainer import aot, xla_options
-    from trainer import run as run_lib
     from trainer.config import make_config
+    from trainer.run import aot, xla_options
+    from trainer.run import run as run_lib
 
     config = make_config({**AOT_SHAPE, "base_output_directory": tempfile.mkdtemp()})
     topo = aot.resolve(config.parallelism)

@@ -35,7 +35,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import benchlib as bl  # noqa: E402
 
-from trainer import flops  # noqa: E402
+from trainer.model import flops  # noqa: E402
 
 WARMUP = 2
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "15"))
@@ -100,8 +100,8 @@ def cpu_rows() -> list[dict]:
 def aot_rows() -> list[dict]:
     """One row per depth: the v5e-8 compile's memory per device and parameters."""
     import hlo_tools
-    from trainer import aot
     from trainer.config import make_config
+    from trainer.run import aot
 
     rows = []
     for depth in DEPTHS:
@@ -129,8 +129,8 @@ def aot_rows() -> list[dict]:
 
 def share_671b() -> dict:
     """deepseek3-671b with one depth: parameters (abstract, nothing allocated)."""
-    from trainer import abstract_model
     from trainer.config import make_config
+    from trainer.model import abstract_model
 
     config = make_config({"model_name": "deepseek3-671b", "mtp_num_layers": "1"})
     total, own = _params(abstract_model.parameters(config).params)
@@ -251,7 +251,7 @@ def main() -> None:
     lines += [
         f"deepseek3-671b with mtp_num_layers=1: {big['params'] / 1e9:.3f}B parameters, "
         f"of which MTP {big['mtp_params'] / 1e9:.3f}B ({big['mtp_params'] / big['params']:.2%}"
-        f"); training FLOPs per token x{big['flops_over_off']:.4f} (trainer.flops, "
+        f"); training FLOPs per token x{big['flops_over_off']:.4f} (trainer.model.flops, "
         "the MFU formula).",
         "",
         "Each depth adds one transformer block of the later (MoE) layers, its 2d -> d",

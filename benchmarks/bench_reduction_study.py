@@ -43,7 +43,8 @@ def predict_grid() -> list[dict]:
     """One row per (model, chip, slices, GA, policy)."""
     import dataclasses
 
-    from trainer import plan_reduction, reduction_choice
+    from trainer.run import plan_reduction
+    from trainer.step import reduction_choice
 
     rows = []
     for (model, chip), layout in CASES.items():

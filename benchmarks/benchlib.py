@@ -205,21 +205,21 @@ class TrainerStep:
     `step()` runs one optimizer step on a fixed batch (the state is donated and
     replaced, as in `run.train`); `memory` is the compiled memory analysis per
     device; `traffic` the hlo_tools byte accounting of the compiled step.
-    `floor=True` runs trainer.floor's hand-written shard_map step instead.
+    `floor=True` runs trainer.run.floor's hand-written shard_map step instead.
     """
 
     def __init__(self, overrides: dict[str, str], devices=None, floor: bool = False):
         import jax
 
         import hlo_tools
-        from trainer import aot
-        from trainer import floor as floor_lib
-        from trainer import run as run_lib
         from trainer.config import make_config
+        from trainer.run import aot
+        from trainer.run import floor as floor_lib
+        from trainer.run import run as run_lib
 
         self.overrides = dict(overrides)
         self.config = make_config({"enable_tensorboard": "false", **overrides})
-        # floor: the same run with trainer.floor's hand-written shard_map step.
+        # floor: the same run with trainer.run.floor's hand-written shard_map step.
         setup = floor_lib.setup_floor if floor else run_lib.setup
         self.run = setup(self.config, devices if devices is not None else jax.devices())
         self.batch = run_lib.batch_for(self.run, 0)

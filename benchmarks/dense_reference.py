@@ -2,7 +2,7 @@
 
 Same width, heads, sequence and active FLOPs per token as the trainer's model: the MLP
 hidden size is chosen so that 6 x matmul params + attention matches
-trainer.flops.training_flops_per_token of the MoE model it stands beside. No sharding,
+trainer.model.flops.training_flops_per_token of the MoE model it stands beside. No sharding,
 no scan, no tags: a Python loop over layers under one jit, bf16 compute on f32
 parameters, jax.nn.dot_product_attention (cuDNN where it runs), optax AdamW, one
 value_and_grad over the whole batch. device_check.py times it in the same run as the
@@ -21,7 +21,7 @@ import optax
 
 def shape_for(model, data) -> dict:
     """The reference's dims for a trainer ModelConfig/DataConfig: equal FLOPs per token."""
-    from trainer import flops
+    from trainer.model import flops
 
     d, h, v = model.emb_dim, model.base_num_query_heads, model.vocab_size
     layers = model.base_num_decoder_layers

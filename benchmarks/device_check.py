@@ -4,7 +4,7 @@ per-microbatch reduction, against a plain-JAX dense reference.
 deepseek3-small with per_device_batch_size=8 and GA=4 on one GPU (on CPU:
 tagtrain-tiny on 8 virtual devices, so CI keeps the script working), 20 steps per
 path on one fixed batch (the loss must fall on every path). Per path: median step
-time after the first step, tokens/s, MFU (trainer.flops), peak memory
+time after the first step, tokens/s, MFU (trainer.model.flops), peak memory
 (`memory_stats()['peak_bytes_in_use']`, a high-water mark that never resets, so
 every path runs in a process of its own), compiled memory per device, the
 gradient-reduction bytes per step in the microbatch loop and after it, and the
@@ -99,7 +99,7 @@ def train_path(spec: dict) -> dict:
     import jax
 
     import hlo_tools as ht
-    from trainer import flops
+    from trainer.model import flops
 
     device = jax.devices()[0]
     out = {"device": device.device_kind, "devices": jax.device_count()}
@@ -175,9 +175,9 @@ def gradient_check(spec: dict) -> dict:
     import numpy as np
 
     import accum
-    from trainer import run as run_lib
-    from trainer import train_step
     from trainer.config import make_config
+    from trainer.run import run as run_lib
+    from trainer.step import train_step
 
     def grads(overrides, schedule):
         config = make_config({"enable_tensorboard": "false", **overrides})
@@ -217,8 +217,8 @@ def reference(spec: dict) -> dict:
     import dense_reference
     import jax
 
-    from trainer import flops
     from trainer.config import make_config
+    from trainer.model import flops
 
     config = make_config(spec["overrides"])
     batch = config.per_device_batch_size * config.gradient_accumulation_steps
@@ -415,8 +415,8 @@ def main(argv=None) -> int:
         f"shape: {' '.join(f'{k}={v}' for k, v in shape.items())}, "
         f"gradient_accumulation_steps={args.ga}; {steps} steps per path, each in its own "
         "process; step ms: median after the first step",
-        "MFU: trainer.flops (6 x active matmul params + attention) over the peak in "
-        "trainer.flops.PEAK_TFLOPS (none listed for CPU); peak GiB: memory_stats() "
+        "MFU: trainer.model.flops (6 x active matmul params + attention) over the peak in "
+        "trainer.model.flops.PEAK_TFLOPS (none listed for CPU); peak GiB: memory_stats() "
         "(not reported on CPU); compiled GiB: compiled.memory_analysis() per device",
         "grad reduce: all-reduce/reduce-scatter bytes per step per device (none on one device); "
         "overlapped: share of gradient-reduction bytes issued async with compute "

@@ -48,9 +48,9 @@ def part_grads(arg):
     import numpy as np
 
     import accum
-    from trainer import run as run_lib
-    from trainer import train_step
     from trainer.config import make_config
+    from trainer.run import run as run_lib
+    from trainer.step import train_step
 
     cfg = make_config(
         {
@@ -232,7 +232,7 @@ def part_step(arg):
     import benchlib as bl
     import gpu_profile
 
-    from trainer import flops
+    from trainer.model import flops
 
     overrides = dict(SHAPE)
     overrides.update(json.loads(arg or "{}"))

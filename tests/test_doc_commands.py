@@ -192,8 +192,8 @@ def _is_placeholder(command: Command) -> bool:
 
 
 def _check_train(args: list[str]) -> None:
-    from trainer import main, maxtext_compat
-    from trainer.config import make_config
+    from trainer.config import make_config, maxtext_compat
+    from trainer.run import main
 
     flags = [a for a in args if a.startswith("--")]
     for flag in flags:
@@ -219,11 +219,11 @@ def check_arguments(command: Command) -> None:
         if name == "train":
             _check_train(args)
         elif name == "plan-reduction":
-            from trainer import plan_reduction
+            from trainer.run import plan_reduction
 
             plan_reduction.config_of([a for a in args if a != "--compile"])
         elif name == "export-hf":
-            from trainer import export_hf
+            from trainer.io import export_hf
 
             export_hf._arguments(args)
         elif name == "generate":
@@ -231,7 +231,7 @@ def check_arguments(command: Command) -> None:
 
             generate_args.parse(args, files=False)  # the run it reads may not exist yet
         elif name == "plot-metrics":
-            from trainer import plots
+            from trainer.io import plots
 
             plots.build_parser().parse_args(args)
         elif name == "hlo-report":

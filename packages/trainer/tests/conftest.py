@@ -12,8 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from trainer import run as run_lib
 from trainer.config import make_config
+from trainer.run import run as run_lib
 
 
 def _load(name: str):

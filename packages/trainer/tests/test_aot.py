@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 
 import hlo_tools
-from trainer import abstract_model, aot, reduction_bytes
 from trainer.config import make_config
+from trainer.model import abstract_model
+from trainer.run import aot
+from trainer.step import reduction_bytes
 from trainer_tests_layouts import DEEPSEEK3_671B_LAYOUT
 
 pytestmark = pytest.mark.aot
@@ -189,7 +191,7 @@ def test_deepseek2_lite_has_the_model_cards_counts():
     # softmax greedy routing): 15.7B total / 2.4B active parameters, as its model
     # card says (active: every matmul weight one token multiplies, logits included:
     # 15,706.5M / 2,451.3M). Counted on the abstract state: no compile.
-    from trainer import flops
+    from trainer.model import flops
 
     config = make_config({"model_name": "deepseek2-lite"})
     params = abstract_model.parameters(config).params
@@ -221,7 +223,8 @@ def test_671b_with_mtp_counts_its_depth_apart_and_matches_the_model_card():
     """DeepSeek-V3's card: 671B main model + 14B MTP module = 685B tensors. The
     checkpoint's MTP layer also stores copies of the embedding and the output head;
     here those are the main model's own (shared), so they are counted once."""
-    from trainer import flops, report
+    from trainer.model import flops
+    from trainer.run import report
 
     config = make_config({"model_name": "deepseek3-671b", "mtp_num_layers": "1"})
     params = abstract_model.parameters(config).params

@@ -15,8 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 import accum
 from accum import cost
-from trainer import reduction_bytes
-from trainer.slices import slice_major
+from trainer.sharding.slices import slice_major
+from trainer.step import reduction_bytes
 
 pytestmark = pytest.mark.aot
 pytest.importorskip("libtpu", reason="needs the tpu extra (libtpu): uv run --extra tpu")

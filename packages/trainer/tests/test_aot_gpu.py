@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import pytest
 
 import hlo_tools
-from trainer import aot, gpu_topology
 from trainer.config import make_config
+from trainer.run import aot, gpu_topology
 
 pytestmark = pytest.mark.aot
 pytest.importorskip(gpu_topology.PLUGIN, reason="needs the gpu extra: uv run --extra gpu")

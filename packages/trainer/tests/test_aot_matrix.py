@@ -26,7 +26,7 @@ import pytest
 
 import hlo_tools
 import pspec_tags as pt
-from trainer import reduction_bytes
+from trainer.step import reduction_bytes
 from trainer_tests_layouts import EIGHT_DEVICE_LAYOUTS
 
 pytestmark = pytest.mark.aot
@@ -61,7 +61,7 @@ class Case:
     data_grad_in_loop: tuple  # float reductions > 8 elements spanning 'data', in a loop
     data_grad_outside: tuple
     exact: bool  # every loop trip count known
-    # Gradient operand bytes per batch axis per step (trainer.reduction_bytes):
+    # Gradient operand bytes per batch axis per step (trainer.step.reduction_bytes):
     # accum.cost's prediction from the plan, and hlo_tools' count on this compile.
     predicted_bytes: tuple = ({}, {})  # (in loop, after the loop)
     counted_bytes: tuple = ({}, {})
@@ -103,8 +103,8 @@ def gradient_reductions(module, mesh_shape: dict) -> tuple[list, list]:
 @functools.cache
 def compile_case(topology: str, layout: str, mode: str, defer: bool = True, **extra) -> Case:
     """Compile tagtrain-test for `topology` with one layout; summarize memory and traffic."""
-    from trainer import aot
     from trainer.config import make_config
+    from trainer.run import aot
 
     overrides = {
         **BASE,

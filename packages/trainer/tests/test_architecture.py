@@ -13,13 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trainer import flops
 from trainer import model as model_lib
-from trainer.config import PRESETS, ConfigError, make_config
-from trainer.hf import config_map
+from trainer.config import PRESETS, ConfigError, hf_map, make_config
+from trainer.config.validate import check_architecture, validate
+from trainer.model import flops
 from trainer.model import rope as rope_lib
 from trainer.sharding import ShardCtx, logical_rules, make_mesh
-from trainer.validate import check_architecture, validate
 
 V3_YARN = dict(
     rope_type="yarn",
@@ -273,21 +272,21 @@ def test_every_preset_passes_the_architecture_checks(name):
 def test_presets_take_the_published_config_values(preset, fixture):
     published = json.loads((FIXTURES / f"{fixture}.json").read_text())
     config = make_config({"model_name": preset})
-    # Every key the importer carries over unchanged (config_map.DIRECT) is stated by
+    # Every key the importer carries over unchanged (hf_map.DIRECT) is stated by
     # the published file, rope_interleave aside (below), and the preset holds its value.
-    stated = [k for k in config_map.DIRECT if k in published]
-    assert set(config_map.DIRECT) - set(stated) == {"rope_interleave"}
+    stated = [k for k in hf_map.DIRECT if k in published]
+    assert set(hf_map.DIRECT) - set(stated) == {"rope_interleave"}
     for hf_key in stated:
-        assert getattr(config, config_map.DIRECT[hf_key]) == published[hf_key], hf_key
+        assert getattr(config, hf_map.DIRECT[hf_key]) == published[hf_key], hf_key
     # The converted ones: q_lora_rank null is the plain query projection (0).
     assert config.q_lora_rank == (published["q_lora_rank"] or 0)
     assert config.rope_max_timescale == published["rope_theta"]
     scaling = published["rope_scaling"]
     assert scaling["type"] == config.rope_type == "yarn"
     # YaRN: the importer's keys (truncate: absent from both files) and the two mscales.
-    assert set(config_map.YARN_KEYS) - set(scaling) == {"truncate"}
-    for hf_key in set(config_map.YARN_KEYS) & set(scaling):
-        assert getattr(config, config_map.YARN_KEYS[hf_key]) == scaling[hf_key], hf_key
+    assert set(hf_map.YARN_KEYS) - set(scaling) == {"truncate"}
+    for hf_key in set(hf_map.YARN_KEYS) & set(scaling):
+        assert getattr(config, hf_map.YARN_KEYS[hf_key]) == scaling[hf_key], hf_key
     assert (config.mscale, config.mscale_all_dim) == (scaling["mscale"], scaling["mscale_all_dim"])
     # Neither file carries rope_interleave: DeepSeek's rope weights are interleaved
     # (V3's default, every V2). Logits are untied from the embedding, as here.

@@ -13,9 +13,9 @@ import jax
 import numpy as np
 import pytest
 
-from trainer import checkpoint, checkpoint_files
-from trainer import run as run_lib
 from trainer.config import ConfigError, make_config
+from trainer.io import checkpoint, checkpoint_files, checkpoint_keys, stop_signals
+from trainer.run import run as run_lib
 
 TRAIN = Path(sys.executable).parent / "train"
 TINY = {"model_name": "tagtrain-tiny", "per_device_batch_size": "1", "steps": "6"}
@@ -96,13 +96,13 @@ def test_half_written_checkpoints_are_skipped(resumed):
     # Moved aside, not restored from, not counted among the kept ones.
     assert "5.incomplete" in names and "4.orbax-checkpoint-tmp-1234" not in names
     assert [n for n in names if n.isdigit()] == ["5", "6"]
-    assert all(checkpoint.is_complete(str(ckpt / n)) for n in ("5", "6"))
+    assert all(checkpoint_files.is_complete(str(ckpt / n)) for n in ("5", "6"))
 
 
 def test_sweep_warns_naming_the_directory(tmp_path, capfd):
     (tmp_path / "7").mkdir()
     (tmp_path / "8.orbax-checkpoint-tmp-99").mkdir()
-    skipped = checkpoint.sweep_incomplete(str(tmp_path))
+    skipped = checkpoint_files.sweep_incomplete(str(tmp_path))
     err = capfd.readouterr().err
     assert skipped == [str(tmp_path / "7"), str(tmp_path / "8.orbax-checkpoint-tmp-99")]
     assert f"skipping incomplete checkpoint {tmp_path / '7'} (no completion metadata)" in err
@@ -122,7 +122,7 @@ def test_nan_stops_naming_the_step_and_keeps_the_last_good_checkpoint(resumed, t
         run_lib.train(run, poison_after_2)
     ckpt = Path(checkpoint.checkpoint_dir(run.config))
     assert sorted(p.name for p in ckpt.iterdir()) == ["1", "2"]  # nothing for step 3
-    assert checkpoint.is_complete(str(ckpt / "2"))
+    assert checkpoint_files.is_complete(str(ckpt / "2"))
     restored = run_lib.setup(_config(tmp_path))
     assert restored.start_step == 2
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(restored.state["params"]))
@@ -267,7 +267,7 @@ def test_ctrl_c_stops_after_the_step_and_saves_it(resumed, tmp_path, capfd):
     assert "Ctrl-C: stopping after this step (again to abort)" in capfd.readouterr().err
     ckpt = Path(checkpoint.checkpoint_dir(run.config))
     assert [p.name for p in ckpt.iterdir()] == ["2"]
-    assert checkpoint.is_complete(str(ckpt / "2"))
+    assert checkpoint_files.is_complete(str(ckpt / "2"))
 
 
 # SIGTERM through the binary in the cpu tier; Ctrl-C (the same handler, tested in
@@ -294,7 +294,7 @@ def test_signal_saves_and_exits_cleanly(tmp_path, sig):
     assert f"{sig.name}: stopped after step {last}; checkpoint saved in" in stdout
     ckpt = tmp_path / "tagtrain-tiny" / "checkpoints"
     assert [p.name for p in ckpt.iterdir()] == [str(last)]
-    assert checkpoint.is_complete(str(ckpt / str(last)))
+    assert checkpoint_files.is_complete(str(ckpt / str(last)))
 
 
 def test_unwritable_output_directory_binary_exits_2(tmp_path):
@@ -351,7 +351,7 @@ def test_unwritable_metrics_file_binary_exits_2_before_compiling(tmp_path):
 
 def test_second_ctrl_c_aborts():
     before = signal.getsignal(signal.SIGINT)
-    with checkpoint.stop_on_signals() as stop:
+    with stop_signals.stop_on_signals() as stop:
         os.kill(os.getpid(), signal.SIGINT)
         assert stop.requested and stop.signal_name == "SIGINT"
         with pytest.raises(KeyboardInterrupt):
@@ -481,18 +481,18 @@ def test_no_intact_checkpoint_stops_listing_what_was_tried(damage, tmp_path):
         (ckpt / "4" / "meta" / "metadata").write_text("garbage")
         # Valid JSON, other content: only the metadata's checksum sees it.
         (ckpt / "3" / "meta" / "metadata").write_text('{"step": 3, "rows_consumed": 1}')
-        record = json.loads((ckpt / "2" / checkpoint.CHECKSUMS).read_text())
+        record = json.loads((ckpt / "2" / checkpoint_files.CHECKSUMS).read_text())
         record["arrays"]["step"]["sum"][0] += 1
-        (ckpt / "2" / checkpoint.CHECKSUMS).write_text(json.dumps(record))
+        (ckpt / "2" / checkpoint_files.CHECKSUMS).write_text(json.dumps(record))
 
-    with pytest.raises(checkpoint.CheckpointRestoreError) as raised:
+    with pytest.raises(checkpoint_keys.CheckpointRestoreError) as raised:
         damage(all_damaged)
     message = str(raised.value)
     assert "\n" not in message
     assert message.startswith("no intact checkpoint in ")
     assert "; tried step 4 (meta: JSONDecodeError: Expecting value: line 1 column 1" in message
     assert "; 3 (meta: checksum mismatch); " in message
-    assert f"; 2 (checksums: {checkpoint.CHECKSUMS} does not match its own crc32) " in message
+    assert f"; 2 (checksums: {checkpoint_files.CHECKSUMS} does not match its own crc32) " in message
 
 
 def test_a_full_disk_stops_the_run_and_keeps_the_earlier_checkpoints(
@@ -516,7 +516,7 @@ def test_a_full_disk_stops_the_run_and_keeps_the_earlier_checkpoints(
     monkeypatch.setattr(ocp.JsonCheckpointHandler, "_save_fn", full_at_3)
     run = run_lib.setup(_config(tmp_path, max_checkpoints_to_keep="3"))
     run.compiled = resumed["compiled"]
-    with pytest.raises(checkpoint.CheckpointSaveError) as raised:
+    with pytest.raises(checkpoint_keys.CheckpointSaveError) as raised:
         run_lib.train(run)
     ckpt = Path(checkpoint.checkpoint_dir(run.config))
     message = str(raised.value)
@@ -551,7 +551,9 @@ def test_an_older_checkpoint_goes_only_after_the_newer_one_is_verified(tmp_path,
     # Orbax commits step 3, then recording our checksums fails: 3 is not verified.
     monkeypatch.setattr(checkpoint_files, "write_json_atomic", _no_space)
     saver.save(3, state)
-    with pytest.raises(checkpoint.CheckpointSaveError, match="earlier checkpoints kept: steps 2$"):
+    with pytest.raises(
+        checkpoint_keys.CheckpointSaveError, match="earlier checkpoints kept: steps 2$"
+    ):
         saver.wait()
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["2"]
 
@@ -586,13 +588,13 @@ def test_a_shape_or_dtype_the_model_lacks_is_damage(tmp_path, capfd):
         reader = checkpoint.Checkpointer(config, str(tmp_path / "ckpt"), 8)
         return reader.restore_latest(template, mesh)
 
-    with pytest.raises(checkpoint.CheckpointRestoreError, match=r"tried step 1 \(state/w: "):
+    with pytest.raises(checkpoint_keys.CheckpointRestoreError, match=r"tried step 1 \(state/w: "):
         restore({"w": jax.numpy.zeros(5)})
     err = capfd.readouterr().err
     assert "(state/w: float32[4] in the checkpoint, the model has float32[5])" in err
     # Back from quarantine, as the README says; checked again at the next start.
     shutil.move(tmp_path / "ckpt" / "quarantine" / "1", tmp_path / "ckpt" / "1")
-    with pytest.raises(checkpoint.CheckpointRestoreError, match=r"the model has int32\[4\]\)"):
+    with pytest.raises(checkpoint_keys.CheckpointRestoreError, match=r"the model has int32\[4\]\)"):
         restore({"w": jax.numpy.zeros(4, np.int32)})
     shutil.move(tmp_path / "ckpt" / "quarantine" / "1", tmp_path / "ckpt" / "1")
     restored = restore({"w": jax.numpy.zeros(4)})  # it was intact all along
@@ -604,7 +606,7 @@ def _saved_before_checksums(ckpt):
     # What a tagtrain from before checksum records left: no record, a meta item
     # that does not promise one.
     for step_dir in ckpt.iterdir():
-        (step_dir / checkpoint.CHECKSUMS).unlink()
+        (step_dir / checkpoint_files.CHECKSUMS).unlink()
         meta = json.loads((step_dir / "meta" / "metadata").read_text())
         del meta[checkpoint_files.RECORDED]
         (step_dir / "meta" / "metadata").write_text(json.dumps(meta))
@@ -612,7 +614,7 @@ def _saved_before_checksums(ckpt):
 
 def _record_never_written(ckpt):
     # A save cut short after orbax finished but before our record: not resumed from.
-    (ckpt / "4" / checkpoint.CHECKSUMS).unlink()
+    (ckpt / "4" / checkpoint_files.CHECKSUMS).unlink()
 
 
 def test_a_checkpoint_saved_before_checksum_records_still_resumes(resumed, damage, capfd):

@@ -1,4 +1,4 @@
-"""trainer.checksums: damage that still decodes changes the checksum; sharding does not."""
+"""trainer.io.checksums: damage that still decodes changes the checksum; sharding does not."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trainer import checksums
+from trainer.io import checksums
 
 
 def _tree():

@@ -13,8 +13,13 @@ from trainer.config import (
     mesh_shape,
     parse_overrides,
 )
-from trainer.validate import validate
-from trainer.xla_options import TPU_ASYNC_COLLECTIVES, compiler_options, for_mesh, platform_of
+from trainer.config.validate import validate
+from trainer.run.xla_options import (
+    TPU_ASYNC_COLLECTIVES,
+    compiler_options,
+    for_mesh,
+    platform_of,
+)
 
 BAD = [
     (
@@ -241,7 +246,7 @@ def test_presets_with_maxtext_names_have_maxtexts_shapes():
 
 
 def test_global_batch_is_per_device_batch_times_devices_times_ga():
-    from trainer.validate import global_batch_size
+    from trainer.config.validate import global_batch_size
 
     config = make_config({"per_device_batch_size": "2", "gradient_accumulation_steps": "4"})
     assert global_batch_size(config.accumulation, config.data, 8) == 2 * 8 * 4

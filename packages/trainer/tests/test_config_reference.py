@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from trainer import config_reference
 from trainer.config import FIELDS, GROUPS, Config, DataConfig, make_config
+from trainer.config import reference as config_reference
 
 
 def test_every_key_is_in_exactly_one_group_with_a_one_line_meaning():

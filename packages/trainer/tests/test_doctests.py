@@ -4,7 +4,8 @@ code, and they show the one-line ConfigError a bad key or batch size gets."""
 
 import pytest
 
-from trainer import config, validate
+from trainer import config
+from trainer.config import validate
 
 MODULES = (config, validate)
 ENTRY_POINTS = (config.make_config, validate.validate)

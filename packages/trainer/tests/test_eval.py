@@ -15,11 +15,12 @@ import jax
 import numpy as np
 import pytest
 
-from trainer import checkpoint, eval_data, evaluate, metrics, plots
 from trainer import model as model_lib
-from trainer import run as run_lib
 from trainer.config import ConfigError, make_config, mesh_shape
-from trainer.data import synthetic_batch
+from trainer.data import eval_data, eval_schedule, synthetic_batch
+from trainer.io import checkpoint, metrics, plots
+from trainer.run import evaluate
+from trainer.run import run as run_lib
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 WORDS = [
@@ -314,7 +315,7 @@ def test_bad_eval_input_stops_before_building_the_model(
 def test_evaluation_off_needs_no_eval_data(corpus):
     config = _config(corpus, eval_interval="0", eval_dataset_path="")
     assert eval_data.make_eval_set(config, 8, {"data": 8, "fsdp": 1, "expert": 1}) is None
-    assert not eval_data.due(config.training, config.evaluation, config.steps)
+    assert not eval_schedule.due(config.training, config.evaluation, config.steps)
 
 
 def test_plot_draws_the_eval_curve_beside_the_training_loss(tmp_path):

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 import hlo_tools
-from trainer import floor
-from trainer import run as run_lib
 from trainer.config import make_config
+from trainer.run import floor
+from trainer.run import run as run_lib
 from trainer.sharding import ShardCtx
 
 # data=8, GA=4, f32 so the two steps can be compared tightly.

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from trainer import hf
-from trainer import run as run_lib
 from trainer.config import make_config
 from trainer.generate import cli
+from trainer.run import run as run_lib
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 CHAT = FIXTURES / "v3_chat"

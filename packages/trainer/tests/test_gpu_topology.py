@@ -5,8 +5,8 @@ import importlib.util
 
 import pytest
 
-from trainer import aot, gpu_topology, xla_options
 from trainer.config import ConfigError, make_config
+from trainer.run import aot, gpu_topology, xla_options
 
 
 def test_gpu_topology_names_and_memory():

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from trainer import hf
-from trainer.config import FIELDS, ConfigError, make_config, mesh_shape
-from trainer.hf import config_map, safetensors
+from trainer.config import FIELDS, ConfigError, hf_map, make_config, mesh_shape
+from trainer.hf import safetensors
 from trainer.sharding import ShardCtx, logical_rules, make_mesh
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -111,14 +111,14 @@ def test_streamed_onto_8_devices_equals_one_device(loaded):
 def test_config_round_trips_through_config_json(loaded):
     for name in NAMES:
         config, _ = loaded[name]
-        hf_config = config_map.to_hf(config)
-        again = make_config({**config_map.from_hf(hf_config), "dtype": "float32"})
+        hf_config = hf_map.to_hf(config)
+        again = make_config({**hf_map.from_hf(hf_config), "dtype": "float32"})
         assert again == config, name
 
 
 def test_every_key_is_in_the_docs_table():
     docs = (Path(__file__).parents[3] / "docs" / "hf.md").read_text()
-    missing = [key for key in config_map.KEY_KINDS if f"`{key}`" not in docs]
+    missing = [key for key in hf_map.KEY_KINDS if f"`{key}`" not in docs]
     assert not missing
 
 

@@ -6,9 +6,9 @@ import json
 import numpy as np
 import pytest
 
-from trainer import eval_data, hf_data, text_data
 from trainer.config import ConfigError, make_config, mesh_shape
-from trainer.input_pipeline import make_source
+from trainer.data import eval_data, hf_data, text_data
+from trainer.data.input_pipeline import make_source
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from trainer import hf
-from trainer.config import ConfigError, make_config
-from trainer.hf import config_map, notes, safetensors, stream
+from trainer.config import ConfigError, hf_map, make_config
+from trainer.hf import notes, safetensors, stream
 from trainer.hf.safetensors import SafetensorsError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -85,9 +85,7 @@ def test_v3_without_keys_at_their_defaults_loads_as_transformers(tmp_path):
     dropped = ("routed_scaling_factor", "norm_topk_prob", "rms_norm_eps", "rope_interleave")
     directory = _copy("v3_yarn", tmp_path, **dict.fromkeys(dropped + ("n_shared_experts",)))
     assert (
-        config_map.from_hf(_hf_config("v3_yarn", routed_scaling_factor=None))[
-            "routed_scaling_factor"
-        ]
+        hf_map.from_hf(_hf_config("v3_yarn", routed_scaling_factor=None))["routed_scaling_factor"]
         == 2.5
     )
     assert hf.config_from_hf(str(directory)) == hf.config_from_hf(str(FIXTURES / "v3_yarn"))
@@ -100,10 +98,8 @@ def test_v2_without_keys_at_their_defaults_is_the_same_model():
     dropped = dict.fromkeys(
         ("routed_scaling_factor", "n_shared_experts", "topk_method", "n_group", "topk_group")
     )
-    assert config_map.from_hf(_hf_config("v2_lite", **dropped)) == config_map.from_hf(
-        _hf_config("v2_lite")
-    )
-    v2 = config_map.from_hf(_hf_config("v2_lite", routed_scaling_factor=None))
+    assert hf_map.from_hf(_hf_config("v2_lite", **dropped)) == hf_map.from_hf(_hf_config("v2_lite"))
+    v2 = hf_map.from_hf(_hf_config("v2_lite", routed_scaling_factor=None))
     assert v2["routed_scaling_factor"] == 1.0 and v2["shared_experts"] == 2
 
 
@@ -122,7 +118,7 @@ def test_v2_without_keys_at_their_defaults_is_the_same_model():
 )
 def test_each_missing_key_takes_transformers_default(family, key, expected):
     name = "v3_chat" if family == "deepseek_v3" else "v2_grouped"
-    out = config_map.from_hf(_hf_config(name, **{key: None}))
+    out = hf_map.from_hf(_hf_config(name, **{key: None}))
     assert out[expected[0]] == expected[1]
 
 
@@ -157,7 +153,7 @@ def test_a_preset_never_fills_what_config_json_leaves_out():
 )
 def test_what_transformers_refuses_is_refused_naming_the_key(name, changes, message):
     with pytest.raises(ConfigError, match=message):
-        config_map.from_hf(_hf_config(name, **changes))
+        hf_map.from_hf(_hf_config(name, **changes))
 
 
 def test_yarn_without_original_context_takes_max_position_embeddings():
@@ -165,7 +161,7 @@ def test_yarn_without_original_context_takes_max_position_embeddings():
     (it raises only for a missing factor); the trainer's preset 4096 is not used."""
     rope = dict(_hf_config("v3_yarn")["rope_parameters"])
     del rope["original_max_position_embeddings"]
-    out = config_map.from_hf(_hf_config("v3_yarn", rope_parameters=rope))
+    out = hf_map.from_hf(_hf_config("v3_yarn", rope_parameters=rope))
     assert out["original_max_position_embeddings"] == 64 and out["rope_factor"] == 4.0
 
 
@@ -183,7 +179,7 @@ def test_keys_transformers_ignores_are_ignored_and_named(tmp_path, capsys):
     assert "hf import: scoring_func='softmax' ignored: transformers' deepseek_v3 uses" in err
     assert "topk_method='greedy' ignored" in err and "qk_head_dim=99 ignored" in err
     v2 = _hf_config("v2_lite", norm_topk_prob=True, scoring_func="sigmoid")
-    assert config_map.from_hf(v2)["norm_topk_prob"] is False
+    assert hf_map.from_hf(v2)["norm_topk_prob"] is False
     assert len(notes.lines(v2)) == 2
 
 
@@ -290,12 +286,12 @@ def test_moonlight_latent_norms_keep_transformers_epsilon():
     assert config.normalization_layer_epsilon == 1e-5 and config.latent_norm_epsilon == 1e-6
     # latent_norm_epsilon < 0: MaxText's one epsilon for every norm, here 1e-5.
     assert _logits_error(FIXTURES / "moonlight", "moonlight", latent_norm_epsilon=-1) > 0.1
-    assert config_map.to_hf(config)["rms_norm_eps"] == 1e-5
+    assert hf_map.to_hf(config)["rms_norm_eps"] == 1e-5
     one_epsilon = make_config(
-        {**config_map.from_hf(_hf_config("moonlight")), "latent_norm_epsilon": -1}
+        {**hf_map.from_hf(_hf_config("moonlight")), "latent_norm_epsilon": -1}
     )
     with pytest.raises(ConfigError, match=r"latent_norm_epsilon=-1.0 .* cannot be exported"):
-        config_map.to_hf(one_epsilon)
+        hf_map.to_hf(one_epsilon)
     lines = notes.lines(_hf_config("moonlight"))
     assert any("latent norms" in line and "1e-06" in line for line in lines)
 
@@ -314,9 +310,9 @@ def test_aux_loss_alpha_maps_to_the_balance_loss_weight(tmp_path, capsys):
     """DeepSeek adds alpha x each MoE layer's sequence-wise loss; the trainer adds the
     weight x their mean: weight = alpha x MoE layers (v2_lite: 2)."""
     v2 = _hf_config("v2_lite", aux_loss_alpha=0.001, seq_aux=True)
-    assert config_map.from_hf(v2)["load_balance_loss_weight"] == pytest.approx(0.002)
+    assert hf_map.from_hf(v2)["load_balance_loss_weight"] == pytest.approx(0.002)
     batch_wise = _hf_config("v2_lite", aux_loss_alpha=0.001, seq_aux=False)
-    assert "load_balance_loss_weight" not in config_map.from_hf(batch_wise)
+    assert "load_balance_loss_weight" not in hf_map.from_hf(batch_wise)
     assert "is not used" in notes.lines(batch_wise)[0]
     directory = _copy("v2_lite", tmp_path, aux_loss_alpha=0.001, seq_aux=True)
     config = make_config({"hf_model_path": str(directory), "load_balance_loss_weight": "0.5"})
@@ -381,7 +377,7 @@ def test_export_writes_the_changed_keys_and_token_ids(tmp_path):
     (source / "generation_config.json").unlink()
     _, params = hf.load(str(source), dtype="float32", progress=False)
     config = make_config(
-        {**config_map.from_hf(_hf_config("moonlight")), "routed_scaling_factor": 2.0,
+        {**hf_map.from_hf(_hf_config("moonlight")), "routed_scaling_factor": 2.0,
          "load_balance_loss_weight": 0.0, "dtype": "float32"}
     )  # fmt: skip
     out = tmp_path / "export"
@@ -390,4 +386,4 @@ def test_export_writes_the_changed_keys_and_token_ids(tmp_path):
     assert written == _exported("moonlight", routed_scaling_factor=2.0, aux_loss_alpha=0.0)
     generation = json.loads((out / "generation_config.json").read_text())
     assert (generation["bos_token_id"], generation["eos_token_id"]) == (60, 61)
-    assert config_map.from_hf(written)["routed_scaling_factor"] == 2.0
+    assert hf_map.from_hf(written)["routed_scaling_factor"] == 2.0

@@ -17,8 +17,8 @@ import pytest
 
 from trainer import hf
 from trainer import model as model_lib
-from trainer.config import make_config
-from trainer.hf import config_map, keys, safetensors, stream
+from trainer.config import hf_map, make_config
+from trainer.hf import keys, safetensors, stream
 
 CONFIGS = Path(__file__).parent / "fixtures" / "hf_configs"
 CASES = (("deepseek_v3.json", "deepseek3-671b"), ("deepseek_v2_lite.json", "deepseek2-lite"))
@@ -133,7 +133,7 @@ def test_published_tensors_map_one_to_one_onto_the_preset(file, preset):
     assert trainer_elements == sum(math.prod(tensors[n][0]) for n in mapped)
     # And config.json itself maps onto the preset's model (the balance-loss weight,
     # V2-Lite's aux_loss_alpha, is a training choice the preset leaves at 0).
-    from_hf = config_map.from_hf(published)
+    from_hf = hf_map.from_hf(published)
     from_hf.pop("load_balance_loss_weight", None)
     # The import's explicit latent epsilon is what the preset's -1 means (its one 1e-6).
     assert from_hf.pop("latent_norm_epsilon") == config.normalization_layer_epsilon

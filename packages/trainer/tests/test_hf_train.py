@@ -12,10 +12,11 @@ import jax
 import numpy as np
 import pytest
 
-from trainer import export_hf, hf
-from trainer import run as run_lib
+from trainer import hf
 from trainer.config import ConfigError, make_config
 from trainer.hf import safetensors
+from trainer.io import export_hf
+from trainer.run import run as run_lib
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "v3_yarn"
 TEXT = Path(__file__).parents[3] / "examples" / "text" / "train.txt"

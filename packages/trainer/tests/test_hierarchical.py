@@ -63,8 +63,8 @@ def test_no_cross_slice_reduction_in_the_loop_and_in_slice_scatters_per_microbat
 
 
 def test_one_cross_slice_reduction_of_the_sharded_gradient_per_step(runner):
-    from trainer import run as run_lib
     from trainer.config import make_config
+    from trainer.run import run as run_lib
 
     _, text = runner(1, **SLICES)
     split = hlo_tools.slice_traffic(text, 2)
@@ -79,8 +79,8 @@ def test_one_cross_slice_reduction_of_the_sharded_gradient_per_step(runner):
 
 
 def test_startup_lines_name_the_plan(runner):
-    from trainer import run as run_lib
     from trainer.config import make_config
+    from trainer.run import run as run_lib
 
     config = make_config({"model_name": "tagtrain-tiny", **SLICES, "print_reduction_plan": "true"})
     run = run_lib.abstract_setup(config, jax.devices())
@@ -109,7 +109,7 @@ def test_startup_lines_name_the_plan(runner):
 )  # fmt: skip
 def test_bad_slice_configs_stop_before_compiling(overrides, message):
     from trainer.config import ConfigError, make_config
-    from trainer.validate import validate
+    from trainer.config.validate import validate
 
     config = make_config(overrides)
     with pytest.raises(ConfigError, match=message):
@@ -119,8 +119,8 @@ def test_bad_slice_configs_stop_before_compiling(overrides, message):
 def test_slice_count_from_devices_config_and_topology():
     import types
 
-    from trainer import slices
     from trainer.config import ConfigError, make_config
+    from trainer.sharding import slices
 
     real = [types.SimpleNamespace(id=i, slice_index=i // 4) for i in range(8)]
     assert slices.num_slices(make_config({}), real) == 2  # detected on real slices
@@ -141,7 +141,7 @@ def test_devices_that_report_slices_get_one_slice_per_dcn_block(monkeypatch):
     keep the order given. The TPU layout inside a slice: test_aot.py."""
     import types
 
-    from trainer import slices
+    from trainer.sharding import slices
 
     fake = [types.SimpleNamespace(id=i, slice_index=i % 2, device_kind="cpu", platform="cpu")
             for i in range(8)]  # fmt: skip

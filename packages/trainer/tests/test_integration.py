@@ -13,8 +13,8 @@ import jax
 import pytest
 
 import hlo_tools
-from trainer import run as run_lib
 from trainer.config import make_config
+from trainer.run import run as run_lib
 
 pytestmark = pytest.mark.integration
 

@@ -17,15 +17,17 @@ import numpy as np
 import pytest
 
 import hlo_tools
-from trainer import abstract_model, export_hf, flops, hf, report
 from trainer import data as data_lib
+from trainer import hf
 from trainer import model as model_lib
-from trainer import run as run_lib
-from trainer.config import ConfigError, make_config
-from trainer.loss import token_cross_entropy
-from trainer.model import lora
-from trainer.train_step import mtp_loss_scales
-from trainer.validate import validate
+from trainer.config import ConfigError, lora_targets, make_config
+from trainer.config.validate import validate
+from trainer.io import export_hf
+from trainer.model import abstract_model, flops, lora
+from trainer.run import report
+from trainer.run import run as run_lib
+from trainer.step.loss import token_cross_entropy
+from trainer.step.train_step import mtp_loss_scales
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "v3_sharded_mtp"
 LORA = {
@@ -265,9 +267,9 @@ def test_a_misspelt_target_is_refused_with_lora_off_too():
 
 def test_targets_resolve_groups_to_the_model_s_projections():
     model = make_config({"lora_rank": "2", "q_lora_rank": "0"}).model
-    assert lora.resolve_targets(model) == {"wq", "wkv_a", "wkv_b", "wo"}
+    assert lora_targets.resolve_targets(model) == {"wq", "wkv_a", "wkv_b", "wo"}
     model = make_config({"lora_rank": "2", "lora_targets": "experts,wo"}).model
-    assert lora.resolve_targets(model) == {"expert_wi_0", "expert_wi_1", "expert_wo", "wo"}
+    assert lora_targets.resolve_targets(model) == {"expert_wi_0", "expert_wi_1", "expert_wo", "wo"}
     assert lora.spec_of(make_config({}).model) is None  # lora_rank=0: off
 
 

@@ -5,8 +5,8 @@ import jax
 import pytest
 
 import hlo_tools
-from trainer import aot
 from trainer.config import make_config
+from trainer.run import aot
 
 pytestmark = pytest.mark.aot
 pytest.importorskip("libtpu", reason="needs the tpu extra (libtpu): uv run --extra tpu")

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import hlo_tools
-from trainer import run as run_lib
 from trainer.config import make_config
+from trainer.run import run as run_lib
 
 COMMON = {
     "lora_rank": "4",

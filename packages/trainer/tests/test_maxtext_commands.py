@@ -10,8 +10,10 @@ import typing
 
 import pytest
 
-from trainer import distributed, main, maxtext_compat
-from trainer.config import Config, ConfigError, _parse_value, make_config
+from trainer.config import Config, ConfigError, make_config, maxtext_compat
+from trainer.config.make import parse_value
+from trainer.run import main
+from trainer.sharding import distributed
 
 BUCKET = "gs://example-bucket"
 
@@ -71,7 +73,7 @@ def test_maxtext_command_parses_and_sets_its_keys(name):
     overrides, notes, config = _parse(MAXTEXT_COMMANDS[name])
     # Every key the command sets reaches the config with the command's value.
     for key, raw in overrides.items():
-        assert getattr(config, key) == _parse_value(key, raw), key
+        assert getattr(config, key) == parse_value(key, raw), key
     # The kernel choices that tagtrain honours another way are said, not dropped.
     if "attention=flash" in MAXTEXT_COMMANDS[name]:
         assert any(note.startswith("attention=flash") for note in notes)

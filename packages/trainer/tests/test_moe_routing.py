@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 
 import hlo_tools
-from trainer import checkpoint, metrics, report
 from trainer.config import ConfigError, make_config
-from trainer.run import data_lines, moe_figures, step_line
+from trainer.config.validate import validate
+from trainer.io import checkpoint, metrics
+from trainer.run import report
+from trainer.run.run import data_lines, moe_figures, step_line
 from trainer.sharding import ShardCtx, logical_rules, make_mesh
-from trainer.validate import validate
 
 DEFERRED = dict(gradient_accumulation_steps="4", gradient_reduction_policy="deferred")
 LAYOUTS = {
@@ -161,7 +162,7 @@ def test_plot_metrics_draws_the_moe_charts(tmp_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from trainer import plots
+    from trainer.io import plots
 
     with metrics.MetricsWriter(str(tmp_path / "run"), tensorboard=False) as writer:
         for step in range(1, 6):

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 import hlo_tools
-from trainer import abstract_model, flops
 from trainer import model as model_lib
 from trainer.config import ConfigError, make_config
+from trainer.config.validate import validate
+from trainer.model import abstract_model, flops
 from trainer.model.mtp import depth_targets
 from trainer.sharding import ShardCtx, logical_rules, make_mesh
-from trainer.validate import validate
 
 GA4 = {"gradient_accumulation_steps": "4"}
 ZERO1 = {"shard_optimizer_over_data": "true"}
@@ -164,7 +164,7 @@ def test_mtp_matrix_keeps_one_reduction_per_step(runner, depth, mode, layout, wa
 
 
 def test_top1_hits_mark_where_the_target_has_the_largest_logit():
-    from trainer.loss import top1_hits
+    from trainer.step.loss import top1_hits
 
     logits = np.array([[[0.0, 2.0, 1.0], [3.0, 0.0, 1.0], [0.0, 0.0, 5.0]]], np.float32)
     targets = np.array([[1, 2, 2]], np.int32)
@@ -172,9 +172,9 @@ def test_top1_hits_mark_where_the_target_has_the_largest_logit():
 
 
 def test_mtp_losses_reach_the_record_the_scalars_and_the_plot_lines(tmp_path):
-    from trainer import metrics, plots
-    from trainer.evaluate import eval_line
-    from trainer.run import step_line
+    from trainer.io import metrics, plots
+    from trainer.run.evaluate import eval_line
+    from trainer.run.run import step_line
 
     step = {
         "step": 1,
@@ -213,7 +213,7 @@ def test_mtp_losses_reach_the_record_the_scalars_and_the_plot_lines(tmp_path):
 def test_no_counted_mtp_prediction_sees_the_next_document():
     """Two packed documents in a row: changing the second one's tokens changes no
     depth's loss at a counted position of the first (forward, one device)."""
-    from trainer.loss import token_cross_entropy
+    from trainer.step.loss import token_cross_entropy
 
     config = make_config({"model_name": "tagtrain-tiny", "mtp_num_layers": "2"})
     sizes = validate(config, 1)
@@ -269,8 +269,8 @@ def test_eval_reports_the_target_depths_top1_acceptance():
     argmax is the token 3 ahead, summed over the eval set, as numpy counts it from
     the depth's logits; the eval loss is the one evaluation without it reports."""
 
-    from trainer import run as run_lib
-    from trainer.evaluate import make_evaluator
+    from trainer.run import run as run_lib
+    from trainer.run.evaluate import make_evaluator
 
     values = {
         "model_name": "tagtrain-tiny",

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from trainer import aot, distributed, metrics, plots, profiling
 from trainer.config import ConfigError, make_config
-from trainer.run import data_lines
+from trainer.io import metrics, plots, profiling
+from trainer.run import aot
+from trainer.run.run import data_lines
+from trainer.sharding import distributed
 
 BIN = Path(sys.executable).parent
 REQUIRED = (

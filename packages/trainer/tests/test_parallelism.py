@@ -11,7 +11,7 @@ import pytest
 
 import hlo_tools
 from trainer.config import make_config
-from trainer.report import collective_summary
+from trainer.run.report import collective_summary
 
 # The layouts whose only batch axis is 'data' run at GA=4 (the same 32 sequences per
 # step as the single-device reference): one compile per layout serves both the
@@ -90,7 +90,7 @@ def test_fsdp_without_deferral_reduces_data_in_the_loop(runner):
 def test_startup_summary_tells_fsdp_reductions_from_lost_deferral(runner):
     """The per-microbatch FSDP reduce-scatters are expected; a 'data' one in the loop is not."""
     from trainer.config import make_config
-    from trainer.report import collective_summary
+    from trainer.run.report import collective_summary
 
     config = make_config(DATA_FSDP)
     mesh_shape = {"data": 4, "fsdp": 2}
@@ -117,8 +117,8 @@ def test_startup_summary_tells_fsdp_reductions_from_lost_deferral(runner):
 def test_strict_axes_are_those_sharding_no_weight(name, strict):
     import jax
 
-    from trainer import run as run_lib
     from trainer.config import make_config
+    from trainer.run import run as run_lib
     from trainer_tests_layouts import EIGHT_DEVICE_LAYOUTS
 
     config = make_config({"model_name": "tagtrain-tiny", **EIGHT_DEVICE_LAYOUTS[name]})

@@ -13,8 +13,8 @@ def test_auto_mode_lays_optimizer_state_out_like_the_parameters():
     """Under FSDP, XLA left to itself replicated Adam's moments in auto mode."""
     import jax
 
-    from trainer import run as run_lib
     from trainer.config import make_config
+    from trainer.run import run as run_lib
     from trainer_tests_layouts import EIGHT_DEVICE_LAYOUTS
 
     config = make_config({**EIGHT_DEVICE_LAYOUTS["fsdp"], "shard_mode": "auto"})

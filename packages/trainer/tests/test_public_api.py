@@ -11,7 +11,7 @@ def test_every_public_name_resolves():
     for name in trainer.__all__:
         assert getattr(trainer, name) is not None, name
     assert trainer.make_config({"steps": "2"}).steps == 2
-    assert trainer.hf.load and trainer.setup.__module__ == "trainer.run"
+    assert trainer.hf.load and trainer.setup.__module__ == "trainer.run.run"
 
 
 def test_importing_the_package_loads_no_jax():

@@ -2,7 +2,7 @@
 (docs/cost_model.md, "Which bytes are exact"): on a hand-written module, no compile."""
 
 import hlo_tools
-from trainer import reduction_bytes
+from trainer.step import reduction_bytes
 
 # One device's 32-element shard gathered as an all-reduce of a dynamic-update-slice
 # into zeros (XLA:TPU's small all-gather), one f32[4,64] gradient all-reduced in the

@@ -9,8 +9,9 @@ import pytest
 
 from accum import cost as cost_lib
 from accum.hardware import HARDWARE
-from trainer import plan_reduction, reduction_choice
 from trainer.config import ConfigError, make_config
+from trainer.run import plan_reduction
+from trainer.step import reduction_choice
 
 
 def test_auto_is_the_default_and_explicit_values_keep_their_meaning():

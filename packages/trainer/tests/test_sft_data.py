@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainer import chat_template, eval_data, sft_data, text_data
 from trainer.config import ConfigError, make_config, mesh_shape
-from trainer.input_pipeline import make_source
+from trainer.data import chat_template, eval_data, sft_data, text_data
+from trainer.data.input_pipeline import make_source
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")

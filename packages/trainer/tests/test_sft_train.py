@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from trainer import model as model_lib
-from trainer import run as run_lib
 from trainer.config import make_config
+from trainer.run import run as run_lib
 
 CHAT = Path(__file__).parent / "fixtures" / "hf" / "v3_chat"
 EXAMPLES = Path(__file__).parents[3] / "examples" / "chat"

@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from trainer import text_data
 from trainer.config import ConfigError, make_config
-from trainer.input_pipeline import make_source
+from trainer.data import text_data
+from trainer.data.input_pipeline import make_source
 
 LENGTH = 16
 
@@ -180,7 +180,7 @@ def test_text_keys_without_text_dataset_are_rejected(tmp_path):
 def test_put_rows_places_the_global_batch_on_the_mesh(corpus):
     import jax
 
-    from trainer.input_pipeline import put_rows
+    from trainer.data.input_pipeline import put_rows
     from trainer.sharding import ShardCtx, logical_rules, make_mesh
 
     config = _config(corpus, jsonl_field="body")

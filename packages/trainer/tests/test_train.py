@@ -79,8 +79,8 @@ def test_deferred_and_per_microbatch_losses_agree_and_fall(runner):
 def test_zero1_shards_masters_and_optimizer_state_over_data():
     import jax
 
-    from trainer import run as run_lib
     from trainer.config import make_config
+    from trainer.run import run as run_lib
 
     overrides = {"shard_optimizer_over_data": "true", "per_device_batch_size": "4"}
     run = run_lib.setup(make_config(overrides))
@@ -98,8 +98,8 @@ def test_zero1_reduces_once_into_the_shards(runner):
 def _bf16_run(**overrides):
     import jax
 
-    from trainer import run as run_lib
     from trainer.config import make_config
+    from trainer.run import run as run_lib
 
     values = {
         "model_name": "tagtrain-tiny",

@@ -385,7 +385,7 @@ def predict(
     """The plan's predicted cost (formulas: docs/cost_model.md, "Time model").
 
     `step_flops_per_chip`: the optimizer step's training FLOPs on one chip
-    (trainer.flops); `overlapped_after_loop`: the after-loop reductions run inside
+    (trainer.model.flops); `overlapped_after_loop`: the after-loop reductions run inside
     the last microbatch's backward pass (schedule 'overlapped_ring': rings are async), so
     they hide under it up to its length; `gradient_dtypes`, `use_dtypes`,
     `summed_in_use`, `summed_by_the_loop`, `stacked_per_layer`, `zero1`: as in

@@ -21,8 +21,7 @@ The command lines: `train`, `plan-reduction`, `export-hf`, `plot-metrics`
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from trainer._lazy import exports
 
 __version__ = "0.1.0"
 
@@ -32,31 +31,15 @@ _EXPORTS = {
     "ConfigError": "trainer.config",
     "make_config": "trainer.config",
     "parse_overrides": "trainer.config",
-    "validate": "trainer.validate",
-    "Run": "trainer.run",
-    "setup": "trainer.run",
-    "compile_step": "trainer.run",
-    "train": "trainer.run",
-    "startup_lines": "trainer.run",
-    "compile_for_topology": "trainer.aot",
+    "validate": "trainer.config.validate",
+    "Run": "trainer.run.run",
+    "setup": "trainer.run.run",
+    "compile_step": "trainer.run.run",
+    "train": "trainer.run.run",
+    "startup_lines": "trainer.run.run",
+    "compile_for_topology": "trainer.run.aot",
     "hf": "",
 }
 
 __all__ = [*_EXPORTS, "__version__"]
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'trainer' has no attribute {name!r}")
-    module = _EXPORTS[name]
-    value = (
-        importlib.import_module(f"trainer.{name}")
-        if not module
-        else getattr(importlib.import_module(module), name)
-    )
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = exports(__name__, _EXPORTS)

@@ -3,7 +3,7 @@
 Prompts are encoded as the tokenizer encodes a text by default (its post-processor
 adds what it adds: DeepSeek's prepends BOS); completions are decoded with special
 tokens skipped. A run trained on text without a tokenizer.json used byte tokens
-(trainer.text_data: ids 0..255, 256 ends a document): the same here.
+(trainer.data.text_data: ids 0..255, 256 ends a document): the same here.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable, Sequence
 
 from trainer.config import ConfigError
-from trainer.text_data import BYTE_VOCAB, EOS_BYTE, EOS_NAMES
+from trainer.data.text_data import BYTE_VOCAB, EOS_BYTE, EOS_NAMES
 
 # DeepSeek's end of sentence, looked up before the trainer's generic names.
 DEEPSEEK_EOS = "<｜end▁of▁sentence｜>"

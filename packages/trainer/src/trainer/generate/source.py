@@ -16,7 +16,7 @@ import os
 from trainer.config import Config, ConfigError
 from trainer.generate import codec
 from trainer.generate.args import Arguments
-from trainer.initial_weights import saved_run_config, step_directory
+from trainer.io.initial_weights import saved_run_config, step_directory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,9 +32,10 @@ class Source:
 
     def load(self) -> dict[str, dict]:
         """{"params", "router"} on one device (trainer.hf.default_ctx)."""
+        # deferred: the arguments are checked before JAX and the model code load
         from trainer import hf
         from trainer import model as model_lib
-        from trainer.initial_weights import restore_parameters
+        from trainer.io.initial_weights import restore_parameters
 
         ctx = hf.default_ctx(self.config)
         if self.hf_model_path:
@@ -66,6 +67,7 @@ def _eos(args: Arguments, declared: tuple[int, ...] | None, tokenizer) -> tuple[
 
 
 def _from_hf(args: Arguments, overrides: dict) -> Source:
+    # deferred: the arguments are checked before JAX and the model code load
     from trainer import hf
 
     path = args.hf_model_path

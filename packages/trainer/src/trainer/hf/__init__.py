@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from trainer import model as model_lib
-from trainer.config import Config, ConfigError, make_config, mesh_shape
-from trainer.hf import config_map, export_config, keys, notes, safetensors, stream
+from trainer.config import Config, ConfigError, hf_map, make_config, mesh_shape
+from trainer.hf import export_config, keys, notes, safetensors, stream
 from trainer.sharding import ShardCtx, logical_rules, make_mesh
 
 # Shards above this size get split (transformers' default max_shard_size is 5 GB).
@@ -35,8 +35,8 @@ FILE_DTYPE = {"float32": "F32", "bfloat16": "BF16"}  # export dtype -> safetenso
 
 def config_from_hf(path: str, **overrides: Any) -> Config:
     """The trainer Config of HF directory `path`; `overrides` (trainer keys) win."""
-    hf = config_map.read_config_json(path)
-    return make_config({**config_map.from_hf(hf, os.path.join(path, "config.json")), **overrides})
+    hf = hf_map.read_config_json(path)
+    return make_config({**hf_map.from_hf(hf, os.path.join(path, "config.json")), **overrides})
 
 
 def default_ctx(config: Config) -> ShardCtx:
@@ -49,8 +49,8 @@ def default_ctx(config: Config) -> ShardCtx:
 def plan_import(path: str, config: Config, targets: dict[str, dict]) -> stream.Plan:
     """Check the files of `path` against `targets` ({"params", "router"} trees of
     ShapeDtypeStructs): SafetensorsError naming file and key before any data is read."""
-    hf = config_map.read_config_json(path)
-    leaves = keys.leaves(targets, config, config_map.family_of(hf))
+    hf = hf_map.read_config_json(path)
+    leaves = keys.leaves(targets, config, hf_map.family_of(hf))
     refs = safetensors.read_directory(path)
     return stream.check(leaves, refs, config.base_num_decoder_layers, path)
 
@@ -67,7 +67,7 @@ def import_params(
     targets = {"params": params_abs, "router": router_abs}
     plan = plan_import(path, config, targets)
     if progress:
-        for note in notes.lines(config_map.read_config_json(path), config):
+        for note in notes.lines(hf_map.read_config_json(path), config):
             print(f"hf import: {note}", file=sys.stderr, flush=True)
     return stream.import_leaves(plan, targets, progress, config.hf_check_finite)
 
@@ -132,7 +132,7 @@ def save(
         dtype = export_config.source_dtype(source_hf, source)
     if dtype is not None and dtype not in export_config.EXPORT_DTYPES:
         raise ConfigError(f"export_dtype={dtype!r} is not one of {export_config.EXPORT_DTYPES}")
-    computed = config_map.to_hf(config)
+    computed = hf_map.to_hf(config)
     _check_exportable(config, params, computed["model_type"])
     _check_empty(path)
     hf = export_config.merge(computed, source_hf, config)

@@ -2,7 +2,7 @@
 from (the run's hf_model_path): that config.json with only the keys the trainer
 changed rewritten, its generation_config.json, and its dtype.
 
-Without a source, config.json is `config_map.to_hf`'s alone and the tensors keep
+Without a source, config.json is `hf_map.to_hf`'s alone and the tensors keep
 the parameters' dtypes.
 """
 
@@ -12,8 +12,8 @@ import json
 import os
 from typing import Any
 
-from trainer.config import Config, ConfigError
-from trainer.hf import config_map, safetensors
+from trainer.config import Config, ConfigError, hf_map
+from trainer.hf import safetensors
 
 EXPORT_DTYPES = ("float32", "bfloat16")
 GENERATION_CONFIG = "generation_config.json"
@@ -30,14 +30,14 @@ def read_source(directory: str | None) -> dict | None:
     """config.json of `directory` (None when there is none to read)."""
     if not directory or not os.path.isfile(os.path.join(directory, "config.json")):
         return None
-    return config_map.read_config_json(directory)
+    return hf_map.read_config_json(directory)
 
 
 def source_dtype(source: dict, directory: str) -> str:
     """The dtype an export of a model imported from `directory` writes by default:
     the source's own; bfloat16 for DeepSeek's fp8 files (their unquantized tensors'
     dtype); from the embedding's file dtype when config.json does not say."""
-    if config_map.check_quantization(source, "config.json"):
+    if hf_map.check_quantization(source, "config.json"):
         return "bfloat16"
     for key in DTYPE_KEYS:
         if source.get(key) in EXPORT_DTYPES:
@@ -55,16 +55,16 @@ def source_dtype(source: dict, directory: str) -> str:
 
 def _rope_of(hf: dict) -> dict:
     """The trainer rope keys a config.json means (compared, not written)."""
-    family = config_map.family_of(hf)
-    return config_map.rope_keys(hf, family, "config.json")
+    family = hf_map.family_of(hf)
+    return hf_map.rope_keys(hf, family, "config.json")
 
 
 def _meaning_when_absent(key: str, family: str) -> Any:
     """What transformers computes for `family` when config.json leaves `key` out."""
     for table in (
-        config_map.FIXED,
-        config_map.HF_DEFAULTS[family],
-        config_map.IGNORED_BY_HF[family],
+        hf_map.FIXED,
+        hf_map.HF_DEFAULTS[family],
+        hf_map.IGNORED_BY_HF[family],
     ):
         if key in table:
             return table[key]
@@ -73,10 +73,10 @@ def _meaning_when_absent(key: str, family: str) -> Any:
 
 def merge(computed: dict, source: dict | None, config: Config) -> dict:
     """config.json for an export: `source` with the keys whose meaning the trainer's
-    `config` changed rewritten from `computed` (config_map.to_hf), the rest kept as
+    `config` changed rewritten from `computed` (hf_map.to_hf), the rest kept as
     the source spells them (token ids, auto_map, Kimi's model_type ...). The source
     is not used when the trainer's config is another model family."""
-    if source is None or config_map.family_of(source) != computed["model_type"]:
+    if source is None or hf_map.family_of(source) != computed["model_type"]:
         return computed
     family = computed["model_type"]
     out = {k: v for k, v in source.items() if k != "quantization_config"}  # no fp8 written
@@ -92,7 +92,7 @@ def merge(computed: dict, source: dict | None, config: Config) -> dict:
         for key in ROPE_KEYS:
             out.pop(key, None)
         out.update({key: computed[key] for key in ("rope_theta", "rope_scaling")})
-    if (config_map.balance_weight(source, family) or 0.0) != config.load_balance_loss_weight:
+    if (hf_map.balance_weight(source, family) or 0.0) != config.load_balance_loss_weight:
         out["aux_loss_alpha"] = computed.get("aux_loss_alpha", 0.0)
         out["seq_aux"] = True
     return out

@@ -5,7 +5,7 @@ DeepSeek's balance-loss keys (hf.import_params prints them)."""
 from __future__ import annotations
 
 from trainer.config import Config
-from trainer.hf.config_map import (
+from trainer.config.hf_map import (
     IGNORED_BY_HF,
     LATENT_NORM_EPS,
     balance_weight,

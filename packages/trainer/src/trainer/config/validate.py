@@ -1,0 +1,329 @@
+"""Checks that need the machine (device count) — all run before anything compiles.
+
+`validate` takes the whole Config: its checks cross groups (a batch size against the
+mesh, a schedule against the shard mode); each helper takes only the groups it reads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import moe_kernels
+from moe_kernels.config import TOPK_METHODS
+from trainer.config import lora_targets
+from trainer.config.config import Config
+from trainer.config.keys import DTYPES, ROPE_TYPES, ConfigError
+from trainer.config.mesh_shape import mesh_shape
+from trainer.config.model_keys import ModelConfig
+from trainer.config.run_keys import (
+    AccumulationConfig,
+    DataConfig,
+    EvaluationConfig,
+    ParallelismConfig,
+)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def batch_shard_count(parallelism: ParallelismConfig, sizes: dict[str, int]) -> int:
+    """How many ways the batch dimension is split (dcn x data x fsdp x expert-as-fsdp)."""
+    count = sizes["dcn_data"] * sizes["dcn_fsdp"] * sizes["data"] * sizes["fsdp"]
+    if parallelism.expert_shard_attention_option == "fsdp":
+        count *= sizes["expert"]
+    return count
+
+
+def microbatch_size(data: DataConfig, num_devices: int) -> int:
+    """Sequences per microbatch: per_device_batch_size x devices (MaxText's meaning).
+
+    Must come out a whole number.
+    """
+    total = data.per_device_batch_size * num_devices
+    _require(
+        total >= 1 and total == int(total),
+        f"per_device_batch_size={data.per_device_batch_size} x {num_devices} devices = "
+        f"{total} is not a whole, positive number of sequences per microbatch",
+    )
+    return int(total)
+
+
+def global_batch_size(accumulation: AccumulationConfig, data: DataConfig, num_devices: int) -> int:
+    """Sequences per optimizer step: per_device_batch_size x devices x
+    gradient_accumulation_steps, as in MaxText (each microbatch holds
+    per_device_batch_size sequences per device)."""
+    return microbatch_size(data, num_devices) * accumulation.gradient_accumulation_steps
+
+
+def validate(config: Config, num_devices: int, num_slices: int | None = None) -> dict[str, int]:
+    """Raise ConfigError naming the key for anything that would fail later; return mesh sizes.
+
+    `num_slices`: the slices the devices form (default: config.num_slices, or 1).
+
+    >>> from trainer.config import make_config
+    >>> from trainer.config.validate import global_batch_size, validate
+    >>> config = make_config({"ici_fsdp_parallelism": "4", "per_device_batch_size": "2"})
+    >>> sizes = validate(config, num_devices=8)  # the data axis (-1) fills the rest
+    >>> sizes["data"], sizes["fsdp"], global_batch_size(config.accumulation, config.data, 8)
+    (2, 4, 16)
+    >>> validate(make_config({"ici_fsdp_parallelism": "8", "per_device_batch_size": "0.25"}), 8)
+    Traceback (most recent call last):
+    ...
+    trainer.config.ConfigError: microbatch of 2 sequences (...) does not split over 8 batch ...
+    """
+    if num_slices is None:
+        num_slices = config.num_slices if config.num_slices > 0 else 1
+    sizes = mesh_shape(config.parallelism, num_devices, num_slices)
+    _check_training(config)
+    _check_model(config)
+    model, parallelism, data = config.model, config.parallelism, config.data
+    _check_parallelism(model, parallelism, data, sizes)
+    _check_reduction_policy(parallelism, config.accumulation, sizes)
+    _check_accumulation_schedule(model, parallelism, config.accumulation)
+    microbatch = microbatch_size(data, num_devices)
+    shards = batch_shard_count(parallelism, sizes)
+    _require(
+        microbatch % shards == 0,
+        f"microbatch of {microbatch} sequences (per_device_batch_size="
+        f"{config.per_device_batch_size} x {num_devices} devices) does not split over "
+        f"{shards} batch shards "
+        f"(dcn_data x dcn_fsdp x data x fsdp"
+        f"{' x expert' if config.expert_shard_attention_option == 'fsdp' else ''})",
+    )
+    return sizes
+
+
+def _check_training(config: Config) -> None:
+    _require(config.steps >= 1, f"steps={config.steps} must be >= 1")
+    _require(
+        config.gradient_accumulation_steps >= 1,
+        f"gradient_accumulation_steps={config.gradient_accumulation_steps} must be >= 1",
+    )
+    _require(config.learning_rate > 0, f"learning_rate={config.learning_rate} must be > 0")
+    _require(
+        0 <= config.warmup_steps_fraction <= 1,
+        f"warmup_steps_fraction={config.warmup_steps_fraction} must be in [0, 1]",
+    )
+    _require(config.log_period >= 1, f"log_period={config.log_period} must be >= 1")
+    # make_config parses these; a Config edited with dataclasses.replace is checked here.
+    for key in ("dtype", "weight_dtype", "accum_dtype"):
+        value = getattr(config, key)
+        _require(value in DTYPES, f"{key}={value!r} is not one of {DTYPES}")
+    _require(
+        config.gradient_clipping_threshold >= 0,
+        f"gradient_clipping_threshold={config.gradient_clipping_threshold} must be >= 0",
+    )
+
+
+def _check_model(config: Config) -> None:
+    _require(
+        0 <= config.first_num_dense_layers <= config.base_num_decoder_layers,
+        f"first_num_dense_layers={config.first_num_dense_layers} must be between 0 and "
+        f"base_num_decoder_layers={config.base_num_decoder_layers}",
+    )
+    for key in ("vocab_size", "base_emb_dim", "base_num_decoder_layers", "max_target_length"):
+        _require(getattr(config, key) >= 1, f"{key}={getattr(config, key)} must be >= 1")
+    _require(
+        config.qk_rope_head_dim % 2 == 0,
+        f"qk_rope_head_dim={config.qk_rope_head_dim} must be even (RoPE rotates pairs)",
+    )
+    check_architecture(config.model, config.data)
+    lora_targets.check(config.model)
+    if config.num_moe_layers:
+        _check_routing(config.model)
+    _check_mtp(config.model, config.data, config.evaluation)
+
+
+def _check_mtp(model: ModelConfig, data: DataConfig, evaluation: EvaluationConfig) -> None:
+    depth, length = model.mtp_num_layers, data.max_target_length
+    _require(depth >= 0, f"mtp_num_layers={depth} must be >= 0 (0 = no multi-token prediction)")
+    # Depth k predicts the token k+1 ahead: position i needs i + k < length.
+    _require(
+        depth < length,
+        f"mtp_num_layers={depth} leaves no target token at max_target_length={length} "
+        f"(depth k predicts k+1 tokens ahead); use at most {length - 1}",
+    )
+    _require(
+        model.mtp_loss_scaling_factor >= 0,
+        f"mtp_loss_scaling_factor={model.mtp_loss_scaling_factor} must be >= 0",
+    )
+    target = evaluation.mtp_eval_target_module
+    _require(
+        0 <= target <= depth,
+        f"mtp_eval_target_module={target} must be between 0 (off) and mtp_num_layers={depth}",
+    )
+
+
+def check_architecture(model: ModelConfig, data: DataConfig) -> None:
+    """ConfigError naming the key for a bad attention/RoPE option (no machine needed)."""
+    _require(
+        model.q_lora_rank >= 0,
+        f"q_lora_rank={model.q_lora_rank} must be >= 0 (0 = a plain query projection)",
+    )
+    for key, choices in (("rope_type", ROPE_TYPES), ("routed_topk_method", TOPK_METHODS)):
+        value = getattr(model, key)
+        _require(value in choices, f"{key}={value!r} is not one of {choices}")
+    if model.rope_type != "yarn":
+        return
+    _require(
+        model.rope_factor > 1,
+        f"rope_factor={model.rope_factor} must be > 1 with rope_type=yarn (it stretches "
+        "the original context; use rope_type=default for plain RoPE)",
+    )
+    _require(
+        model.original_max_position_embeddings >= 1,
+        f"original_max_position_embeddings={model.original_max_position_embeddings} must be >= 1",
+    )
+    _require(model.beta_slow > 0, f"beta_slow={model.beta_slow} must be > 0")
+    _require(
+        model.beta_fast >= model.beta_slow,
+        f"beta_fast={model.beta_fast} must be >= beta_slow={model.beta_slow}",
+    )
+    _require(model.mscale >= 0, f"mscale={model.mscale} must be >= 0")
+    _require(
+        data.max_target_length <= model.max_position_embeddings,
+        f"max_target_length={data.max_target_length} exceeds max_position_embeddings="
+        f"{model.max_position_embeddings}, the context rope_type=yarn extends to",
+    )
+
+
+def _check_routing(model: ModelConfig) -> None:
+    experts, k = model.num_experts, model.num_experts_per_tok
+    _require(experts >= 1, f"num_experts={experts} must be >= 1")
+    _require(
+        model.capacity_factor >= 0,
+        f"capacity_factor={model.capacity_factor} must be >= 0 (0 = no token dropped)",
+    )
+    _require(
+        model.moe_z_loss_coeff >= 0,
+        f"moe_z_loss_coeff={model.moe_z_loss_coeff} must be >= 0 (0 = no router z-loss)",
+    )
+    _require(
+        1 <= k <= experts, f"num_experts_per_tok={k} must be between 1 and num_experts={experts}"
+    )
+    groups, top_groups = model.n_routing_groups, model.topk_routing_group
+    _require(
+        model.routed_topk_method != "greedy" or groups == 1,
+        f"routed_topk_method=greedy picks over all experts: n_routing_groups={groups} "
+        "must be 1 (or use noaux_tc / group_limited_greedy)",
+    )
+    _require(
+        groups >= 1 and experts % groups == 0,
+        f"n_routing_groups={groups} must divide num_experts={experts}",
+    )
+    _require(
+        1 <= top_groups <= groups,
+        f"topk_routing_group={top_groups} must be between 1 and n_routing_groups={groups}",
+    )
+    _require(
+        k <= top_groups * (experts // groups),
+        f"num_experts_per_tok={k} exceeds the {top_groups * (experts // groups)} experts in "
+        f"topk_routing_group={top_groups} groups of {experts // groups}",
+    )
+
+
+def _check_expert_count(model: ModelConfig, expert: int) -> None:
+    """Experts must split evenly over the expert axis (and into the routing groups):
+    refused with the nearest counts that do."""
+    if model.num_experts % expert == 0:
+        return
+    # Multiples of both the axis and the routing groups, so the suggestion is valid.
+    step = math.lcm(expert, model.n_routing_groups)
+    fits = ", ".join(map(str, moe_kernels.fitting_expert_counts(model.num_experts, step)))
+    raise ConfigError(
+        f"num_experts={model.num_experts} is not divisible by ici_expert_parallelism="
+        f"{expert} (the expert axis shards the experts evenly); nearest that fit: {fits}"
+    )
+
+
+def _check_accumulation_schedule(
+    model: ModelConfig, parallelism: ParallelismConfig, accumulation: AccumulationConfig
+) -> None:
+    # fused (the default) has no effect without the scan; an overlapped schedule is
+    # asked for explicitly and would silently not overlap.
+    schedule = accumulation.gradient_accumulation_schedule
+    key = f"gradient_accumulation_schedule={schedule}"
+    _require(
+        schedule not in ("overlapped", "overlapped_ring") or model.scan_layers,
+        f"{key} needs scan_layers=true (it works inside the backward layer scan)",
+    )
+    _require(
+        schedule not in ("overlapped", "overlapped_ring") or not model.lora_rank,
+        f"{key} does not run with lora_rank={model.lora_rank}: LoRA's step differentiates "
+        "the small adapters only, without the fused layer backward the overlapped schedules "
+        "need; use plain or fused (which runs as plain with LoRA)",
+    )
+    if schedule != "overlapped_ring":
+        return
+    _require(
+        parallelism.shard_mode == "explicit",
+        f"{key} needs shard_mode=explicit (auto mode lets XLA place every reduction)",
+    )
+    _require(
+        accumulation.gradient_reduction_policy != "per_microbatch",
+        f"{key} does nothing with gradient_reduction_policy=per_microbatch (every gradient "
+        "is reduced in its microbatch's backward): use gradient_accumulation_schedule="
+        "overlapped",
+    )
+
+
+def _check_reduction_policy(
+    parallelism: ParallelismConfig, accumulation: AccumulationConfig, sizes: dict[str, int]
+) -> None:
+    policy = accumulation.gradient_reduction_policy
+    if policy != "hierarchical":
+        return
+    _require(
+        parallelism.shard_mode == "explicit",
+        "gradient_reduction_policy=hierarchical needs shard_mode=explicit (auto mode lets XLA "
+        "place every reduction)",
+    )
+    _require(
+        sizes["dcn_data"] * sizes["dcn_fsdp"] > 1,
+        "gradient_reduction_policy=hierarchical needs a cross-slice axis: "
+        "dcn_data_parallelism > 1 (with num_slices, or compile_topology_num_slices, > 1); "
+        "this mesh has one slice",
+    )
+
+
+def _check_parallelism(
+    model: ModelConfig, parallelism: ParallelismConfig, data: DataConfig, sizes: dict[str, int]
+) -> None:
+    if parallelism.shard_optimizer_over_data:
+        for key, axis in (("ici_fsdp_parallelism", "fsdp"), ("dcn_fsdp_parallelism", "dcn_fsdp")):
+            _require(
+                sizes[axis] == 1,
+                f"shard_optimizer_over_data=true (ZeRO-1) cannot be combined with "
+                f"{key}={sizes[axis]} (FSDP already shards the optimizer state)",
+            )
+    _check_expert_count(model, sizes["expert"])
+    _require(
+        model.base_num_query_heads % sizes["tensor"] == 0,
+        f"base_num_query_heads={model.base_num_query_heads} is not divisible by "
+        f"ici_tensor_parallelism={sizes['tensor']}",
+    )
+    seq_shards = sizes["context"] * (
+        sizes["expert"] if parallelism.expert_shard_attention_option == "context" else 1
+    )
+    _require(
+        data.max_target_length % seq_shards == 0,
+        f"max_target_length={data.max_target_length} is not divisible by the {seq_shards} "
+        "sequence shards (ici_context_parallelism"
+        + (
+            " x ici_expert_parallelism"
+            if parallelism.expert_shard_attention_option == "context"
+            else ""
+        )
+        + ")",
+    )
+    for key, dim, axis in (
+        ("base_emb_dim", model.base_emb_dim, "tensor_transpose"),
+        ("base_mlp_dim", model.base_mlp_dim, "tensor"),
+        ("base_moe_mlp_dim", model.base_moe_mlp_dim, "tensor"),
+    ):
+        _require(
+            dim % sizes[axis] == 0,
+            f"{key}={dim} is not divisible by ici_{axis}_parallelism={sizes[axis]}",
+        )

@@ -1,0 +1,110 @@
+"""`export-hf run_dir=RUN output=DIR [step=N] [export_dtype=float32|bfloat16]`: a run's
+checkpoint as a Hugging Face directory.
+
+Reads the run's config from the checkpoint, restores the parameters and routing
+biases of step N (default: the newest), writes them with `trainer.hf.save` and
+copies the run's tokenizer (tokenizer_path, as tokenizer.json) beside them. A run
+started from `hf_model_path` exports over that directory's config.json (the keys
+training did not change kept as they were), its generation_config.json and, unless
+export_dtype says otherwise, its dtype (bfloat16 for fp8 files). A LoRA run's
+checkpoint holds its adapters: its frozen base is loaded again as the run loaded it
+(hf_model_path, load_parameters_path, or drawn from the seed) and the merged weights
+W + lora_alpha / lora_rank x A @ B are written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import sys
+
+from trainer.config import Config, ConfigError, parse_overrides
+from trainer.io.initial_weights import saved_run_config, step_directory
+
+KEYS = ("run_dir", "output", "step", "export_dtype")
+
+
+def _arguments(argv: list[str]) -> dict[str, str]:
+    args = parse_overrides(argv)
+    for key in args:
+        if key not in KEYS:
+            raise ConfigError(f"export-hf: unknown argument {key!r} (takes {', '.join(KEYS)})")
+    for key in ("run_dir", "output"):
+        if not args.get(key):
+            raise ConfigError(f"export-hf: {key}= is required")
+    return args
+
+
+def _lora_trees(step_path: str, config: Config, paths: dict, ctx, model) -> dict:
+    """{"params": the merged weights, "router"} of a LoRA run's checkpoint."""
+    # deferred: the arguments are checked before JAX and the model code load
+    from trainer import model as model_lib
+    from trainer.io import initial_weights
+
+    saved = initial_weights.restore_parameters(step_path, ctx, model, adapters=True)
+    with_paths = dataclasses.replace(config, **paths)
+    try:
+        source = initial_weights.source(with_paths.model, with_paths.checkpointing)
+    except ConfigError as error:
+        raise ConfigError(f"export-hf: the LoRA run's frozen base: {error}") from None
+    if source is None:
+        base, _ = model_lib.init(ctx, model, config.seed)
+    else:
+        base, _ = source.load(with_paths, ctx, model)
+    return {"params": model_lib.merged(model, base, saved["params"]), "router": saved["router"]}
+
+
+def export(run_dir: str, output: str, step: int | None = None, dtype: str | None = None) -> str:
+    """Write step `step` (newest: None) of the run in `run_dir` to `output` in `dtype`
+    (None: the source's, see the module doc); returns the checkpoint directory read."""
+    # deferred: the arguments are checked before JAX and the model code load
+    from trainer import hf
+    from trainer import model as model_lib
+    from trainer.io.initial_weights import restore_parameters
+
+    if dtype is not None and dtype not in hf.export_config.EXPORT_DTYPES:
+        raise ConfigError(f"export_dtype={dtype!r} is not one of {hf.export_config.EXPORT_DTYPES}")
+    checkpoints = os.path.abspath(os.path.join(run_dir, "checkpoints"))
+    if not os.path.isdir(checkpoints):
+        raise ConfigError(f"export-hf: {checkpoints} not found (run_dir= is a run's directory)")
+    path = os.path.join(checkpoints, str(step)) if step is not None else checkpoints
+    if step is not None and not os.path.isdir(path):
+        raise ConfigError(f"export-hf: no checkpoint of step {step} in {checkpoints}")
+    directory, step = step_directory(path)
+    config, paths = saved_run_config(directory, step)
+    source = paths["hf_model_path"] or None
+    hf.config_map.to_hf(config)  # refuses an unexportable config before any reading
+    if source and hf.export_config.read_source(source) is None:
+        print(f"export-hf: {source}/config.json is gone: config.json from the run's keys alone")
+        source = None
+    ctx = hf.default_ctx(config)
+    model = model_lib.define(config.model, ctx)
+    step_path = os.path.join(directory, str(step))
+    if model.lora:
+        trees = _lora_trees(step_path, config, paths, ctx, model)
+    else:
+        trees = restore_parameters(step_path, ctx, model)
+    hf.save(output, config, trees, dtype=dtype, source=source)
+    if config.tokenizer_path and os.path.isfile(config.tokenizer_path):
+        shutil.copyfile(config.tokenizer_path, os.path.join(output, "tokenizer.json"))
+        hf.copy_tokenizer(os.path.dirname(config.tokenizer_path), output)
+    return os.path.join(directory, str(step))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = _arguments(argv)
+        step = int(args["step"]) if args.get("step") else None
+        source = export(args["run_dir"], args["output"], step, args.get("export_dtype"))
+    except (ConfigError, ValueError) as error:
+        print(f"config error: {error}", file=sys.stderr)
+        return 2
+    print(f"exported {source} -> {args['output']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""Mesh, logical axis rules, and the one object model code shards through.
+
+The model never builds a PartitionSpec itself: it names logical axes and asks a
+`ShardCtx`, so explicit and auto mode run the same code. Specs built here are
+untagged by construction (logical rules know nothing of `reduced`); wherever a
+*parameter* is resharded, the caller carries its tag back with
+`pspec_tags.carry_reduced_axes`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import accum
+import pspec_tags as pt
+from trainer.config import MESH_AXES, AccumulationConfig, ParallelismConfig
+from trainer.sharding.slices import device_array, slice_axes
+
+
+def make_mesh(sizes: dict[str, int], mode: str, devices: Sequence[Any] | None = None) -> Mesh:
+    """Every mesh axis (size one when unused or absent from `sizes`), Explicit or Auto.
+
+    The cross-slice (dcn_) axes come first and each slice is one block along them
+    (`slices.device_array`: the hybrid mesh on devices that report their slice,
+    slice-major order otherwise), so those axes are exactly the ones whose
+    collectives cross slices.
+    """
+    axis_type = AxisType.Explicit if mode == "explicit" else AxisType.Auto
+    if devices is None:
+        shape = tuple(sizes.get(a, 1) for a in MESH_AXES)
+        return jax.make_mesh(shape, MESH_AXES, axis_types=(axis_type,) * len(MESH_AXES))
+    array = device_array(sizes, devices)
+    return Mesh(array, MESH_AXES, axis_types=(axis_type,) * len(MESH_AXES))
+
+
+def logical_rules(parallelism: ParallelismConfig) -> tuple[tuple[str, Any], ...]:
+    """Logical axis -> mesh axes. The first usable rule for a name wins (pspec_tags)."""
+    expert_in_batch = parallelism.expert_shard_attention_option == "fsdp"
+    # The batch splits across slices first (dcn_ axes), then inside one.
+    dcn = ("dcn_data", "dcn_fsdp")
+    batch = (*dcn, "data", "fsdp", "expert") if expert_in_batch else (*dcn, "data", "fsdp")
+    length = ("context",) if expert_in_batch else ("context", "expert")
+    return (
+        # Activations.
+        ("activation_batch", batch),
+        ("activation_length", length),
+        ("activation_kv_length", None),  # keys/values gathered over the sequence shards
+        ("activation_embed", "tensor_transpose"),
+        ("activation_heads", "tensor"),
+        ("activation_mlp", "tensor"),
+        ("activation_vocab", "tensor"),
+        ("activation_exp", "expert"),
+        ("activation_lora", None),
+        ("activation_head_dim", None),
+        # Weights.
+        ("vocab", "tensor"),
+        ("embed", ("dcn_fsdp", "fsdp", "tensor_transpose")),
+        ("mlp", "tensor"),
+        ("heads", "tensor"),
+        ("exp", "expert"),
+        ("q_lora", None),
+        ("kv_lora", None),
+        ("head_dim", None),
+        ("norm", None),
+        ("layers", None),
+    )
+
+
+CTX_MODES = (*pt.MODES, "manual")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardCtx:
+    """Mesh + rules + mode: turns logical axis names into shardings.
+
+    Modes: 'explicit' and 'auto' are the trainer's `shard_mode`s. 'manual' is
+    for model code running per device inside a `jax.shard_map` that already
+    made every mesh axis manual (the hand-written floor step, trainer.run.floor):
+    there is nothing left to shard, so constraints, weight gathers and
+    out_shardings are skipped and the MoE layer runs unsharded.
+    """
+
+    mesh: Mesh
+    rules: tuple[tuple[str, Any], ...]
+    mode: str
+
+    def __post_init__(self):
+        if self.mode not in CTX_MODES:
+            raise ValueError(f"ShardCtx mode {self.mode!r} is not one of {CTX_MODES}")
+
+    @property
+    def explicit(self) -> bool:
+        return self.mode == "explicit"
+
+    @property
+    def manual(self) -> bool:
+        return self.mode == "manual"
+
+    def spec(self, logical: Sequence[str | None], shape: Sequence[int] | None = None) -> P:
+        """Untagged spec for `logical`; with `shape`, axes that don't divide are dropped."""
+        spec = pt.logical_to_spec(logical, self.rules, self.mesh)
+        return spec if shape is None else pt.fit_to_shape(spec, shape, self.mesh)
+
+    def sharding(self, logical: Sequence[str | None], shape: Sequence[int]) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(logical, shape))
+
+    def act(self, x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+        """Constrain an activation (never a parameter: that would drop its tag)."""
+        if self.manual:
+            return x
+        # TAG: activations only: a rebuilt, untagged spec is right for them.
+        return pt.shard(x, self.spec(logical, x.shape), self.mode)
+
+    @property
+    def token_axes(self) -> tuple[str, ...]:
+        """Mesh axes (size > 1) that shard the tokens: the batch and the sequence.
+
+        A weight's gradient contracts over every token, so these are the axes
+        its per-device partial sums are unreduced over.
+        """
+        spec = pt.logical_to_spec(("activation_batch", "activation_length"), self.rules, self.mesh)
+        return pt.mesh_axes_used(spec)
+
+    def param(self, w: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+        """Reshard a parameter to `logical`, keeping its reduced tag (and extending it).
+
+        The rebuilt spec is untagged; without `carry_reduced_axes` a reduced
+        parameter would land on it as a plain replicated value and its gradient
+        would be all-reduced right here, once per microbatch. When the reshard
+        gathers a tagged parameter over token axes (FSDP), the gathered copy is
+        identical across them, so it is tagged reduced over those too: its
+        cotangent is then unreduced over every batch axis, which is what a
+        matmul contracting over the batch produces, and the transpose of this
+        reshard is the FSDP reduce-scatter, leaving 'data' unreduced. That rule is
+        the reduction plan's (`accum.reduced_at_use`); this only applies it.
+        """
+        if self.manual:
+            return w
+        return self._reshard_param(w, self.spec(logical, w.shape))
+
+    def _reshard_param(self, w: jax.Array, target: P) -> jax.Array:
+        source = pt.spec_of(w)
+        if not self.explicit or source is None or not pt.reduced_axes(source):
+            # TAG: carry w's reduced axes onto the rebuilt target, or this reshard
+            # all-reduces the deferred gradient once per use.
+            return pt.shard(w, pt.carry_reduced_axes(target, w), self.mode)
+        # TAG: the plan's per-use rule (accum.reduced_at_use): reduced over the gathered
+        # token axes too, so FSDP's reduce-scatter stays per use and the other batch
+        # axes stay deferred (JAX rejects a subset).
+        tag = accum.reduced_at_use(source, target, self.token_axes)
+        return jax.reshard(w, pt.with_reduced(target, tag))
+
+    def weight(self, w: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+        """A weight in the layout a matmul uses it: its logical spec minus the token axes.
+
+        Only tagged weights (deferred reduction) are gathered here, via `param`;
+        untagged ones are left to the einsum, as XLA gathers them anyway.
+        """
+        source = pt.spec_of(w)
+        if not self.explicit or source is None or not pt.reduced_axes(source):
+            return w
+        batch = set(self.token_axes)
+        spec = self.spec(logical, w.shape)
+        entries = []
+        for entry in pt.partitions(spec):
+            entries.append(pt.entry_from_axes([a for a in pt.entry_axes(entry) if a not in batch]))
+        if list(pt.partitions(source)) == entries:
+            return w
+        return self._reshard_param(w, P(*entries))
+
+    def einsum(self, equation: str, *operands: jax.Array, out: Sequence[str | None]) -> jax.Array:
+        """`jnp.einsum` whose output lands on the logical sharding `out`.
+
+        Explicit mode passes `out_sharding` (the type system needs to know where a
+        contraction over a sharded dim lands); auto mode cannot name Auto axes
+        there, so it constrains the result instead.
+        """
+        if self.manual:
+            return jnp.einsum(equation, *operands)
+        if self.explicit:
+            out_shape = _einsum_out_shape(equation, operands)
+            # TAG: explicit mode must name where a contraction over a sharded dim
+            # lands (JAX raises otherwise); an untagged logical spec suits activations.
+            return jnp.einsum(equation, *operands, out_sharding=self.spec(out, out_shape))
+        return self.act(jnp.einsum(equation, *operands), out)
+
+
+def _einsum_out_shape(equation: str, operands: Sequence[jax.Array]) -> tuple[int, ...]:
+    """Output shape of an explicit-output einsum like 'bsd,dh->bsh' (no ellipsis)."""
+    inputs, _, output = equation.replace(" ", "").partition("->")
+    dims: dict[str, int] = {}
+    for letters, operand in zip(inputs.split(","), operands, strict=True):
+        dims.update(zip(letters, operand.shape, strict=True))
+    return tuple(dims[letter] for letter in output)
+
+
+def reduction_plan(
+    parallelism: ParallelismConfig, accumulation: AccumulationConfig, ctx: ShardCtx, params: Any
+) -> accum.ReductionPlan:
+    """The step's reduction plan (accum.make_plan), read by everything that reduces,
+    tags or reports gradients.
+
+    `params`: arrays or ShapeDtypeStructs in the layout the model computes with
+    (before ZeRO-1 shards them). The batch axes are the token axes; the slice
+    axes the dcn_ ones. Per parameter: the model gathers weights sharded over a
+    batch axis with a tagged reshard (`ShardCtx.weight`) and the experts enter
+    the MoE shard_map, so such a weight reduces that axis per use and defers the others.
+    """
+    shape = dict(ctx.mesh.shape)
+    return accum.make_plan(
+        params,
+        batch_axes=ctx.token_axes,
+        mesh_shape=shape,
+        policy=accumulation.gradient_reduction_policy,
+        mode=parallelism.shard_mode,
+        slice_axes=slice_axes(shape),
+        per_parameter=True,
+    )
