@@ -161,7 +161,7 @@ def test_compile_first_fitting_skips_what_does_not_fit_and_names_it():
 
     choice = reduction_choice.Choice(("deferred", "hierarchical", "per_microbatch"), {}, None, "")
     run, compiled = reduction_choice.compile_first_fitting(
-        _Run("deferred", choice), compile_run, lambda p: _Run(p, None), 16 * gib, lambda c: c
+        _Run("deferred", choice), compile_run, lambda c: _Run(c.policy, c), 16 * gib, lambda c: c
     )
     assert run.policy == "per_microbatch" and compiled == 9 * gib
     assert run.reduction_choice.skipped == (
@@ -189,7 +189,7 @@ def test_compile_first_fitting_skips_what_does_not_fit_and_names_it():
         reduction_choice.compile_first_fitting(
             _Run("deferred", choice),
             lambda r: 99 * gib,
-            lambda p: _Run(p, None),
+            lambda c: _Run(c.policy, c),
             16 * gib,
             lambda c: c,
         )

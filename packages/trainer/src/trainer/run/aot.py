@@ -196,8 +196,8 @@ def compile_for_topology(config: Config, hlo_path: str | None = None) -> AotResu
         dumps[id(compiled)] = options.get("xla_dump_to")
         return compiled
 
-    def rebuild(policy):
-        return run_lib.abstract_setup(reduction_choice.with_policy(config, policy), devices)
+    def rebuild(choice):  # the next policy auto's order offers, on the same spec
+        return run_lib.build(run.spec.with_policy(choice.policy, choice), abstract=True)
 
     try:
         # gradient_reduction_policy=auto: a step over HBM gives way to the next policy.

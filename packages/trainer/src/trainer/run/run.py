@@ -21,13 +21,12 @@ import accum
 from trainer import data
 from trainer import model as model_lib
 from trainer.config import Config, ParallelismConfig
-from trainer.config.validate import global_batch_size, validate
 from trainer.data import eval_data, eval_schedule, input_pipeline, sft_data
 from trainer.io import checkpoint, initial_weights, stop_signals
 from trainer.io import metrics as metrics_lib
 from trainer.model import flops
 from trainer.run import evaluate, report, xla_options
-from trainer.sharding import ShardCtx, logical_rules, make_mesh, reduction_plan, slices
+from trainer.run.spec import RunSpec, check_built, resolve
 from trainer.step import reduction_choice
 from trainer.step.optimizer import make_optimizer
 from trainer.step.train_step import make_step
@@ -35,15 +34,12 @@ from trainer.step.train_step import make_step
 
 @dataclasses.dataclass
 class Run:
-    """Everything built for a run, before any step executes."""
+    """A built run: its spec (every decision, run/spec.py), its state and jitted step,
+    and what the loop adds as it goes (data, checkpoints, the compiled step)."""
 
-    config: Config
-    ctx: ShardCtx
-    model: model_lib.ModelDef
+    spec: RunSpec
     state: dict
     step_fn: Any  # jitted
-    batch_size: int
-    plan: accum.ReductionPlan | None = None
     compiled: Any = None
     source: Any = None  # input_pipeline.Source
     checkpoints: checkpoint.Checkpointer | None = None
@@ -53,7 +49,14 @@ class Run:
     stop_reason: str = ""  # set when a signal stopped the loop early
     evaluator: evaluate.Evaluator | None = None  # eval_interval > 0
     evals: list = dataclasses.field(default_factory=list)  # (step, eval result) per evaluation
-    reduction_choice: Any = None  # reduction_choice.Choice under gradient_reduction_policy=auto
+
+    # The spec's decisions, read through the run (they never change after resolve).
+    config = property(lambda self: self.spec.config)
+    ctx = property(lambda self: self.spec.ctx)
+    model = property(lambda self: self.spec.model)
+    batch_size = property(lambda self: self.spec.batch_size)
+    plan = property(lambda self: self.spec.plan)
+    reduction_choice = property(lambda self: self.spec.choice)
 
     @property
     def deferral_axes(self) -> tuple[str, ...]:
@@ -62,16 +65,14 @@ class Run:
 
 
 def setup(config: Config, devices: list | None = None) -> Run:
-    """Validate (before compiling anything), build mesh and state, jit the step."""
-    devices = devices if devices is not None else jax.devices()
-    num_slices = slices.num_slices(config.parallelism, devices)
-    devices = slices.slice_major(devices) if num_slices > 1 else devices
-    sizes = validate(config, len(devices), num_slices)
+    """Resolve (every check before anything is compiled), open the inputs and the
+    output directory, then build the state and jit the step."""
+    spec = resolve(config, devices if devices is not None else jax.devices())
+    config = spec.config
     # Inputs and the output directory, before building or compiling anything.
-    batch = global_batch_size(config.accumulation, config.data, len(devices))
-    source = input_pipeline.make_source(config, batch)
-    eval_set = eval_data.make_eval_set(config, len(devices), sizes)
-    checkpoints = checkpoint.open_checkpointer(config, batch)
+    source = input_pipeline.make_source(config, spec.batch_size)
+    eval_set = eval_data.make_eval_set(config, len(spec.devices), spec.mesh_shape)
+    checkpoints = checkpoint.open_checkpointer(config, spec.batch_size)
     # A run with checkpoints of its own resumes from them: never from its initial weights,
     # except for a LoRA run's frozen base, which its checkpoints do not hold.
     resuming = bool(checkpoints and checkpoints.manager.latest_step() is not None)
@@ -80,7 +81,7 @@ def setup(config: Config, devices: list | None = None) -> Run:
         if resuming and not config.lora_rank
         else initial_weights.source(config.model, config.checkpointing)
     )
-    run = _build(config, devices, sizes, batch, abstract=False, weights=weights)
+    run = build(spec, weights=weights)
     run.source, run.checkpoints = source, checkpoints
     run.evaluator = evaluate.make_evaluator(
         config.parallelism, config.data, config.evaluation, run.ctx, run.model, eval_set
@@ -144,30 +145,19 @@ def abstract_setup(config: Config, devices: list) -> Run:
     shardings: nothing is initialised or allocated, no data source is opened.
     For AOT compiles (aot.py), where `devices` are a TPU topology's
     compile-only devices; lower with `abstract_batch(run)`."""
-    num_slices = slices.num_slices(config.parallelism, devices)
-    sizes = validate(config, len(devices), num_slices)
-    batch = global_batch_size(config.accumulation, config.data, len(devices))
-    return _build(config, devices, sizes, batch, abstract=True)
+    return build(resolve(config, devices), abstract=True)
 
 
-def _build(
-    config: Config,
-    devices: list,
-    sizes: dict,
-    batch: int,
-    *,
-    abstract: bool,
-    weights: initial_weights.Source | None = None,
+def build(
+    spec: RunSpec, *, abstract: bool = False, weights: initial_weights.Source | None = None
 ) -> Run:
-    """Mesh, model, state and the jitted step, for `setup` and `abstract_setup` alike.
+    """State and the jitted step for `spec`; decides nothing (the spec did).
 
     `abstract`: the state as ShapeDtypeStructs carrying their shardings (nothing
     initialised or allocated); else initialised on the mesh, from `weights` when
     given (a HF directory, another run's checkpoint), drawn at random otherwise.
     """
-    mesh = make_mesh(sizes, config.shard_mode, devices)
-    ctx = ShardCtx(mesh, logical_rules(config.parallelism), config.shard_mode)
-    model = model_lib.define(config.model, ctx)
+    config, ctx, model = spec.config, spec.ctx, spec.model
     if abstract:
         params, router = model_lib.abstract_state(model, ctx)
     elif weights:
@@ -178,25 +168,19 @@ def _build(
     if model.lora:
         # The parameters become the frozen base; the adapters are what the step trains.
         frozen = params
-        params = (
-            model_lib.abstract_adapters(model, ctx)
-            if abstract
-            else model_lib.init_adapters(ctx, model, config.seed)
-        )
-    choice = None
-    if config.gradient_reduction_policy == "auto":
-        grad_dtypes = reduction_choice.gradient_traits(model_lib.trained_view(model), params)
-        config, choice = reduction_choice.resolve(config, ctx, params, devices, grad_dtypes)
-    plan = reduction_plan(config.parallelism, config.accumulation, ctx, params)
+        params = spec.trained if abstract else model_lib.init_adapters(ctx, model, config.seed)
+    check_built(spec, params)  # the plan and the auto decision were made for these
     tx = make_optimizer(config.training)
-    params, opt_shardings, zero1 = _optimizer_layout(config.parallelism, mesh, tx, params)
-    fns = make_step(config.model, config.training, config.accumulation, ctx, model, tx, zero1, plan)
-    with jax.set_mesh(mesh):
+    params, opt_shardings, zero1 = _optimizer_layout(config.parallelism, ctx.mesh, tx, params)
+    fns = make_step(
+        config.model, config.training, config.accumulation, ctx, model, tx, zero1, spec.plan
+    )
+    with jax.set_mesh(ctx.mesh):
         init = jax.jit(fns.init_opt_state, out_shardings=opt_shardings)
         opt_state = jax.eval_shape(init, params) if abstract else init(params)
     # On the mesh (replicated) like the rest of the state, so the step's pinned
     # output shardings all live on one device set.
-    replicated = NamedSharding(mesh, P())
+    replicated = NamedSharding(ctx.mesh, P())
     if abstract:
         step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
     else:
@@ -204,9 +188,7 @@ def _build(
     state = {"params": params, "opt_state": opt_state, "router": router, "step": step}
     if frozen is not None:
         state["frozen"] = frozen
-    run = Run(config, ctx, model, state, jit_step(fns.step, state), batch, plan)
-    run.reduction_choice = choice
-    return run
+    return Run(spec, state, jit_step(fns.step, state))
 
 
 def abstract_batch(run: Run) -> dict:

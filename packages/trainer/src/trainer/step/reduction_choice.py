@@ -334,21 +334,6 @@ def auto_order(
     return order
 
 
-def resolve(
-    config: Config, ctx: Any, params: Any, devices: list, grad_dtypes: Any = None
-) -> tuple[Config, Choice | None]:
-    """(config with a concrete gradient_reduction_policy, the Choice or None when explicit)."""
-    if config.gradient_reduction_policy != "auto":
-        return config, None
-    choice = choose(config, ctx, params, devices, grad_dtypes)
-    return with_policy(config, choice.policy), choice
-
-
-def with_policy(config: Config, policy: str) -> Config:
-    """`config` with gradient_reduction_policy=`policy`."""
-    return dataclasses.replace(config, gradient_reduction_policy=policy)
-
-
 def next_choice(choice: Choice, reason: str) -> Choice:
     """`choice` without its first policy, which `reason` says does not fit.
 
@@ -367,15 +352,15 @@ def next_choice(choice: Choice, reason: str) -> Choice:
 def compile_first_fitting(
     run: Any,
     compile_run: Callable[[Any], Any],
-    rebuild: Callable[[str], Any],
+    rebuild: Callable[[Choice], Any],
     hbm_bytes: int,
     memory_total: Callable[[Any], int],
 ) -> tuple[Any, Any]:
     """(run, compiled) of the first policy in `run.reduction_choice`'s order whose
     compiled step fits in `hbm_bytes` (XLA refusing with RESOURCE_EXHAUSTED counts as
     not fitting); each skipped policy is named in the choice's `skipped` lines. An
-    explicit policy (no choice) is compiled once, as before. `rebuild(policy)` builds
-    the run for the next policy; ConfigError (next_choice) when none fits."""
+    explicit policy (no choice) is compiled once, as before. `rebuild(choice)` builds
+    the run for the choice's first policy; ConfigError (next_choice) when none fits."""
     while True:
         try:
             compiled = compile_run(run)
@@ -388,9 +373,7 @@ def compile_first_fitting(
             if run.reduction_choice is None or total <= hbm_bytes:
                 return run, compiled
             misfit = f"compiled {total / GIB:.2f} GiB > {hbm_bytes / GIB:g} GiB HBM"
-        choice = next_choice(run.reduction_choice, misfit)
-        run = rebuild(choice.policy)
-        run.reduction_choice = choice
+        run = rebuild(next_choice(run.reduction_choice, misfit))
 
 
 def table_lines(choice: Choice, chosen: str | None = None) -> list[str]:
