@@ -128,6 +128,22 @@ def test_nan_stops_naming_the_step_and_keeps_the_last_good_checkpoint(resumed, t
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(restored.state["params"]))
 
 
+def test_a_relative_output_directory_saves_under_the_working_directory(
+    resumed, tmp_path, monkeypatch
+):
+    # Regression: orbax refuses a relative path, and only at the first save, so
+    # `base_output_directory=outputs` trained to the end and then failed to save.
+    monkeypatch.chdir(tmp_path)
+    run = run_lib.setup(_config("outputs", checkpoint_period="0"))
+    run.compiled = resumed["compiled"]
+    run_lib.train(run)
+    ckpt = tmp_path / "outputs" / "tagtrain-tiny" / "checkpoints"
+    assert checkpoint.checkpoint_dir(run.config) == str(ckpt)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["6"]
+    assert checkpoint.is_complete(str(ckpt / "6"))
+    assert run_lib.setup(_config("outputs")).start_step == 6  # and resumes from it
+
+
 def test_unwritable_output_directory_fails_before_building_anything(tmp_path, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("")

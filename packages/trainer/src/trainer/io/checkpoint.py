@@ -103,7 +103,9 @@ def checkpoint_dir(config: Config) -> str | None:
     """
     if not (config.enable_checkpointing and config.base_output_directory):
         return None
-    return os.path.join(config.run_dir, SUBDIR)
+    # Absolute: orbax refuses a relative path, and only when it first saves (after
+    # the whole run); `base_output_directory=outputs` means the working directory's.
+    return os.path.abspath(os.path.join(config.run_dir, SUBDIR))
 
 
 def check_writable(directory: str, key: str = "base_output_directory") -> None:
