@@ -53,7 +53,7 @@ class Bench:
         import orbax.checkpoint as ocp
 
         from trainer.config import make_config
-        from trainer.io import checkpoint
+        from trainer.io import checkpoint, checkpoint_files
         from trainer.run import run as run_lib
 
         self.ocp = ocp
@@ -69,7 +69,7 @@ class Bench:
             {**MODEL, "base_output_directory": root, "max_checkpoints_to_keep": "1"}
         )
         self.verified = checkpoint.Checkpointer(
-            saving, checkpoint.checkpoint_dir(saving), self.run.batch_size
+            saving, checkpoint_files.checkpoint_dir(saving), self.run.batch_size
         )
         self.step = 0
 

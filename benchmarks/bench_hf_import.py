@@ -71,7 +71,8 @@ def generate(directory: str) -> int:
 
     from trainer import hf
     from trainer import model as model_lib
-    from trainer.hf import config_map, keys, safetensors, stream
+    from trainer.config import hf_map
+    from trainer.hf import keys, safetensors, stream
 
     if os.path.isfile(os.path.join(directory, safetensors.INDEX)):
         return stream.directory_size(directory)
@@ -100,7 +101,7 @@ def generate(directory: str) -> int:
     weight_map = {n: f for f, g in zip(files, groups, strict=True) for n in g}
     safetensors.write_index(directory, weight_map, sum(sizes.values()))
     with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(config_map.to_hf(config), f, indent=2)
+        json.dump(hf_map.to_hf(config), f, indent=2)
     return stream.directory_size(directory)
 
 

@@ -176,6 +176,14 @@ def page_commands(page: Path) -> list[Command]:
     return [c for c in commands if program(c)]
 
 
+def section_commands(page: Path, heading: str) -> list[Command]:
+    """The page's commands under the `## heading` section (up to the next `## `)."""
+    lines = page.read_text().splitlines()
+    first = lines.index(f"## {heading}") + 1
+    last = next((i for i in range(first, len(lines)) if lines[i].startswith("## ")), len(lines))
+    return [c for c in page_commands(page) if first < c.line <= last]
+
+
 def all_commands() -> list[Command]:
     return [c for page in PAGES for c in page_commands(page)]
 
@@ -394,9 +402,14 @@ def _block_steps(page: Path, match: re.Match, commands: list[Command]) -> list[S
     return out + compiled
 
 
+README_FINETUNE = "Fine-tune a published checkpoint"
+
+
 def steps() -> list[Step]:
     # README's main job: test_readme_sample.py runs it and checks its output.
     out, seen = [], {next(c.text for c in COMMANDS if c.page.name == "README.md")}
+    # README's fine-tune block: test_readme_finetune.py runs it and checks its output.
+    theirs = {c.where for c in section_commands(ROOT / "README.md", README_FINETUNE)}
     for page in PAGES:
         text = page.read_text()
         commands = [c for c in page_commands(page) if c.fenced and not _is_placeholder(c)]
@@ -419,7 +432,7 @@ def steps() -> list[Step]:
             ]
         for _, step in sorted(found, key=lambda x: x[0]):
             key = step.shell or step.python
-            if key in seen:  # the same lines on another page run once
+            if key in seen or step.where in theirs:  # the same lines elsewhere run once
                 continue
             seen.add(key)
             out.append(step)
@@ -456,13 +469,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def local(shell: str) -> str:
+    """The command with this environment's programs (`uv run` and `.venv/bin/` taken off)."""
+    shell = re.sub(r"\buv run (--extra \w+ )*", "", shell)
+    return shell.replace(".venv/bin/", f"{Path(sys.executable).parent}/")
+
+
 def tiny(shell: str, scratch: Path) -> str:
     """The command as the test runs it: this environment's programs, at most 2 steps
     (runs of LONG_RUN steps or more are stopped by signal: kept), /tmp/ and $PWD under
     the scratch directory, a free port."""
-    bindir = Path(sys.executable).parent
-    shell = re.sub(r"\buv run (--extra \w+ )*", "", shell)
-    shell = shell.replace(".venv/bin/", f"{bindir}/")
+    shell = local(shell)
     shell = re.sub(
         r"\bsteps=(\d+)", lambda m: m.group(0) if int(m.group(1)) >= LONG_RUN else "steps=2", shell
     )

@@ -49,7 +49,7 @@ def resumed(tmp_path_factory):
 
     with pytest.raises(Killed):
         run_lib.train(first, die_after_3)
-    ckpt = Path(checkpoint.checkpoint_dir(first.config))
+    ckpt = Path(checkpoint_files.checkpoint_dir(first.config))
     steps_after_kill = sorted(int(p.name) for p in ckpt.iterdir())
     # What a kill mid-save leaves: orbax's temporary directory, and (on a file
     # system without atomic renames) a step directory without its metadata.
@@ -120,12 +120,28 @@ def test_nan_stops_naming_the_step_and_keeps_the_last_good_checkpoint(resumed, t
 
     with pytest.raises(FloatingPointError, match=r"loss is nan at step 3; stopping"):
         run_lib.train(run, poison_after_2)
-    ckpt = Path(checkpoint.checkpoint_dir(run.config))
+    ckpt = Path(checkpoint_files.checkpoint_dir(run.config))
     assert sorted(p.name for p in ckpt.iterdir()) == ["1", "2"]  # nothing for step 3
     assert checkpoint_files.is_complete(str(ckpt / "2"))
     restored = run_lib.setup(_config(tmp_path))
     assert restored.start_step == 2
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(restored.state["params"]))
+
+
+def test_a_relative_output_directory_saves_under_the_working_directory(
+    resumed, tmp_path, monkeypatch
+):
+    # Regression: orbax refuses a relative path, and only at the first save, so
+    # `base_output_directory=outputs` trained to the end and then failed to save.
+    monkeypatch.chdir(tmp_path)
+    run = run_lib.setup(_config("outputs", checkpoint_period="0"))
+    run.compiled = resumed["compiled"]
+    run_lib.train(run)
+    ckpt = tmp_path / "outputs" / "tagtrain-tiny" / "checkpoints"
+    assert checkpoint_files.checkpoint_dir(run.config) == str(ckpt)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["6"]
+    assert checkpoint.is_complete(str(ckpt / "6"))
+    assert run_lib.setup(_config("outputs")).start_step == 6  # and resumes from it
 
 
 def test_unwritable_output_directory_fails_before_building_anything(tmp_path, monkeypatch):
@@ -265,7 +281,7 @@ def test_ctrl_c_stops_after_the_step_and_saves_it(resumed, tmp_path, capfd):
     assert [m["step"] for m in history] == [1, 2]
     assert run.stop_reason.startswith("SIGINT: stopped after step 2; checkpoint saved in")
     assert "Ctrl-C: stopping after this step (again to abort)" in capfd.readouterr().err
-    ckpt = Path(checkpoint.checkpoint_dir(run.config))
+    ckpt = Path(checkpoint_files.checkpoint_dir(run.config))
     assert [p.name for p in ckpt.iterdir()] == ["2"]
     assert checkpoint_files.is_complete(str(ckpt / "2"))
 
@@ -518,7 +534,7 @@ def test_a_full_disk_stops_the_run_and_keeps_the_earlier_checkpoints(
     run.compiled = resumed["compiled"]
     with pytest.raises(checkpoint_keys.CheckpointSaveError) as raised:
         run_lib.train(run)
-    ckpt = Path(checkpoint.checkpoint_dir(run.config))
+    ckpt = Path(checkpoint_files.checkpoint_dir(run.config))
     message = str(raised.value)
     assert "\n" not in message
     assert message.startswith(

@@ -4,11 +4,10 @@ code, and they show the one-line ConfigError a bad key or batch size gets."""
 
 import pytest
 
-from trainer import config
-from trainer.config import validate
+from trainer.config import make, validate
 
-MODULES = (config, validate)
-ENTRY_POINTS = (config.make_config, validate.validate)
+MODULES = (make, validate)
+ENTRY_POINTS = (make.make_config, validate.validate)
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)

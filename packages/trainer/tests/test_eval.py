@@ -18,7 +18,7 @@ import pytest
 from trainer import model as model_lib
 from trainer.config import ConfigError, make_config, mesh_shape
 from trainer.data import eval_data, eval_schedule, synthetic_batch
-from trainer.io import checkpoint, metrics, plots
+from trainer.io import checkpoint_files, metrics, plots
 from trainer.run import evaluate
 from trainer.run import run as run_lib
 
@@ -226,7 +226,7 @@ def test_a_run_killed_during_evaluation_resumes_and_evaluates_again(evaluated, c
     with start(first) as writer, pytest.raises(Killed):
         run_lib.train(first, _on_step(writer), writer.write_eval)
     assert first.evals == []  # nothing of the half-done evaluation was kept
-    ckpt = Path(checkpoint.checkpoint_dir(config))
+    ckpt = Path(checkpoint_files.checkpoint_dir(config))
     assert sorted(p.name for p in ckpt.iterdir()) == ["2"]  # saved before evaluating
 
     restarted = run_lib.setup(config)

@@ -87,9 +87,9 @@ def test_start_resume_export_and_load_parameters(tmp_path):
 
 
 def _model_keys(config) -> dict:
-    from trainer.hf import config_map
+    from trainer.config import hf_map
 
-    return config_map.from_hf(config_map.to_hf(config))
+    return hf_map.from_hf(hf_map.to_hf(config))
 
 
 def test_bad_paths_are_config_errors(tmp_path):

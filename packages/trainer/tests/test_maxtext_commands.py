@@ -113,7 +113,7 @@ def test_skip_jax_distributed_system_keeps_one_process(monkeypatch):
 def test_hardware_cpu_selects_the_cpu_backend():
     # A fresh process: the platform is fixed when JAX's backend first starts.
     code = (
-        "from absl import flags; from trainer import main; flags.FLAGS(['x']); "
+        "from absl import flags; from trainer.run import main; flags.FLAGS(['x']); "
         "main._configure_jax('cpu'); import jax; print(jax.devices()[0].platform, "
         "jax.device_count())"
     )

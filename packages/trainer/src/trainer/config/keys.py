@@ -45,6 +45,10 @@ class ConfigError(ValueError):
     """A bad configuration: the message names the offending key and value."""
 
 
+# Its public name, as tracebacks and doctests print it.
+ConfigError.__module__ = "trainer.config"
+
+
 def key(default: Any, meaning: str) -> Any:
     """A config key's field: its default and its one-line meaning (docs/config.md)."""
     return dataclasses.field(default=default, metadata={"meaning": meaning})

@@ -28,7 +28,8 @@ from collections.abc import Iterable
 
 from trainer.config import config as config_lib
 
-PACKAGE = os.path.dirname(os.path.abspath(__file__))
+# The trainer package (this file is trainer/config/reference.py).
+PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO = os.path.abspath(os.path.join(PACKAGE, "..", "..", "..", ".."))
 PAGE = os.path.join(REPO, "docs", "config.md")
 COMMAND = "uv run python -m trainer.config.reference"
@@ -160,6 +161,15 @@ def _source_files() -> list[str]:
 KEY_FILES = ("config/config.py", "config/model_keys.py", "config/run_keys.py")
 
 
+def derived_reads(keys: frozenset[str]) -> dict[str, set[str]]:
+    """`_derived_reads` over every file that declares Config or a group."""
+    out: dict[str, set[str]] = {}
+    for path in KEY_FILES:
+        with open(os.path.join(PACKAGE, path)) as f:
+            out.update(_derived_reads(ast.parse(f.read(), path), keys))
+    return out
+
+
 @functools.cache
 def readers() -> dict[str, tuple[str, ...]]:
     """Key -> the trainer modules that read it (paths under trainer/, sorted); scanned
@@ -169,9 +179,7 @@ def readers() -> dict[str, tuple[str, ...]]:
     for path in _source_files():
         with open(os.path.join(PACKAGE, path)) as f:
             trees[path] = ast.parse(f.read(), path)
-    derived = {}
-    for path in KEY_FILES:
-        derived.update(_derived_reads(trees[path], keys))
+    derived = derived_reads(keys)
     out: dict[str, list[str]] = {key: [] for key in config_lib.FIELDS}
     for path, tree in trees.items():
         # `self.<key>` is a config read only in Config's own methods.

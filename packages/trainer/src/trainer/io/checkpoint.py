@@ -38,7 +38,6 @@ import errno
 import logging
 import os
 import shutil
-import uuid
 from typing import Any
 
 import jax
@@ -57,7 +56,6 @@ from trainer.io.checkpoint_keys import (
     KEY_DEFAULTS,
     MODEL_KEYS,
     NOT_SAVED,
-    SUBDIR,
     TRAJECTORY_KEYS,
     CheckpointRestoreError,
     CheckpointSaveError,
@@ -93,31 +91,6 @@ def _serial_array_saves_on_cpu(ocp: Any) -> None:
             ),
             override=True,
         )
-
-
-def checkpoint_dir(config: Config) -> str | None:
-    """Where this run's checkpoints go, or None when checkpointing is off.
-
-    On when `enable_checkpointing` and `base_output_directory` is set: a run
-    without an output directory never resumes from, or writes, anything.
-    """
-    if not (config.enable_checkpointing and config.base_output_directory):
-        return None
-    return os.path.join(config.run_dir, SUBDIR)
-
-
-def check_writable(directory: str, key: str = "base_output_directory") -> None:
-    """Create `directory` and write a probe file in it, or raise ConfigError (before compiling)."""
-    try:
-        os.makedirs(directory, exist_ok=True)
-        probe = os.path.join(directory, f".write-probe-{uuid.uuid4().hex}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as error:
-        raise ConfigError(
-            f"{key}: output directory {directory!r} is not writable ({error.strerror or error})"
-        ) from None
 
 
 def _abstract(state: Any, mesh: jax.sharding.Mesh) -> Any:
@@ -493,8 +466,8 @@ def open_checkpointer(config: Config, global_batch: int) -> Checkpointer | None:
         raise ConfigError(
             f"checkpoint_period={config.checkpoint_period} must be >= 0 (0: only at the end)"
         )
-    directory = checkpoint_dir(config)
+    directory = files.checkpoint_dir(config)
     if directory is None:
         return None
-    check_writable(directory)
+    files.check_writable(directory)
     return Checkpointer(config, directory, global_batch)

@@ -1,4 +1,5 @@
-"""A checkpoint directory on disk: step directories, when one is complete, our checksum
+"""A checkpoint directory on disk: where it is (`checkpoint_dir`, always absolute), that
+it is writable, its step directories, when one is complete, our checksum
 record in it, moving one aside, and removing what a failed save left.
 
 Layout: `checkpoints/N/` (orbax's items `state` and `meta`, then our
@@ -19,6 +20,9 @@ import uuid
 import zlib
 
 import jax
+
+from trainer.config import Config, ConfigError
+from trainer.io.checkpoint_keys import SUBDIR
 
 TMP_MARK = ".orbax-checkpoint-tmp"
 INCOMPLETE = ".incomplete"
@@ -197,3 +201,30 @@ def remove_when_quiet(path: str, settle_s: float = 0.2, limit_s: float = 60.0) -
         time.sleep(settle_s)
         if tree_listing(path) == before:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def checkpoint_dir(config: Config) -> str | None:
+    """Where this run's checkpoints go, or None when checkpointing is off.
+
+    On when `enable_checkpointing` and `base_output_directory` is set: a run
+    without an output directory never resumes from, or writes, anything.
+    """
+    if not (config.enable_checkpointing and config.base_output_directory):
+        return None
+    # Absolute: orbax refuses a relative path, and only when it first saves (after
+    # the whole run); `base_output_directory=outputs` means the working directory's.
+    return os.path.abspath(os.path.join(config.run_dir, SUBDIR))
+
+
+def check_writable(directory: str, key: str = "base_output_directory") -> None:
+    """Create `directory` and write a probe file in it, or raise ConfigError (before compiling)."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        probe = os.path.join(directory, f".write-probe-{uuid.uuid4().hex}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as error:
+        raise ConfigError(
+            f"{key}: output directory {directory!r} is not writable ({error.strerror or error})"
+        ) from None

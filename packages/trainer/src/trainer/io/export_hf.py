@@ -19,8 +19,11 @@ import os
 import shutil
 import sys
 
-from trainer.config import Config, ConfigError, parse_overrides
-from trainer.io.initial_weights import saved_run_config, step_directory
+from trainer import hf
+from trainer import model as model_lib
+from trainer.config import Config, ConfigError, hf_map, parse_overrides
+from trainer.io import initial_weights
+from trainer.io.initial_weights import restore_parameters, saved_run_config, step_directory
 
 KEYS = ("run_dir", "output", "step", "export_dtype")
 
@@ -38,9 +41,6 @@ def _arguments(argv: list[str]) -> dict[str, str]:
 
 def _lora_trees(step_path: str, config: Config, paths: dict, ctx, model) -> dict:
     """{"params": the merged weights, "router"} of a LoRA run's checkpoint."""
-    # deferred: the arguments are checked before JAX and the model code load
-    from trainer import model as model_lib
-    from trainer.io import initial_weights
 
     saved = initial_weights.restore_parameters(step_path, ctx, model, adapters=True)
     with_paths = dataclasses.replace(config, **paths)
@@ -58,10 +58,6 @@ def _lora_trees(step_path: str, config: Config, paths: dict, ctx, model) -> dict
 def export(run_dir: str, output: str, step: int | None = None, dtype: str | None = None) -> str:
     """Write step `step` (newest: None) of the run in `run_dir` to `output` in `dtype`
     (None: the source's, see the module doc); returns the checkpoint directory read."""
-    # deferred: the arguments are checked before JAX and the model code load
-    from trainer import hf
-    from trainer import model as model_lib
-    from trainer.io.initial_weights import restore_parameters
 
     if dtype is not None and dtype not in hf.export_config.EXPORT_DTYPES:
         raise ConfigError(f"export_dtype={dtype!r} is not one of {hf.export_config.EXPORT_DTYPES}")
@@ -74,7 +70,7 @@ def export(run_dir: str, output: str, step: int | None = None, dtype: str | None
     directory, step = step_directory(path)
     config, paths = saved_run_config(directory, step)
     source = paths["hf_model_path"] or None
-    hf.config_map.to_hf(config)  # refuses an unexportable config before any reading
+    hf_map.to_hf(config)  # refuses an unexportable config before any reading
     if source and hf.export_config.read_source(source) is None:
         print(f"export-hf: {source}/config.json is gone: config.json from the run's keys alone")
         source = None

@@ -69,7 +69,7 @@ def _checked_config(argv: list[str]):
     if FLAGS.dump_hlo and not os.access(os.path.dirname(os.path.abspath(FLAGS.dump_hlo)), os.W_OK):
         raise ConfigError(f"--dump_hlo directory of {FLAGS.dump_hlo!r} is not writable")
     # deferred: a bad key or flag is reported before JAX and the model code load
-    from trainer.io import checkpoint, profiling
+    from trainer.io import checkpoint_files, profiling
     from trainer.run import aot
     from trainer.sharding import distributed
 
@@ -77,9 +77,9 @@ def _checked_config(argv: list[str]):
         # Metrics (and AOT's HLO) land here: find out now, not after compiling.
         if FLAGS.metrics_file:
             metrics_dir = os.path.dirname(os.path.abspath(FLAGS.metrics_file))
-            checkpoint.check_writable(metrics_dir, key="--metrics_file")
+            checkpoint_files.check_writable(metrics_dir, key="--metrics_file")
         else:
-            checkpoint.check_writable(config.run_dir, key="base_output_directory")
+            checkpoint_files.check_writable(config.run_dir, key="base_output_directory")
         profiling.check(config.training, config.output)
         if config.compile_topology:
             aot.resolve(config.parallelism)

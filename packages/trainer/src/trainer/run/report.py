@@ -206,7 +206,7 @@ def capacity_lines(config, ctx, global_batch: int) -> list[str]:
 
 
 def checkpoints_off_line(config) -> str:
-    """The startup line of a run that saves no checkpoint (checkpoint.checkpoint_dir
+    """The startup line of a run that saves no checkpoint (checkpoint_files.checkpoint_dir
     is None), naming the key that turned them off and what would turn them on."""
     directory = config.base_output_directory
     if config.enable_checkpointing:  # so base_output_directory is unset
