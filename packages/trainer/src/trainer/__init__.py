@@ -8,7 +8,10 @@ The public API (`__all__`; every other module is internal and may move):
   `make_config(overrides)` (a preset plus overrides, type-checked), `parse_overrides`
   (`key=value` words to a dict), `validate(config, num_devices)` (what depends on the
   machine: the mesh, batch sizes); `ConfigError`, what every bad key or value raises.
-- A run: `setup(config)` builds the mesh, model, state and jitted step (`Run`);
+- A run, decided then built: `resolve(config, devices)` makes every decision (the
+  validated config, mesh, model, auto's gradient_reduction_policy, the reduction plan)
+  as a frozen `RunSpec`; `build(spec)` makes state and jitted step from it (`Run`);
+  `setup(config)` does both, with the data, checkpoints and initial weights;
   `compile_step(run)`, `train(run)` (the per-step metrics), `startup_lines(run)` (what
   the binary prints before training).
 - `compile_for_topology(config)`: the step compiled for a TPU or GPU topology on this
@@ -32,6 +35,9 @@ _EXPORTS = {
     "make_config": "trainer.config",
     "parse_overrides": "trainer.config",
     "validate": "trainer.config.validate",
+    "RunSpec": "trainer.run.spec",
+    "resolve": "trainer.run.spec",
+    "build": "trainer.run.run",
     "Run": "trainer.run.run",
     "setup": "trainer.run.run",
     "compile_step": "trainer.run.run",

@@ -27,8 +27,8 @@ import accum
 import pspec_tags as pt
 from trainer import model as model_lib
 from trainer.config import Config, ModelConfig, ParallelismConfig
-from trainer.config.validate import validate
 from trainer.run import run as run_lib
+from trainer.run.spec import resolve
 from trainer.sharding import ShardCtx
 from trainer.step.optimizer import make_optimizer
 from trainer.step.train_step import StepFns, apply_gradients, make_loss_fn
@@ -122,10 +122,10 @@ def make_floor_step(config: Config, ctx: ShardCtx, tx: optax.GradientTransformat
 
 def setup_floor(config: Config, devices: list | None = None):
     """`run.setup`, with the run's step replaced by the floor step (same state, data, loop)."""
-    devices = devices if devices is not None else jax.devices()
+    spec = resolve(config, devices if devices is not None else jax.devices())
     # Before anything is built or allocated.
-    check_floor_layout(config.model, config.parallelism, validate(config, len(devices)))
-    run = run_lib.setup(config, devices)
+    check_floor_layout(config.model, config.parallelism, spec.mesh_shape)
+    run = run_lib.start(spec)
     fns = make_floor_step(config, run.ctx, make_optimizer(config.training))
     run.step_fn = run_lib.jit_step(fns.step, run.state)
     return run

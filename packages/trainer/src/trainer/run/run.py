@@ -65,9 +65,13 @@ class Run:
 
 
 def setup(config: Config, devices: list | None = None) -> Run:
-    """Resolve (every check before anything is compiled), open the inputs and the
-    output directory, then build the state and jit the step."""
-    spec = resolve(config, devices if devices is not None else jax.devices())
+    """Resolve (every check before anything is compiled), then `start`."""
+    return start(resolve(config, devices if devices is not None else jax.devices()))
+
+
+def start(spec: RunSpec) -> Run:
+    """Open the inputs and the output directory, build the state and jit the step,
+    and restore the newest checkpoint (or load the initial weights)."""
     config = spec.config
     # Inputs and the output directory, before building or compiling anything.
     source = input_pipeline.make_source(config, spec.batch_size)

@@ -334,6 +334,11 @@ def auto_order(
     return order
 
 
+def with_policy(config: Config, policy: str) -> Config:
+    """`config` with gradient_reduction_policy=`policy`."""
+    return dataclasses.replace(config, gradient_reduction_policy=policy)
+
+
 def next_choice(choice: Choice, reason: str) -> Choice:
     """`choice` without its first policy, which `reason` says does not fit.
 

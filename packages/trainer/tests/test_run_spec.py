@@ -1,0 +1,81 @@
+"""Decide, then build (run/spec.py): `resolve` makes every decision of a run, frozen;
+`build` makes state and step from a spec and decides nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from trainer.config import ConfigError, make_config
+from trainer.run import run as run_lib
+from trainer.run.spec import RunSpec, check_built, resolve
+
+GA4 = {"gradient_accumulation_steps": "4", "per_device_batch_size": "1"}
+
+
+@pytest.fixture(scope="module")
+def auto_spec() -> RunSpec:
+    return resolve(make_config(GA4), jax.devices())
+
+
+def test_resolve_decides_auto_once_and_freezes_it(auto_spec):
+    assert make_config(GA4).gradient_reduction_policy == "auto"
+    chosen = auto_spec.config.gradient_reduction_policy
+    assert chosen != "auto" and chosen == auto_spec.choice.policy
+    assert auto_spec.plan.policy == chosen
+    assert auto_spec.mesh_shape["data"] == 8 and auto_spec.batch_size == 32
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        auto_spec.config = make_config({})  # type: ignore[misc]
+
+
+def test_resolve_allocates_no_parameter(auto_spec):
+    leaves = jax.tree.leaves(auto_spec.trained)
+    assert leaves and all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves)
+
+
+def test_an_explicit_policy_is_taken_as_given():
+    spec = resolve(
+        make_config({**GA4, "gradient_reduction_policy": "per_microbatch"}), jax.devices()
+    )
+    assert spec.choice is None and spec.plan.policy == "per_microbatch"
+
+
+def test_with_policy_changes_the_policy_and_the_plan_only(auto_spec):
+    other = auto_spec.with_policy("per_microbatch")
+    assert other.config.gradient_reduction_policy == "per_microbatch"
+    assert other.plan.policy == "per_microbatch" and auto_spec.plan.policy != "per_microbatch"
+    assert other.ctx is auto_spec.ctx and other.model is auto_spec.model
+    assert other.trained is auto_spec.trained and other.devices == auto_spec.devices
+
+
+def test_build_takes_the_spec_as_decided(auto_spec):
+    spec = auto_spec.with_policy("per_microbatch")
+    run = run_lib.build(spec, abstract=True)
+    assert run.spec is spec and run.plan is spec.plan
+    assert run.config.gradient_reduction_policy == "per_microbatch"
+
+
+def test_resolve_refuses_a_bad_layout_before_building():
+    with pytest.raises(ConfigError, match="ici_data_parallelism=-1 cannot fill 8 devices"):
+        resolve(make_config({"ici_fsdp_parallelism": "3"}), jax.devices())
+
+
+def test_check_built_names_a_parameter_unlike_the_spec(auto_spec):
+    built = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=s.sharding), auto_spec.trained
+    )
+    check_built(auto_spec, built)  # the same: no error
+    path, first = jax.tree_util.tree_leaves_with_path(built)[0]
+    wrong = jax.tree.map(
+        lambda s: (
+            jax.ShapeDtypeStruct(s.shape, jnp.bfloat16, sharding=s.sharding) if s is first else s
+        ),
+        built,
+    )
+    name = re.escape(f"built parameter {jax.tree_util.keystr(path)} is bfloat16")
+    with pytest.raises(RuntimeError, match=name):
+        check_built(auto_spec, wrong)
