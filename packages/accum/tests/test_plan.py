@@ -189,6 +189,24 @@ def test_bad_policies_are_plan_errors():
         accum.make_plan(_params(sizes), batch_axes=batch, mesh_shape=sizes, policy="sometimes")
 
 
+def test_hierarchical_needs_explicit_mode_and_a_cross_slice_batch_axis():
+    sizes, batch, slices = LAYOUTS["2 slices x data"]
+    with pytest.raises(accum.PlanError, match=r"needs explicit mode \(mode='auto' lets XLA"):
+        accum.make_plan(
+            _params(sizes), batch_axes=batch, mesh_shape=sizes, policy="hierarchical",
+            mode="auto", slice_axes=slices,
+        )  # fmt: skip
+    # A slice axis that does not shard the batch is no cross-slice batch axis.
+    with pytest.raises(
+        accum.PlanError,
+        match=r"batch axes here: \('data',\), cross-slice axes: \('dcn_data',\)$",
+    ):
+        accum.make_plan(
+            _params(sizes), batch_axes=("data",), mesh_shape=sizes, policy="hierarchical",
+            slice_axes=slices,
+        )  # fmt: skip
+
+
 def test_table_prints_groups_by_axes():
     plan, _ = _schedule("2 slices x data", "hierarchical")
     table = plan.table()

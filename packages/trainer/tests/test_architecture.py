@@ -239,7 +239,11 @@ def test_interleaved_rope_on_permuted_weights_equals_the_half_split_model(v2_lik
             {"rope_type": "yarn", "max_position_embeddings": "16"},
             r"^max_target_length=32 exceeds max_position_embeddings=16",
         ),
-        ({"routed_topk_method": "greedy"}, r"^routed_topk_method=greedy picks over all experts"),
+        (
+            {"routed_topk_method": "greedy"},
+            r"^routed_topk_method='greedy', n_routing_groups=2 \(moe_kernels' topk_method, "
+            r"n_groups\): topk_method='greedy' picks over all experts",
+        ),
     ],
 )
 def test_bad_architecture_options_stop_before_compiling(overrides, message):

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import jax
 import pytest
 
 from trainer.config import (
@@ -14,6 +15,7 @@ from trainer.config import (
     parse_overrides,
 )
 from trainer.config.validate import validate
+from trainer.run.spec import resolve
 from trainer.run.xla_options import (
     TPU_ASYNC_COLLECTIVES,
     compiler_options,
@@ -60,12 +62,30 @@ BAD = [
         {"num_experts": "6", "n_routing_groups": "3", "ici_expert_parallelism": "4"},
         r"num_experts=6 is not divisible by ici_expert_parallelism=4",
     ),
-    ({"num_experts_per_tok": "9"}, r"num_experts_per_tok=9 must be between 1 and num_experts=8"),
-    ({"n_routing_groups": "3"}, r"n_routing_groups=3 must divide num_experts=8"),
-    ({"topk_routing_group": "3"}, r"topk_routing_group=3 must be between 1 and n_routing_groups=2"),
+    # The routing rules are moe_kernels' (its reason), named by the trainer's keys.
+    (
+        {"num_experts_per_tok": "9"},
+        r"^num_experts_per_tok \(top_k\)=9 must be between 1 and num_experts=8$",
+    ),
+    (
+        {"n_routing_groups": "3"},
+        r"^n_routing_groups=3 \(moe_kernels' n_groups\): n_groups=3 does not divide "
+        r"num_experts=8 into equal groups$",
+    ),
+    (
+        {"topk_routing_group": "3"},
+        r"^topk_routing_group=3, n_routing_groups=2 \(moe_kernels' topk_groups, n_groups\): "
+        r"topk_groups=3 must be between 1 and n_groups=2$",
+    ),
     (
         {"num_experts_per_tok": "5", "topk_routing_group": "1"},
-        r"num_experts_per_tok=5 exceeds the 4 experts",
+        r"^topk_routing_group=1 \(moe_kernels' topk_groups\): num_experts_per_tok=5 exceeds "
+        r"the 4 experts",
+    ),
+    ({"num_experts": "0"}, r"^num_experts=0 must be at least 1$"),
+    (
+        {"base_moe_mlp_dim": "0"},
+        r"^base_moe_mlp_dim=0 \(moe_kernels' mlp_dim\): mlp_dim=0 must be positive$",
     ),
     (
         {"ici_tensor_parallelism": "8", "base_num_query_heads": "4"},
@@ -81,7 +101,7 @@ BAD = [
     ),
     ({"qk_rope_head_dim": "7"}, r"qk_rope_head_dim=7 must be even"),
     ({"steps": "0"}, r"steps=0 must be >= 1"),
-    ({"capacity_factor": "-1"}, r"capacity_factor=-1.0 must be >= 0"),
+    ({"capacity_factor": "-1"}, r"^capacity_factor=-1.0 must be >= 0"),
     ({"learning_rate": "-1"}, r"learning_rate=-1.0 must be > 0"),
     (
         {"dcn_tensor_parallelism": "2"},
@@ -95,19 +115,6 @@ BAD = [
     (
         {"gradient_accumulation_schedule": "overlapped", "scan_layers": "false"},
         r"^gradient_accumulation_schedule=overlapped needs scan_layers=true",
-    ),
-    (
-        {"gradient_accumulation_schedule": "overlapped_ring", "shard_mode": "auto"},
-        r"^gradient_accumulation_schedule=overlapped_ring needs shard_mode=explicit",
-    ),
-    (
-        {
-            "gradient_accumulation_schedule": "overlapped_ring",
-            "gradient_reduction_policy": "per_microbatch",
-        },
-        r"^gradient_accumulation_schedule=overlapped_ring does nothing with "
-        r"gradient_reduction_policy=per_microbatch .*: use gradient_accumulation_schedule="
-        r"overlapped$",
     ),
     (
         {"gradient_accumulation_schedule": "ring"},
@@ -146,6 +153,34 @@ BAD = [
 def test_bad_config_names_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate(make_config(overrides), 8)
+
+
+# Refused where the plan is made (accum's rules: run.spec.resolve), before building.
+BAD_PLANS = [
+    (
+        {"gradient_accumulation_schedule": "overlapped_ring", "shard_mode": "auto"},
+        r"^gradient_accumulation_schedule=overlapped_ring with shard_mode=auto, "
+        r"gradient_reduction_policy=deferred: schedule='overlapped_ring' needs explicit mode "
+        r"\(mode='auto' lets XLA place every reduction\); use schedule='overlapped'$",
+    ),
+    (
+        {
+            "gradient_accumulation_schedule": "overlapped_ring",
+            "gradient_reduction_policy": "per_microbatch",
+        },
+        r"^gradient_accumulation_schedule=overlapped_ring with shard_mode=explicit, "
+        r"gradient_reduction_policy=per_microbatch: schedule='overlapped_ring' does nothing "
+        r"under policy='per_microbatch' .*; use schedule='overlapped'$",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "overrides,message", BAD_PLANS, ids=[",".join(o.values()) for o, _ in BAD_PLANS]
+)
+def test_a_schedule_accum_refuses_names_the_key_before_building(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve(make_config(overrides), jax.devices())
 
 
 def test_schedule_values_are_accums_and_fused_is_the_default():

@@ -1,12 +1,12 @@
 """The docstring examples of the trainer's configuration entry points
-(parse_overrides, make_config, validate) run: the examples cannot drift from the
+(parse_overrides, make_config, validate, moe_map.check) run: the examples cannot drift from the
 code, and they show the one-line ConfigError a bad key or batch size gets."""
 
 import pytest
 
-from trainer.config import make, validate
+from trainer.config import make, moe_map, validate
 
-MODULES = (make, validate)
+MODULES = (make, moe_map, validate)
 ENTRY_POINTS = (make.make_config, validate.validate)
 
 

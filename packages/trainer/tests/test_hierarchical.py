@@ -95,11 +95,6 @@ def test_startup_lines_name_the_plan(runner):
     [
         ({"num_slices": "2", "dcn_data_parallelism": "4"}, r"dcn_data_parallelism=4"),
         ({"num_slices": "3"}, r"num_slices=3 does not divide"),
-        ({"gradient_reduction_policy": "hierarchical"}, r"gradient_reduction_policy=hierarchical"),
-        (
-            {"num_slices": "2", "gradient_reduction_policy": "hierarchical", "shard_mode": "auto"},
-            r"shard_mode=explicit",
-        ),
         (
             {"num_slices": "2", "dcn_data_parallelism": "1", "dcn_fsdp_parallelism": "2",
              "shard_optimizer_over_data": "true"},
@@ -114,6 +109,32 @@ def test_bad_slice_configs_stop_before_compiling(overrides, message):
     config = make_config(overrides)
     with pytest.raises(ConfigError, match=message):
         validate(config, 8, config.num_slices if config.num_slices > 0 else 1)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"gradient_reduction_policy": "hierarchical"},
+            r"^gradient_reduction_policy=hierarchical with shard_mode=explicit, "
+            r"dcn_data_parallelism=1, dcn_fsdp_parallelism=1 \(the cross-slice axes: num_slices, "
+            r"or compile_topology_num_slices, > 1\): the hierarchical policy needs a cross-slice "
+            r"batch axis .*cross-slice axes: none$",
+        ),
+        (
+            {"num_slices": "2", "gradient_reduction_policy": "hierarchical", "shard_mode": "auto"},
+            r"^gradient_reduction_policy=hierarchical with shard_mode=auto, dcn_data_parallelism=2"
+            r".*: the hierarchical policy needs explicit mode \(mode='auto' lets XLA place",
+        ),
+    ],
+)  # fmt: skip
+def test_a_policy_accum_refuses_stops_before_building(overrides, message):
+    """accum.make_plan's rules, refused where the plan is made (run.spec.resolve)."""
+    from trainer.config import ConfigError, make_config
+    from trainer.run.spec import resolve
+
+    with pytest.raises(ConfigError, match=message):
+        resolve(make_config(overrides), jax.devices())
 
 
 def test_slice_count_from_devices_config_and_topology():

@@ -322,10 +322,17 @@ def make_plan(
     sizes = dict(mesh_shape)
     batch = tuple(a for a in sizes if a in set(batch_axes) and sizes[a] > 1)
     sliced = {a for a in slice_axes if sizes.get(a, 1) > 1}
-    if mode == "explicit" and policy == "hierarchical" and not sliced & set(batch):
+    if policy == "hierarchical" and mode != "explicit":
         raise PlanError(
-            "the hierarchical policy needs a cross-slice batch axis (a dcn_ axis of size > 1); "
-            f"batch axes here: {batch or 'none'}"
+            f"the hierarchical policy needs explicit mode (mode={mode!r} lets XLA place "
+            "every reduction)"
+        )
+    if policy == "hierarchical" and not sliced & set(batch):
+        across = tuple(a for a in sizes if a in sliced) or "none"
+        raise PlanError(
+            "the hierarchical policy needs a cross-slice batch axis (one of slice_axes, of "
+            f"size > 1, that shards the batch); batch axes here: {batch or 'none'}, "
+            f"cross-slice axes: {across}"
         )
     specs = jax.tree.map(_spec_and_shape, params)
     is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], P)  # noqa: E731

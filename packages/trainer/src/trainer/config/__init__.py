@@ -7,6 +7,8 @@
   (presets.py) plus a Hugging Face directory's keys (hf_map.py) plus the overrides,
   type-checked. `validate(config, num_devices)` (validate.py): what depends on the
   machine. `mesh_shape` (mesh_shape.py): the mesh from the *_parallelism keys.
+- `moe_map.py`: the MoE keys as moe_kernels' MoEConfig (the one mapping), whose
+  refusals it names by the trainer's keys.
 - `lora_targets.py`: LoRA's target names and rules; `maxtext_compat.py`: MaxText's
   command line (a YAML path first); `reference.py`: docs/config.md.
 

@@ -1,7 +1,13 @@
 """Checks that need the machine (device count) — all run before anything compiles.
 
 `validate` takes the whole Config: its checks cross groups (a batch size against the
-mesh, a schedule against the shard mode); each helper takes only the groups it reads.
+mesh, a schedule against the model); each helper takes only the groups it reads.
+
+A rule a library owns is checked by that library, not restated here: the routing keys
+by moe_kernels when moe_map builds its MoEConfig (named by the trainer's keys), the
+reduction policy and the accumulation schedule by accum when the run's plan is made
+(trainer.sharding.reduction_plan, from trainer.run.spec.resolve: before anything is
+built).
 """
 
 from __future__ import annotations
@@ -9,8 +15,7 @@ from __future__ import annotations
 import math
 
 import moe_kernels
-from moe_kernels.config import TOPK_METHODS
-from trainer.config import lora_targets
+from trainer.config import lora_targets, moe_map
 from trainer.config.config import Config
 from trainer.config.keys import DTYPES, ROPE_TYPES, ConfigError
 from trainer.config.mesh_shape import mesh_shape
@@ -61,6 +66,8 @@ def validate(config: Config, num_devices: int, num_slices: int | None = None) ->
     """Raise ConfigError naming the key for anything that would fail later; return mesh sizes.
 
     `num_slices`: the slices the devices form (default: config.num_slices, or 1).
+    Not here: the reduction policy and the schedule against the mesh, accum's rules,
+    refused where the plan is made (`trainer.run.spec.resolve`; plan-reduction too).
 
     >>> from trainer.config import make_config
     >>> from trainer.config.validate import global_batch_size, validate
@@ -80,8 +87,7 @@ def validate(config: Config, num_devices: int, num_slices: int | None = None) ->
     _check_model(config)
     model, parallelism, data = config.model, config.parallelism, config.data
     _check_parallelism(model, parallelism, data, sizes)
-    _check_reduction_policy(parallelism, config.accumulation, sizes)
-    _check_accumulation_schedule(model, parallelism, config.accumulation)
+    _check_accumulation_schedule(model, config.accumulation)
     microbatch = microbatch_size(data, num_devices)
     shards = batch_shard_count(parallelism, sizes)
     _require(
@@ -132,7 +138,7 @@ def _check_model(config: Config) -> None:
     check_architecture(config.model, config.data)
     lora_targets.check(config.model)
     if config.num_moe_layers:
-        _check_routing(config.model)
+        _check_moe(config.model)
     _check_mtp(config.model, config.data, config.evaluation)
 
 
@@ -162,9 +168,9 @@ def check_architecture(model: ModelConfig, data: DataConfig) -> None:
         model.q_lora_rank >= 0,
         f"q_lora_rank={model.q_lora_rank} must be >= 0 (0 = a plain query projection)",
     )
-    for key, choices in (("rope_type", ROPE_TYPES), ("routed_topk_method", TOPK_METHODS)):
-        value = getattr(model, key)
-        _require(value in choices, f"{key}={value!r} is not one of {choices}")
+    _require(
+        model.rope_type in ROPE_TYPES, f"rope_type={model.rope_type!r} is not one of {ROPE_TYPES}"
+    )
     if model.rope_type != "yarn":
         return
     _require(
@@ -189,38 +195,13 @@ def check_architecture(model: ModelConfig, data: DataConfig) -> None:
     )
 
 
-def _check_routing(model: ModelConfig) -> None:
-    experts, k = model.num_experts, model.num_experts_per_tok
-    _require(experts >= 1, f"num_experts={experts} must be >= 1")
-    _require(
-        model.capacity_factor >= 0,
-        f"capacity_factor={model.capacity_factor} must be >= 0 (0 = no token dropped)",
-    )
+def _check_moe(model: ModelConfig) -> None:
+    # The routing keys are moe_kernels' rules (moe_map.check names the keys); the
+    # z-loss is the trainer's own.
+    moe_map.check(model)
     _require(
         model.moe_z_loss_coeff >= 0,
         f"moe_z_loss_coeff={model.moe_z_loss_coeff} must be >= 0 (0 = no router z-loss)",
-    )
-    _require(
-        1 <= k <= experts, f"num_experts_per_tok={k} must be between 1 and num_experts={experts}"
-    )
-    groups, top_groups = model.n_routing_groups, model.topk_routing_group
-    _require(
-        model.routed_topk_method != "greedy" or groups == 1,
-        f"routed_topk_method=greedy picks over all experts: n_routing_groups={groups} "
-        "must be 1 (or use noaux_tc / group_limited_greedy)",
-    )
-    _require(
-        groups >= 1 and experts % groups == 0,
-        f"n_routing_groups={groups} must divide num_experts={experts}",
-    )
-    _require(
-        1 <= top_groups <= groups,
-        f"topk_routing_group={top_groups} must be between 1 and n_routing_groups={groups}",
-    )
-    _require(
-        k <= top_groups * (experts // groups),
-        f"num_experts_per_tok={k} exceeds the {top_groups * (experts // groups)} experts in "
-        f"topk_routing_group={top_groups} groups of {experts // groups}",
     )
 
 
@@ -238,11 +219,11 @@ def _check_expert_count(model: ModelConfig, expert: int) -> None:
     )
 
 
-def _check_accumulation_schedule(
-    model: ModelConfig, parallelism: ParallelismConfig, accumulation: AccumulationConfig
-) -> None:
+def _check_accumulation_schedule(model: ModelConfig, accumulation: AccumulationConfig) -> None:
     # fused (the default) has no effect without the scan; an overlapped schedule is
-    # asked for explicitly and would silently not overlap.
+    # asked for explicitly and would silently not overlap. The schedule against the
+    # plan (overlapped_ring's shard mode and policy) is accum.check_schedule's rule,
+    # checked where the plan is made (trainer.sharding.reduction_plan).
     schedule = accumulation.gradient_accumulation_schedule
     key = f"gradient_accumulation_schedule={schedule}"
     _require(
@@ -254,37 +235,6 @@ def _check_accumulation_schedule(
         f"{key} does not run with lora_rank={model.lora_rank}: LoRA's step differentiates "
         "the small adapters only, without the fused layer backward the overlapped schedules "
         "need; use plain or fused (which runs as plain with LoRA)",
-    )
-    if schedule != "overlapped_ring":
-        return
-    _require(
-        parallelism.shard_mode == "explicit",
-        f"{key} needs shard_mode=explicit (auto mode lets XLA place every reduction)",
-    )
-    _require(
-        accumulation.gradient_reduction_policy != "per_microbatch",
-        f"{key} does nothing with gradient_reduction_policy=per_microbatch (every gradient "
-        "is reduced in its microbatch's backward): use gradient_accumulation_schedule="
-        "overlapped",
-    )
-
-
-def _check_reduction_policy(
-    parallelism: ParallelismConfig, accumulation: AccumulationConfig, sizes: dict[str, int]
-) -> None:
-    policy = accumulation.gradient_reduction_policy
-    if policy != "hierarchical":
-        return
-    _require(
-        parallelism.shard_mode == "explicit",
-        "gradient_reduction_policy=hierarchical needs shard_mode=explicit (auto mode lets XLA "
-        "place every reduction)",
-    )
-    _require(
-        sizes["dcn_data"] * sizes["dcn_fsdp"] > 1,
-        "gradient_reduction_policy=hierarchical needs a cross-slice axis: "
-        "dcn_data_parallelism > 1 (with num_slices, or compile_topology_num_slices, > 1); "
-        "this mesh has one slice",
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import moe_kernels
 from trainer.config import ModelConfig
+from trainer.config.moe_map import moe_config
 from trainer.model import lora
 from trainer.model.params import CAST_AT_USE, INIT, LOGICAL, USE_DTYPE
 from trainer.sharding import ShardCtx
@@ -11,30 +12,6 @@ from trainer.sharding import ShardCtx
 # One NNX module and one bias variable type, moe_kernels'; the old names stay importable.
 MoE = moe_kernels.MoE
 RouterBias = moe_kernels.RoutingBias
-
-
-def moe_config(config: ModelConfig) -> moe_kernels.MoEConfig:
-    """The moe_kernels view of the trainer config."""
-    return moe_kernels.MoEConfig(
-        num_experts=config.num_experts,
-        num_experts_per_tok=config.num_experts_per_tok,
-        mlp_dim=config.base_moe_mlp_dim,
-        n_groups=config.n_routing_groups,
-        topk_groups=config.topk_routing_group,
-        routed_scaling_factor=config.routed_scaling_factor,
-        score_func=config.routed_score_func,
-        topk_method=config.routed_topk_method,
-        norm_topk_prob=config.norm_topk_prob,
-        num_shared_experts=config.shared_experts,
-        # Same meaning on both sides: 0 = no token dropped.
-        capacity_factor=config.capacity_factor,
-        # alpha / rank for the expert adapters (trainer.model.lora); unused without them.
-        lora_scale=config.lora_alpha / config.lora_rank if config.lora_rank else 1.0,
-        precision=None,
-        grouped_matmul=config.grouped_matmul,
-        # Per-token router z out of the layer only when the z-loss uses it.
-        router_z_loss=bool(config.moe_z_loss_coeff),
-    )
 
 
 def _metadata(name: str, shape: tuple, logical: tuple) -> dict:

@@ -52,12 +52,20 @@ def abstract_params(config: Config) -> tuple[Any, Any, Any]:
 
 
 def choice_for(config: Config):
-    """reduction_choice.Choice over every applicable policy (the auto decision's table)."""
+    """reduction_choice.Choice over every applicable policy (the auto decision's table).
+
+    ConfigError, as `train` gives before compiling (trainer.run.spec.resolve), when
+    accum refuses the configured policy (or auto's pick) or the schedule under it."""
     # deferred: the keys are checked before JAX and the model code load
+    from trainer.sharding import reduction_plan
     from trainer.step import reduction_choice
 
     ctx, params, grad_dtypes = abstract_params(config)
-    return reduction_choice.choose(config, ctx, params, [], grad_dtypes), ctx, params
+    choice = reduction_choice.choose(config, ctx, params, [], grad_dtypes)
+    policy = config.gradient_reduction_policy
+    run = reduction_choice.with_policy(config, choice.policy if policy == "auto" else policy)
+    reduction_plan(run.parallelism, run.accumulation, ctx, params)
+    return choice, ctx, params
 
 
 def compiled_lines(config: Config, choice: Any, ctx: Any) -> list[str]:

@@ -8,8 +8,8 @@ import accum
 import hlo_tools
 import moe_kernels
 from trainer.config import AccumulationConfig, DataConfig, ModelConfig, lora_targets
+from trainer.config.moe_map import moe_config
 from trainer.model import flops
-from trainer.model.moe_block import moe_config
 
 MIB = 1024 * 1024
 

@@ -20,7 +20,13 @@ from jax.sharding import PartitionSpec as P
 
 import accum
 import pspec_tags as pt
-from trainer.config import MESH_AXES, AccumulationConfig, ParallelismConfig
+from trainer.config import (
+    DCN_AXES,
+    MESH_AXES,
+    AccumulationConfig,
+    ConfigError,
+    ParallelismConfig,
+)
 from trainer.sharding.slices import device_array, slice_axes
 
 
@@ -205,21 +211,44 @@ def reduction_plan(
     parallelism: ParallelismConfig, accumulation: AccumulationConfig, ctx: ShardCtx, params: Any
 ) -> accum.ReductionPlan:
     """The step's reduction plan (accum.make_plan), read by everything that reduces,
-    tags or reports gradients.
+    tags or reports gradients; its accumulation schedule checked against it
+    (accum.check_schedule).
 
     `params`: arrays or ShapeDtypeStructs in the layout the model computes with
     (before ZeRO-1 shards them). The batch axes are the token axes; the slice
     axes the dcn_ ones. Per parameter: the model gathers weights sharded over a
     batch axis with a tagged reshard (`ShardCtx.weight`) and the experts enter
     the MoE shard_map, so such a weight reduces that axis per use and defers the others.
+
+    accum owns the rules of both (a policy that cannot apply to this mesh, a schedule
+    that means nothing under the plan): its refusal comes out as a ConfigError
+    naming gradient_reduction_policy= or gradient_accumulation_schedule= and the keys
+    that fed it, with accum's reason word for word.
     """
     shape = dict(ctx.mesh.shape)
-    return accum.make_plan(
-        params,
-        batch_axes=ctx.token_axes,
-        mesh_shape=shape,
-        policy=accumulation.gradient_reduction_policy,
-        mode=parallelism.shard_mode,
-        slice_axes=slice_axes(shape),
-        per_parameter=True,
-    )
+    policy, mode = accumulation.gradient_reduction_policy, parallelism.shard_mode
+    try:
+        plan = accum.make_plan(
+            params,
+            batch_axes=ctx.token_axes,
+            mesh_shape=shape,
+            policy=policy,
+            mode=mode,
+            slice_axes=slice_axes(shape),
+            per_parameter=True,
+        )
+    except accum.PlanError as error:
+        dcn = ", ".join(f"{a}_parallelism={shape.get(a, 1)}" for a in DCN_AXES)
+        raise ConfigError(
+            f"gradient_reduction_policy={policy} with shard_mode={mode}, {dcn} (the "
+            f"cross-slice axes: num_slices, or compile_topology_num_slices, > 1): {error}"
+        ) from error
+    schedule = accumulation.gradient_accumulation_schedule
+    try:
+        accum.check_schedule(schedule, plan)
+    except ValueError as error:
+        raise ConfigError(
+            f"gradient_accumulation_schedule={schedule} with shard_mode={mode}, "
+            f"gradient_reduction_policy={policy}: {error}"
+        ) from error
+    return plan
