@@ -129,11 +129,13 @@ def aot_rows() -> list[dict]:
 
 def share_671b() -> dict:
     """deepseek3-671b with one depth: parameters (abstract, nothing allocated)."""
+    from trainer import model as model_lib
     from trainer.config import make_config
-    from trainer.model import abstract_model
+    from trainer.run.spec import resolve_abstract
 
     config = make_config({"model_name": "deepseek3-671b", "mtp_num_layers": "1"})
-    total, own = _params(abstract_model.parameters(config).params)
+    spec = resolve_abstract(config)
+    total, own = _params(model_lib.abstract_state(spec.model, spec.ctx)[0])
     plain = make_config({"model_name": "deepseek3-671b"})
     return {
         "part": "deepseek3-671b",

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 import hlo_tools
+from trainer import model as model_lib
 from trainer.config import make_config
-from trainer.model import abstract_model
 from trainer.run import aot
+from trainer.run.spec import resolve_abstract
 from trainer.step import reduction_bytes
 from trainer_tests_layouts import DEEPSEEK3_671B_LAYOUT
 
@@ -194,7 +195,8 @@ def test_deepseek2_lite_has_the_model_cards_counts():
     from trainer.model import flops
 
     config = make_config({"model_name": "deepseek2-lite"})
-    params = abstract_model.parameters(config).params
+    spec = resolve_abstract(config)
+    params, _ = model_lib.abstract_state(spec.model, spec.ctx)
     assert 15_650e6 <= flops.count_params(params) < 15_750e6
     assert 2_400e6 <= flops.active_matmul_params(config.model) < 2_500e6
 
@@ -227,7 +229,8 @@ def test_671b_with_mtp_counts_its_depth_apart_and_matches_the_model_card():
     from trainer.run import report
 
     config = make_config({"model_name": "deepseek3-671b", "mtp_num_layers": "1"})
-    params = abstract_model.parameters(config).params
+    spec = resolve_abstract(config)
+    params, _ = model_lib.abstract_state(spec.model, spec.ctx)
     total, mtp = flops.count_params(params), flops.mtp_param_count(params)
     assert 671.0e9 < total - mtp < 671.1e9  # the main model, as without MTP
     assert 11.5e9 < mtp < 11.7e9  # one MoE block of the 671b shape, eh_proj, 3 norms

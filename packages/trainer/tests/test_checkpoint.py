@@ -151,7 +151,9 @@ def test_unwritable_output_directory_fails_before_building_anything(tmp_path, mo
     def no_model(*args, **kwargs):
         raise AssertionError("model built before the output directory was checked")
 
-    monkeypatch.setattr(run_lib.model_lib, "define", no_model)
+    monkeypatch.setattr(
+        run_lib.model_lib, "init", no_model
+    )  # allocating: after resolve's abstract define
     with pytest.raises(ConfigError, match=r"base_output_directory: .*a-file.* is not writable"):
         run_lib.setup(_config(blocker))
 

@@ -307,7 +307,9 @@ def test_bad_eval_input_stops_before_building_the_model(
     def no_model(*args, **kwargs):
         raise AssertionError("model built before the eval keys were checked")
 
-    monkeypatch.setattr(run_lib.model_lib, "define", no_model)
+    monkeypatch.setattr(
+        run_lib.model_lib, "init", no_model
+    )  # allocating: after resolve's abstract define
     with pytest.raises(ConfigError, match=message):
         run_lib.setup(_config(corpus, **overrides))
 

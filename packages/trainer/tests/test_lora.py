@@ -23,9 +23,10 @@ from trainer import model as model_lib
 from trainer.config import ConfigError, lora_targets, make_config
 from trainer.config.validate import validate
 from trainer.io import export_hf
-from trainer.model import abstract_model, flops, lora
+from trainer.model import flops, lora
 from trainer.run import report
 from trainer.run import run as run_lib
+from trainer.run.spec import resolve_abstract
 from trainer.step.loss import token_cross_entropy
 from trainer.step.train_step import mtp_loss_scales
 
@@ -276,7 +277,7 @@ def test_targets_resolve_groups_to_the_model_s_projections():
 def test_training_flops_drop_the_base_weight_gradients():
     def parts(**overrides):
         config = make_config({"lora_rank": "4", **overrides})
-        adapters = abstract_model.parameters(config).adapters
+        adapters = resolve_abstract(config).trained  # the adapters: what LoRA trains
         count = sum(x.size for x in jax.tree.leaves(adapters))
         return config.model, count, flops.training_flops_per_token(config.model, config.data)
 

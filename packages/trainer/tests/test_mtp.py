@@ -18,8 +18,9 @@ import hlo_tools
 from trainer import model as model_lib
 from trainer.config import ConfigError, make_config
 from trainer.config.validate import validate
-from trainer.model import abstract_model, flops
+from trainer.model import flops
 from trainer.model.mtp import depth_targets
+from trainer.run.spec import resolve_abstract
 from trainer.sharding import ShardCtx, logical_rules, make_mesh
 
 GA4 = {"gradient_accumulation_steps": "4"}
@@ -75,8 +76,8 @@ def test_depth_targets_stop_at_documents_and_the_sequence_end():
 
 def test_mtp_parameters_share_the_embedding_and_head():
     config = make_config({"model_name": "tagtrain-tiny", "mtp_num_layers": "2"})
-    abstract = abstract_model.parameters(config)
-    params, router = abstract.params, abstract.router
+    spec = resolve_abstract(config)
+    params, router = model_lib.abstract_state(spec.model, spec.ctx)
     # One embedding table and one output matrix in the whole tree: no copies.
     vocab_sized = [
         jax.tree_util.keystr(path)
@@ -96,7 +97,8 @@ def test_mtp_parameters_share_the_embedding_and_head():
     assert router["mtp"]["block"]["ffn"]["bias"].shape == (2, config.num_experts)
     # Counting: MTP's share named apart; the rest is what the model had without it.
     plain = make_config({"model_name": "tagtrain-tiny"})
-    plain_params = abstract_model.parameters(plain).params
+    plain_spec = resolve_abstract(plain)
+    plain_params, _ = model_lib.abstract_state(plain_spec.model, plain_spec.ctx)
     total, own = flops.count_params(params), flops.mtp_param_count(params)
     assert own == flops.count_params(mtp) > 0
     assert total - own == flops.count_params(plain_params)

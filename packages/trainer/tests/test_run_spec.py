@@ -12,7 +12,7 @@ import pytest
 
 from trainer.config import ConfigError, make_config
 from trainer.run import run as run_lib
-from trainer.run.spec import RunSpec, check_built, resolve
+from trainer.run.spec import RunSpec, check_built, resolve, resolve_abstract
 
 GA4 = {"gradient_accumulation_steps": "4", "per_device_batch_size": "1"}
 
@@ -79,3 +79,15 @@ def test_check_built_names_a_parameter_unlike_the_spec(auto_spec):
     name = re.escape(f"built parameter {jax.tree_util.keystr(path)} is bfloat16")
     with pytest.raises(RuntimeError, match=name):
         check_built(auto_spec, wrong)
+
+
+def test_resolve_abstract_decides_as_resolve_without_devices(auto_spec):
+    abstract = resolve_abstract(make_config(GA4), num_devices=8)
+    assert abstract.devices == () and abstract.mesh_shape == auto_spec.mesh_shape
+    assert abstract.config == auto_spec.config and abstract.batch_size == auto_spec.batch_size
+    assert abstract.plan.policy == auto_spec.plan.policy
+    assert abstract.plan.deferred_axes == auto_spec.plan.deferred_axes
+    shapes = lambda spec: jax.tree.map(lambda s: (s.shape, s.dtype), spec.trained)  # noqa: E731
+    assert shapes(abstract) == shapes(auto_spec)
+    # 16 devices: no machine has them here, the abstract mesh does.
+    assert resolve_abstract(make_config(GA4), num_devices=16).mesh_shape["data"] == 16

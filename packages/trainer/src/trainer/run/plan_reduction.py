@@ -35,37 +35,21 @@ def config_of(args: list[str]) -> Config:
     return config
 
 
-def abstract_params(config: Config) -> tuple[Any, Any, Any]:
-    """(ShardCtx on an abstract mesh of the topology, the compute-layout parameters
-    as ShapeDtypeStructs, their gradient dtypes): no device is touched. With LoRA the
-    trained parameters are the adapters: they are what is reduced."""
+def choice_for(config: Config):
+    """(reduction_choice.Choice over every applicable policy, the ShardCtx on an
+    abstract mesh of the topology, the trained parameters as ShapeDtypeStructs): auto's
+    table whatever gradient_reduction_policy says. No device is touched; with LoRA the
+    trained parameters are the adapters, what is reduced."""
     # deferred: the keys are checked before JAX and the model code load
-    from trainer.model import abstract_model, trained_view
-    from trainer.run import aot
-    from trainer.step.reduction_choice import gradient_traits
+    from trainer.run import aot, spec
 
     topo = aot.resolve(config.parallelism)  # ConfigError for an unknown topology or a bad mesh
     slices = config.compile_topology_num_slices
-    m = abstract_model.parameters(config, topo.chips * slices, slices)
-    params = m.adapters if m.model.lora else m.params
-    return m.ctx, params, gradient_traits(trained_view(m.model), params)
-
-
-def choice_for(config: Config):
-    """reduction_choice.Choice over every applicable policy (the auto decision's table).
-
-    ConfigError, as `train` gives before compiling (trainer.run.spec.resolve), when
-    accum refuses the configured policy (or auto's pick) or the schedule under it."""
-    # deferred: the keys are checked before JAX and the model code load
-    from trainer.sharding import reduction_plan
-    from trainer.step import reduction_choice
-
-    ctx, params, grad_dtypes = abstract_params(config)
-    choice = reduction_choice.choose(config, ctx, params, [], grad_dtypes)
-    policy = config.gradient_reduction_policy
-    run = reduction_choice.with_policy(config, choice.policy if policy == "auto" else policy)
-    reduction_plan(run.parallelism, run.accumulation, ctx, params)
-    return choice, ctx, params
+    planned = spec.resolve_abstract(config, topo.chips * slices, slices)
+    choice = planned.choice or spec.choose_for(
+        planned.config, planned.ctx, planned.model, planned.trained, planned.devices
+    )
+    return choice, planned.ctx, planned.trained
 
 
 def compiled_lines(config: Config, choice: Any, ctx: Any) -> list[str]:

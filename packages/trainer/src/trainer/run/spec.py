@@ -13,13 +13,15 @@ thing from the same decisions (`spec.with_policy(p)`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
+from jax.sharding import AbstractMesh, AxisType
 
 import accum
 from trainer import model as model_lib
-from trainer.config import Config
+from trainer.config import MESH_AXES, Config
 from trainer.config.validate import global_batch_size, validate
 from trainer.sharding import ShardCtx, logical_rules, make_mesh, reduction_plan, slices
 from trainer.step import reduction_choice
@@ -30,7 +32,7 @@ class RunSpec:
     """Every decision of a run, before anything is allocated or compiled."""
 
     config: Config  # validated; gradient_reduction_policy never "auto" here
-    devices: tuple  # in mesh order (slice-major on several slices)
+    devices: tuple  # in mesh order (slice-major on several slices); () on an AbstractMesh
     mesh_shape: dict[str, int]
     batch_size: int  # sequences per optimizer step, all microbatches
     ctx: ShardCtx
@@ -64,16 +66,40 @@ def resolve(config: Config, devices: list | tuple) -> RunSpec:
     num_slices = slices.num_slices(config.parallelism, devices)
     devices = slices.slice_major(devices) if num_slices > 1 else devices
     sizes = validate(config, len(devices), num_slices)
-    batch = global_batch_size(config.accumulation, config.data, len(devices))
-    mesh = make_mesh(sizes, config.shard_mode, devices)
+    return _decide(config, tuple(devices), sizes, make_mesh(sizes, config.shard_mode, devices))
+
+
+def resolve_abstract(config: Config, num_devices: int = 8, num_slices: int = 1) -> RunSpec:
+    """`resolve` on an AbstractMesh of `num_devices` (in `num_slices` slices): no device
+    is needed or touched (plan-reduction on a TPU topology, counting parameters). Its
+    `devices` are empty: such a spec plans and counts, it is not built."""
+    sizes = validate(config, num_devices, num_slices)
+    kind = AxisType.Explicit if config.shard_mode == "explicit" else AxisType.Auto
+    shape = tuple(sizes.get(axis, 1) for axis in MESH_AXES)
+    mesh = AbstractMesh(shape, MESH_AXES, axis_types=(kind,) * len(MESH_AXES))
+    with jax.sharding.use_abstract_mesh(mesh):  # the model's specs resolve on it
+        return _decide(config, (), sizes, mesh)
+
+
+def choose_for(
+    config: Config, ctx: ShardCtx, model: model_lib.ModelDef, trained: Any, devices: tuple
+) -> reduction_choice.Choice:
+    """auto's decision for the trained parameters: accum.cost's ranking of every policy
+    that applies (reduction_choice.choose), with the model's gradient traits."""
+    traits = reduction_choice.gradient_traits(model_lib.trained_view(model), trained)
+    return reduction_choice.choose(config, ctx, trained, list(devices), traits)
+
+
+def _decide(config: Config, devices: tuple, sizes: dict[str, int], mesh: Any) -> RunSpec:
+    """Everything after the mesh: batch, ctx, model, trained shapes, auto, plan."""
+    batch = global_batch_size(config.accumulation, config.data, math.prod(sizes.values()))
     ctx = ShardCtx(mesh, logical_rules(config.parallelism), config.shard_mode)
     model = model_lib.define(config.model, ctx)
     trained = trained_shapes(model, ctx)
     choice = None
     if config.gradient_reduction_policy == "auto":
-        traits = reduction_choice.gradient_traits(model_lib.trained_view(model), trained)
-        choice = reduction_choice.choose(config, ctx, trained, devices, traits)
-    spec = RunSpec(config, tuple(devices), sizes, batch, ctx, model, trained, None)
+        choice = choose_for(config, ctx, model, trained, devices)
+    spec = RunSpec(config, devices, sizes, batch, ctx, model, trained, None)
     return spec.with_policy(choice.policy if choice else config.gradient_reduction_policy, choice)
 
 
