@@ -5,8 +5,8 @@ ride in the aux (weighted by rows, so accum's sum over microbatches and
 devices divided by the weight is their mean) and are written back after the
 step. On the local path the batch statistics are those of each device's rows
 of a microbatch, as under DDP. On an explicit mesh JAX's shard_map refuses
-the closed-over `state.batch_stats`; accum maps each device's rows with
-`jax.vmap` instead (accum.local_mapped), with the same numbers."""
+the closed-over `state.batch_stats`; accum closure-converts `loss_fn` to pass
+them into it (accum.closure), with the same numbers."""
 
 from typing import Any
 

@@ -17,13 +17,23 @@ Closures: on an auto mesh JAX passes a value `loss_fn` closes over (a jitted
 step's argument: BatchNorm's running averages, a traced temperature) into the
 shard_map, replicated. On an explicit mesh JAX refuses it ("Closing over inputs
 to shard_map ... not implemented") at the first op that reads it, and nothing
-outside `loss_fn` can hand it in instead (it sits in the Python closure; a
-jaxpr traced outside carries the outer mesh's types). There the same
-accumulation runs without a shard_map (accum.local_mapped: `jax.vmap` over one
-row per batch device, same rows, keys and numbers); where JAX's explicit
-sharding rules cannot map a layer either (a gather over mapped indices:
-`Embed`; a convolution's batching reshape: `Conv`), `_shard_mapped_or_mapped`
-raises one line saying what to do.
+outside `loss_fn` can hand it in (it sits in the Python closure). There
+`_local_run` tries, in order:
+
+- closure conversion (accum.closure): `loss_fn` traced once outside the
+  shard_map, the closed-over arrays made arguments the shard_map takes
+  replicated, the jaxpr evaluated inside: the same shard_map, rows, keys and
+  numbers. It works where the closed-over values meet only plain ops (a
+  BatchNorm's running averages, a scale); not where one reaches a nested jaxpr
+  (`jax.nn.relu`/`softmax` of it, a `jit`, `scan`, `cond`, `checkpoint`, a
+  closed-over dropout key reaching `jax.random`'s jitted samplers): that jaxpr
+  keeps the explicit mesh's type from the outer trace, which JAX re-uses when
+  it evaluates or differentiates it, and it fails inside the shard_map;
+- the same accumulation without a shard_map (accum.local_mapped: `jax.vmap`
+  over one row per batch device, same rows, keys and numbers), which takes
+  any closure but not a layer JAX's explicit sharding rules cannot map over
+  the device rows (`Embed`'s gather, `Conv`'s batching reshape);
+- failing both, one line saying what to do.
 
 What differs from the full batch: a value the model computes over the batch
 dimension (a batch norm's statistics, a contrastive loss's negatives) sees the
@@ -33,6 +43,7 @@ folded with the microbatch index and the device's position on the batch axes.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -42,8 +53,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from accum.closure import lift_closure
 from accum.device_grads import device_grads, device_key
-from accum.local_mapped import mapped_accumulate, mapped_add
+from accum.local_mapped import batch_devices, mapped_accumulate, mapped_add
 from accum.plan import ReductionPlan, is_floating
 from accum.tags import reduce_to, safe_inverse
 from accum.trace_record import record_params, traced
@@ -96,30 +108,56 @@ def _closure_refused(error: Exception) -> str | None:
     return None if found is None else found.group(1)
 
 
-def _shard_mapped_or_mapped(call: Callable, args: tuple, mapped: Callable) -> Any:
-    """`call(*args)` (the shard_map); where JAX refuses a closed-over value in it,
-    `mapped()` (accum.local_mapped); where that fails on a sharding rule too, a
-    one-line error naming the fix (module docstring)."""
+def _direct(loss_fn: Callable) -> Callable:
+    """`loss_fn` in the converted signature `fn(consts, *args)`, taking no consts."""
+    return lambda consts, *args: loss_fn(*args)
+
+
+def _sharding_refusal(error: Exception) -> bool:
+    """Whether `error` is JAX's explicit sharding rules refusing an op."""
+    return type(error).__name__ == "ShardingTypeError" or isinstance(error, NotImplementedError)
+
+
+def _first_line(error: Exception) -> str:
+    """`error`'s type and the first line of its message, for a one-line report."""
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:160]}"
+
+
+def _local_run(run: Callable, loss_fn: Callable, local_args: tuple, mapped: Callable) -> Any:
+    """The local path's mechanism for `loss_fn` (module docstring), first that works:
+
+    1. `run(fn, consts, check_vma)`, the shard_map (`fn(consts, params, rows,
+       *key)` the loss), on `loss_fn` itself;
+    2. where JAX refuses a closed-over value in it, on `loss_fn` closure-converted
+       (accum.closure), traced on `local_args` (one device's params, rows, key);
+    3. where that fails (a closed-over value reaching a nested jaxpr), `mapped()`
+       (accum.local_mapped, jax.vmap over the device rows);
+    4. where that fails on a sharding rule too, a one-line error naming the fix.
+    """
     try:
-        return call(*args)
+        return run(_direct(loss_fn), (), True)
     except (NotImplementedError, ValueError) as error:
         got = _closure_refused(error)
         if got is None:
             raise
     try:
+        converted, consts = lift_closure(loss_fn, *local_args)
+        # Traced outside the shard_map, the jaxpr has no varying types (accum.closure).
+        return run(converted, consts, False)
+    except Exception as error:  # noqa: BLE001 - the mapped mechanism decides, below
+        not_converted = error
+    try:
         return mapped()
     except Exception as error:  # noqa: BLE001 - only JAX's sharding refusals, below
-        if type(error).__name__ != "ShardingTypeError" and not isinstance(
-            error, NotImplementedError
-        ):
+        if not _sharding_refusal(error):
             raise
-        first = (str(error).strip().splitlines() or [""])[0][:160]
         raise ValueError(
             f"accum local path: loss_fn closes over an array on an explicit mesh ({got}), "
-            "which JAX's shard_map refuses, and mapping each device's rows with jax.vmap "
-            f"failed too ({type(error).__name__}: {first}): pass it through the params or "
-            "the batch (examples/flax/batchnorm.py), or use an auto mesh"
-        ) from None
+            "which JAX's shard_map refuses; passing it in by closure conversion failed "
+            f"({_first_line(not_converted)}), and so did mapping each device's rows with "
+            f"jax.vmap ({_first_line(error)}): pass it through the params or the batch "
+            "(examples/flax/batchnorm.py), or use an auto mesh"
+        ) from error
 
 
 def _normalized(loss_sum: jax.Array, aux: dict, grads: Any) -> tuple[jax.Array, dict, Any]:
@@ -152,8 +190,9 @@ def local_accumulate(
     n = num_microbatches
     batch_spec = _batch_specs(batch, axes)
 
-    def body(params, batch, *maybe_rng):
+    def body(fn, params, batch, consts, *maybe_rng):
         rng = maybe_rng[0] if maybe_rng else None
+        loss_fn = functools.partial(fn, consts)
         microbatches = jax.tree.map(lambda x: _local_split(x, n), batch)
         # TAG: a varying copy of the weights: the gradient of each device's loss
         # with respect to it stays that device's partial sum (no psum in the loop).
@@ -175,19 +214,27 @@ def local_accumulate(
             (jnp.sum(loss_sums, 0), jax.tree.map(lambda a: jnp.sum(a, 0), auxes), acc), axes
         )
 
-    args = (params, batch) if rng is None else (params, batch, rng)
-    shard_mapped = jax.shard_map(
-        body, in_specs=(P(), batch_spec, P())[: len(args)], out_specs=P(), axis_names=set(axes)
-    )
+    def run(fn, consts, check_vma):
+        args = (params, batch, consts) if rng is None else (params, batch, consts, rng)
+        # TAG: weights, closed-over arrays and key replicated, the batch's rows per device.
+        specs = (P(), batch_spec, P(), P())[: len(args)]
+        return jax.shard_map(
+            functools.partial(body, fn),
+            in_specs=specs,
+            out_specs=P(),
+            axis_names=set(axes),
+            check_vma=check_vma,
+        )(*args)
 
     def mapped():
         return mapped_accumulate(
             loss_fn, params, batch, num_microbatches=n, plan=plan, rng=rng, accum_dtype=accum_dtype
         )
 
+    rows = jax.tree.map(lambda x: _device_rows(x, batch_devices(plan) * n), batch)
     with traced(plan):
         record_params(params)
-        sums = _shard_mapped_or_mapped(shard_mapped, args, mapped)
+        sums = _local_run(run, loss_fn, _local_args(params, rows, rng), mapped)
     loss, aux, grads = _normalized(*sums)
     return loss, aux, _placed(grads, plan, grad_shardings)
 
@@ -214,6 +261,19 @@ def _batch_specs(tree: Any, axes: tuple[str, ...]) -> Any:
     return jax.tree.map(lambda x: P() if jnp.ndim(x) == 0 else P(axes), tree)
 
 
+def _device_rows(x: jax.Array, parts: int) -> jax.ShapeDtypeStruct:
+    """The shape of one of `parts` row blocks of a batch leaf (0-d: itself)."""
+    shape = x.shape if x.ndim == 0 else (x.shape[0] // parts, *x.shape[1:])
+    return jax.ShapeDtypeStruct(shape, x.dtype)
+
+
+def _local_args(params: Any, rows: Any, rng: Any) -> tuple:
+    """What `loss_fn` is called with inside the shard_map, for the trace that
+    closure-converts it: the weights, one device's rows, its key (same shape
+    as `rng`: `device_key` folds it)."""
+    return (params, rows) if rng is None else (params, rows, rng)
+
+
 def local_zeros(params: Any, plan: ReductionPlan, accum_dtype: Any) -> Any:
     """`start`'s accumulator on the local path: zeros of shape (devices, *param)."""
     axes = plan.batch_axes
@@ -231,24 +291,37 @@ def local_add(
     Gradients stay in each device's row; the loss and aux (scalars) are summed."""
     axes = plan.batch_axes
 
-    def body(grads, params, microbatch, count, *maybe_rng):
+    def body(fn, grads, params, microbatch, count, consts, *maybe_rng):
         rng = maybe_rng[0] if maybe_rng else None
         loss_sum, aux, new = _device_grads(
-            loss_fn, _varying(params, axes), microbatch, rng, count, _device_index(axes)
+            functools.partial(fn, consts),
+            _varying(params, axes),
+            microbatch,
+            rng,
+            count,
+            _device_index(axes),
         )
         grads = jax.tree.map(lambda a, g: a + g.astype(a.dtype)[None], grads, new)
         return grads, *lax.psum((loss_sum, aux), axes)
 
-    args = (grads, params, microbatch, count, *(() if rng is None else (rng,)))
-    specs = (P(axes), P(), _batch_specs(microbatch, axes), P(), P())[: len(args)]
-    shard_mapped = jax.shard_map(
-        body, in_specs=specs, out_specs=(P(axes), P(), P()), axis_names=set(axes)
-    )
+    def run(fn, consts, check_vma):
+        args = (grads, params, microbatch, count, consts, *(() if rng is None else (rng,)))
+        specs = (P(axes), P(), _batch_specs(microbatch, axes), P(), P(), P())[: len(args)]
+        return jax.shard_map(
+            functools.partial(body, fn),
+            in_specs=specs,
+            out_specs=(P(axes), P(), P()),
+            axis_names=set(axes),
+            check_vma=check_vma,
+        )(*args)
+
+    rows = jax.tree.map(lambda x: _device_rows(x, batch_devices(plan)), microbatch)
     with traced(plan, "add"), marked(ADD_SCOPE, axes, dict(plan.mesh_shape)):
         record_params(params)
-        return _shard_mapped_or_mapped(
-            shard_mapped,
-            args,
+        return _local_run(
+            run,
+            loss_fn,
+            _local_args(params, rows, rng),
             lambda: mapped_add(grads, count, loss_fn, params, microbatch, rng, plan),
         )
 

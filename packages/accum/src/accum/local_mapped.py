@@ -3,11 +3,13 @@
 On an explicit mesh JAX's shard_map refuses a value `loss_fn` closes over (a
 jitted step's traced argument: BatchNorm's running averages read from a
 TrainState, a temperature): "Closing over inputs to shard_map where the input
-is sharded on Explicit axes is not implemented". No wrapper can pass such a
-value in for the user: it sits in `loss_fn`'s Python closure, and JAX checks it
-at the first op that reads it inside the shard_map. `jax.vmap` has no such
-limit (a closed-over value is an unmapped input), so this path gets the
-shard_map's numbers from explicit types instead of manual axes:
+is sharded on Explicit axes is not implemented". accum first passes such a
+value in by closure conversion (accum.closure); that cannot take a closed-over
+value reaching a nested jaxpr (`jax.nn.relu`/`softmax` of it, a `scan`, a
+closed-over dropout key in `jax.random`'s samplers), and this path is where
+those go (accum.local._local_run). `jax.vmap` has no such limit (a
+closed-over value is an unmapped input, traced where it lives), so this path
+gets the shard_map's numbers from explicit types instead of manual axes:
 
 - each batch leaf (B, ...) is reshaped, in place, to (D, B/D, ...) with D the
   number of batch devices and the first dimension sharded over the batch axes:
@@ -45,7 +47,7 @@ from accum.verdict import LOOP_SCOPE, marked
 from pspec_tags import entry_axes, partitions, spec_of
 
 
-def _devices(plan: ReductionPlan) -> int:
+def batch_devices(plan: ReductionPlan) -> int:
     """The number of batch devices: the product of the batch axes' sizes."""
     return math.prod(dict(plan.mesh_shape)[a] for a in plan.batch_axes)
 
@@ -79,7 +81,7 @@ def device_rows(x: jax.Array, n: int, plan: ReductionPlan) -> jax.Array:
     block: no data moves. A 0-d leaf is broadcast to (n,)."""
     if x.ndim == 0:
         return jnp.broadcast_to(x, (n,))
-    axes, devices = plan.batch_axes, _devices(plan)
+    axes, devices = plan.batch_axes, batch_devices(plan)
     rest = _without(spec_of(x), axes, x.ndim)[1:]
     x = _on(x, P(axes, *rest))
     rows = x.shape[0] // devices
@@ -115,7 +117,7 @@ def mapped_grads(
 ) -> tuple[jax.Array, Any, Any]:
     """(loss sums (D,), aux (D, ...), grads (D, *param)) of one microbatch laid
     out as `device_rows` gives it: row d is device d's rows' partial sums."""
-    axes, devices = plan.batch_axes, _devices(plan)
+    axes, devices = plan.batch_axes, batch_devices(plan)
 
     args, in_axes = (params, microbatch), (None, _row_axes(microbatch))
     if rng is not None:
@@ -149,7 +151,7 @@ def mapped_accumulate(
 ) -> tuple[jax.Array, Any, Any]:
     """(loss sum, aux sum, gradient sum) of `batch`, reduced once after the loop;
     the caller normalizes and places them (accum.local)."""
-    n, axes, devices = num_microbatches, plan.batch_axes, _devices(plan)
+    n, axes, devices = num_microbatches, plan.batch_axes, batch_devices(plan)
     weights = _unsharded_over(params, axes)
     microbatches = jax.tree.map(lambda x: device_rows(x, n, plan), batch)
     acc0 = jax.tree.map(lambda p: _row_zeros(p, devices, axes, accum_dtype), weights)
