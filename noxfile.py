@@ -127,7 +127,7 @@ def tpu_integration(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Benchmark scripts; results land under benchmarks/results/."""
-    _sync(session, "tpu")  # the AOT benches compile for TPU topologies
+    _sync(session, "tpu", "gpu")  # the AOT benches compile for TPU and GPU topologies
     os.makedirs("benchmarks/results", exist_ok=True)
     scripts = sorted(
         f for f in os.listdir("benchmarks") if f.startswith("bench_") and f.endswith(".py")

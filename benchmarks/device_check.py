@@ -1,5 +1,6 @@
 """Device check: the trainer on this host's accelerator, deferred (plain and fused) vs
-per-microbatch reduction, against a plain-JAX dense reference.
+per-microbatch reduction, the layers unrolled (scan_layers=auto on a GPU) and scanned,
+against a plain-JAX dense reference.
 
 deepseek3-small with per_device_batch_size=8 and GA=4 on one GPU (on CPU:
 tagtrain-tiny on 8 virtual devices, so CI keeps the script working), 20 steps per
@@ -40,10 +41,19 @@ COMMAND = "benchmarks/device_check.sh"
 # fused one (each layer's gradient added into the accumulator in the backward scan)
 # and the per-microbatch one, whatever the trainer's default.
 PLAIN = {"gradient_accumulation_schedule": "plain"}
+# The fused schedule works inside the backward layer scan, so its path scans the
+# layers (scan_layers=auto unrolls them on a GPU, where fused would run as plain);
+# "scanned" is the deferred path with the layers scanned, the layout fused runs in.
+SCANNED = {"scan_layers": "true"}
 PATHS = {
     "deferred": {"gradient_reduction_policy": "deferred", **PLAIN},
-    "fused": {"gradient_reduction_policy": "deferred", "gradient_accumulation_schedule": "fused"},
+    "fused": {
+        "gradient_reduction_policy": "deferred",
+        "gradient_accumulation_schedule": "fused",
+        **SCANNED,
+    },
     "per_microbatch": {"gradient_reduction_policy": "per_microbatch", **PLAIN},
+    "scanned": {"gradient_reduction_policy": "deferred", **PLAIN, **SCANNED},
 }
 SHAPES = {
     "accelerator": {"model_name": "deepseek3-small", "per_device_batch_size": "8"},
@@ -194,7 +204,8 @@ def gradient_check(spec: dict) -> dict:
             out = jax.jit(fn)(run.state["params"], run_lib.batch_for(run, 0))
         return np.concatenate([np.ravel(np.asarray(g, np.float32)) for g in jax.tree.leaves(out)])
 
-    overrides = spec["overrides"]
+    # Both schedules on scanned layers: fused is only fused inside the layer scan.
+    overrides = {**spec["overrides"], **SCANNED}
     try:
         plain, fused = grads(overrides, "plain"), grads(overrides, "fused")
         f32 = grads({**overrides, "dtype": "float32"}, "plain")

@@ -64,17 +64,19 @@ def test_cpu_run_writes_one_row_per_path(tmp_path):
     page = (tmp_path / "device_check.md").read_text()
     assert page in proc.stdout  # the page is printed too
     rows = {r[0]: r for r in _rows(page)}
-    assert list(rows) == ["deferred", "fused", "per_microbatch", "bogus"]
-    assert rows["deferred"][-1] == rows["fused"][-1] == rows["per_microbatch"][-1] == "ok"
+    assert list(rows) == ["deferred", "fused", "per_microbatch", "scanned", "bogus"]
+    assert {rows[p][-1] for p in ("deferred", "fused", "per_microbatch", "scanned")} == {"ok"}
     # A key the trainer lacks is an error row, not a failed check.
     assert rows["bogus"][-1] == "error: unknown config key 'no_such_key'"
     with open(tmp_path / "device_check.csv") as f:
         table = list(csv.DictReader(f))
-    assert [r["path"] for r in table] == ["deferred", "fused", "per_microbatch", "bogus"]
-    deferred, fused, per_microbatch = table[0], table[1], table[2]
+    assert [r["path"] for r in table] == ["deferred", "fused", "per_microbatch", "scanned", "bogus"]
+    deferred, fused, per_microbatch, scanned = table[0], table[1], table[2], table[3]
     # Deferred reduces after the loop only; per microbatch in it; same first loss.
     assert float(deferred["reduce_mib_in_loop"]) == 0 < float(per_microbatch["reduce_mib_in_loop"])
     assert float(deferred["tokens_per_s"]) > 0
     assert float(deferred["loss"]) == pytest.approx(float(per_microbatch["loss"]), rel=1e-4)
     assert float(fused["loss"]) == pytest.approx(float(deferred["loss"]), rel=1e-5)
     assert float(fused["reduce_mib_in_loop"]) == 0
+    # scan_layers=true is how a CPU runs auto anyway: the same program's numbers.
+    assert float(scanned["loss"]) == pytest.approx(float(deferred["loss"]), rel=1e-6)

@@ -25,14 +25,19 @@ DEEPSEEK3_SMALL = dict(
     per_device_batch_size="2",
     gradient_accumulation_steps="4",
 )
-# Kernels per step measured with the sort-free padded-blocks routing (moe_kernels.grouped):
+# Kernels per step with scan_layers=auto (unrolled on GPUs, config/layer_loop.py):
 #   uv run --extra gpu train compile_topology=h100-8 model_name=deepseek3-small \
 #       per_device_batch_size=2 gradient_accumulation_steps=4 shard_optimizer_over_data=true
 # printed "kernels launched per step: H100_8_ZERO1_MEASURED"; the same with
-# compile_topology=h100-1 (and no shard_optimizer_over_data) H100_1_MEASURED.
-H100_8_ZERO1_MEASURED = 27_841
-H100_1_MEASURED = 28_418
+# compile_topology=h100-1 (and no shard_optimizer_over_data) H100_1_MEASURED, and that
+# with scan_layers=true H100_1_SCANNED_MEASURED.
+H100_8_ZERO1_MEASURED = 13_597
+H100_1_MEASURED = 12_986
+H100_1_SCANNED_MEASURED = 28_418
 BUDGET = 1.10
+# Issue #43's deviceless target for deepseek3-small at per_device_batch_size=2, GA=4 on
+# one H100 (36,509 when it was filed).
+H100_1_TARGET = 15_000
 LAYERS = 23  # deepseek3-small's scanned decoder layers (the first is dense, unscanned)
 
 
@@ -49,17 +54,25 @@ def zero1_h100_8(tmp_path_factory):
     )
 
 
-def _assert_loops(kernels):
-    # The microbatch loop (4 trips) around the layer scans (LAYERS trips), every
-    # trip count found in the compiled HLO.
+def _assert_unrolled(kernels):
+    # scan_layers=auto unrolls the layers on GPUs: the microbatch loop (4 trips) is the
+    # only loop, its trip count found in the compiled HLO.
     assert kernels.unknown_trips == []
-    nested = [key.split(" > ") for key in kernels.by_loop if " > " in key]
-    # The layer scans forward (jvp) and backward (its transpose), inside the microbatch loop.
-    for scan in (f"x{LAYERS} [jvp()]", f"x{LAYERS} [transpose(jvp())]"):
-        assert any(" x4 " in path[0] and path[1].endswith(scan) for path in nested), scan
+    loops = [key for key in kernels.by_loop if key != "outside loops"]
+    assert len(loops) == 1 and " x4 " in loops[0], list(kernels.by_loop)
     assert kernels.total == sum(kernels.by_category.values()) == sum(kernels.by_loop.values())
     # At least one matmul per layer per microbatch, forward and backward.
     assert kernels.by_category["matmul"] >= 2 * 4 * LAYERS
+
+
+def _assert_scanned(kernels):
+    # scan_layers=true: the layer scans forward (jvp) and backward (its transpose),
+    # LAYERS trips each, inside the microbatch loop.
+    assert kernels.unknown_trips == []
+    nested = [key.split(" > ") for key in kernels.by_loop if " > " in key]
+    for scan in (f"x{LAYERS} [jvp()]", f"x{LAYERS} [transpose(jvp())]"):
+        assert any(" x4 " in path[0] and path[1].endswith(scan) for path in nested), scan
+    assert kernels.total == sum(kernels.by_category.values()) == sum(kernels.by_loop.values())
 
 
 def test_h100_8_zero1_reduces_gradients_once_per_step(zero1_h100_8):
@@ -75,7 +88,8 @@ def test_h100_8_zero1_reduces_gradients_once_per_step(zero1_h100_8):
 
 def test_h100_8_zero1_kernel_budget(zero1_h100_8):
     kernels = zero1_h100_8.kernels
-    _assert_loops(kernels)
+    assert zero1_h100_8.run.config.scan_layers is False  # auto, on GPUs
+    _assert_unrolled(kernels)
     assert kernels.by_category["collective"] > 0  # the data axis' reductions and gathers
     assert kernels.total <= H100_8_ZERO1_MEASURED * BUDGET, (
         f"{kernels.total:,} kernels per step, budget {H100_8_ZERO1_MEASURED * BUDGET:,.0f}"
@@ -98,11 +112,21 @@ def test_h100_8_report(zero1_h100_8):
 
 def test_h100_1_kernel_budget(tmp_path):
     result = _compile(tmp_path, compile_topology="h100-1")
-    _assert_loops(result.kernels)
+    _assert_unrolled(result.kernels)
     assert result.kernels.by_category["collective"] == 0  # one GPU
-    assert result.kernels.total <= H100_1_MEASURED * BUDGET, (
+    assert result.kernels.total <= min(H100_1_MEASURED * BUDGET, H100_1_TARGET), (
         f"{result.kernels.total:,} kernels per step, budget {H100_1_MEASURED * BUDGET:,.0f}"
     )
+
+
+def test_h100_1_scanned_layers_launch_more_kernels(tmp_path):
+    """scan_layers=true on a GPU still compiles, with its loops counted, and launches
+    more kernels than the unrolled default: each trip slices its weights out of the
+    stack and saves its residuals into it, a kernel each (config/layer_loop.py)."""
+    result = _compile(tmp_path, compile_topology="h100-1", scan_layers="true")
+    _assert_scanned(result.kernels)
+    assert result.kernels.total <= H100_1_SCANNED_MEASURED * BUDGET
+    assert result.kernels.total > H100_1_MEASURED * BUDGET
 
 
 def test_tiny_nested_scan_dump_is_counted(tmp_path):

@@ -171,6 +171,19 @@ def test_a_different_model_in_the_run_directory_is_refused(resumed):
         run_lib.setup(_config(out, base_emb_dim="32"))
 
 
+def test_an_unrolled_run_resumes_a_scanned_checkpoint(resumed):
+    """scan_layers changes how XLA sees the layer loop, not the stacked parameters: a
+    checkpoint of a scanned run (a TPU's) resumes unrolled (scan_layers=auto on a GPU)."""
+    out = resumed["ckpt"].parent.parent
+    unrolled = run_lib.setup(_config(out, scan_layers="false"))
+    assert unrolled.config.scan_layers is False and unrolled.start_step == 6
+    saved = resumed["restarted"].state["params"]  # its state after step 6, saved
+    for got, want in zip(
+        jax.tree.leaves(unrolled.state["params"]), jax.tree.leaves(saved), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_text_data_trains_through_the_same_step(resumed, tmp_path):
     # A tokenizer.json with 256 ids keeps the compiled shapes: the executable is reused.
     tokenizers = pytest.importorskip("tokenizers")

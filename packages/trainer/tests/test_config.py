@@ -31,7 +31,7 @@ BAD = [
     ({"steps": "ten"}, r"steps='ten' is not an integer"),
     ({"steps": "2.5"}, r"steps='2.5' is not an integer"),
     ({"learning_rate": "fast"}, r"learning_rate='fast' is not a number"),
-    ({"scan_layers": "maybe"}, r"scan_layers='maybe' is not a boolean"),
+    ({"scan_layers": "maybe"}, r"scan_layers='maybe' is not true, false or auto"),
     ({"shard_mode": "manual"}, r"shard_mode='manual' is not one of \('explicit', 'auto'\)"),
     ({"model_name": "deepseek4"}, r"model_name='deepseek4' is not one of"),
     (

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from trainer.config import ConfigError, make_config
+from trainer.config.layer_loop import decide_scan_layers
 from trainer.run import run as run_lib
 from trainer.run.spec import RunSpec, check_built, resolve, resolve_abstract
 
@@ -91,3 +92,34 @@ def test_resolve_abstract_decides_as_resolve_without_devices(auto_spec):
     assert shapes(abstract) == shapes(auto_spec)
     # 16 devices: no machine has them here, the abstract mesh does.
     assert resolve_abstract(make_config(GA4), num_devices=16).mesh_shape["data"] == 16
+
+
+class _Device:
+    """A device of `platform` as layer_loop reads it (only `.platform`)."""
+
+    def __init__(self, platform):
+        self.platform = platform
+
+
+@pytest.mark.parametrize(
+    ("overrides", "platform", "scans"),
+    [
+        ({}, "gpu", False),  # auto: unrolled on GPUs (one launch per kernel)
+        ({}, "cpu", True),
+        ({}, "tpu", True),
+        ({"gradient_accumulation_schedule": "overlapped"}, "gpu", True),  # needs the scan
+        ({"scan_layers": "true"}, "gpu", True),  # given: kept
+        ({"scan_layers": "false"}, "tpu", False),
+    ],
+)
+def test_scan_layers_auto_is_decided_by_platform_and_schedule(overrides, platform, scans):
+    config = make_config({"model_name": "tagtrain-tiny", **overrides})
+    decided = decide_scan_layers(config, (_Device(platform),) * 2)
+    assert decided.scan_layers is scans
+
+
+def test_resolve_decides_scan_layers_for_its_devices(auto_spec):
+    assert make_config({}).scan_layers == "auto"
+    # CPU devices: scanned, a bool from here on (the model, the plan and the step read it).
+    assert auto_spec.config.scan_layers is True
+    assert resolve_abstract(make_config({"model_name": "tagtrain-tiny"})).config.scan_layers is True

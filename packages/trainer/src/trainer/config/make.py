@@ -24,6 +24,12 @@ def parse_value(key: str, raw: Any) -> Any:
     origin = typing.get_origin(hint)
     if origin is Literal:
         choices = typing.get_args(hint)
+        if any(choice is True for choice in choices) and raw != "auto":
+            # A boolean key with an "auto" value (scan_layers): true/false as any boolean.
+            try:
+                return _parse_bool(key, raw)
+            except ConfigError:
+                raise ConfigError(f"{key}={raw!r} is not true, false or auto") from None
         if raw not in choices:
             raise ConfigError(f"{key}={raw!r} is not one of {choices}")
         return raw

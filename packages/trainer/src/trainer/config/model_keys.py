@@ -137,10 +137,16 @@ class ModelConfig:
         "what each layer's backward recomputes: none, full (all), minimal (not matmuls); "
         "memory, not collectives (benchmarks/results/perf_keys.md)",
     )
-    scan_layers: bool = key(
-        True,
-        "decoder layers as one lax.scan (fused accumulation needs it); false: unrolled "
-        "(compiled effect: benchmarks/results/perf_keys.md)",
+    # How the decoder layers run (model/decoder.py): one lax.scan (compile time
+    # independent of depth; the fused and overlapped schedules work inside it) or an
+    # unrolled loop over the same stacked parameters (checkpoints are alike). auto is
+    # decided once, by run.resolve (config/layer_loop.py): unrolled on GPUs, where a
+    # scanned layer launches about twice the kernels (docs/performance.md), scanned
+    # elsewhere and wherever an overlapped schedule needs the scan.
+    scan_layers: Literal["auto", True, False] = key(
+        "auto",
+        "decoder layers as one lax.scan (true) or unrolled (false); auto: unrolled on "
+        "GPUs, scanned elsewhere (compiled effect: benchmarks/results/perf_keys.md)",
     )
     # Multi-token prediction (DeepSeek-V3 section 2.2), under MaxText's keys
     # (model/mtp.py): mtp_num_layers sequential depths after the main model, depth

@@ -18,6 +18,7 @@ import moe_kernels
 from trainer.config import lora_targets, moe_map
 from trainer.config.config import Config
 from trainer.config.keys import DTYPES, ROPE_TYPES, ConfigError
+from trainer.config.layer_loop import SCAN_SCHEDULES
 from trainer.config.mesh_shape import mesh_shape
 from trainer.config.model_keys import ModelConfig
 from trainer.config.run_keys import (
@@ -227,11 +228,12 @@ def _check_accumulation_schedule(model: ModelConfig, accumulation: AccumulationC
     schedule = accumulation.gradient_accumulation_schedule
     key = f"gradient_accumulation_schedule={schedule}"
     _require(
-        schedule not in ("overlapped", "overlapped_ring") or model.scan_layers,
+        # auto scans for these schedules (config/layer_loop.py).
+        schedule not in SCAN_SCHEDULES or model.scan_layers is not False,
         f"{key} needs scan_layers=true (it works inside the backward layer scan)",
     )
     _require(
-        schedule not in ("overlapped", "overlapped_ring") or not model.lora_rank,
+        schedule not in SCAN_SCHEDULES or not model.lora_rank,
         f"{key} does not run with lora_rank={model.lora_rank}: LoRA's step differentiates "
         "the small adapters only, without the fused layer backward the overlapped schedules "
         "need; use plain or fused (which runs as plain with LoRA)",

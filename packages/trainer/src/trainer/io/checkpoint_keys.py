@@ -26,7 +26,6 @@ MODEL_KEYS = (
     # The rope dims' pair layout: the same arrays mean another model under the other one.
     "rope_interleave",
     "weight_dtype",
-    "scan_layers",
     # The adapters' shapes (LoRA): a checkpoint of another rank or set holds other arrays.
     "lora_rank",
     "lora_targets",

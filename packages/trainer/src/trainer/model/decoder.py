@@ -126,7 +126,9 @@ def _run_stack(stack: nnx.Module, x_BxSxD, positions_BxS, segments_BxS, config: 
         return nnx.merge(graphdef, layer_state)(x, positions_BxS, segments_BxS)
 
     body = _remat(body, config)
-    if config.scan_layers:
+    # run.resolve decides scan_layers=auto (config/layer_loop.py); a model defined
+    # outside a run (a test, a notebook) scans under auto, as on a TPU or CPU.
+    if config.scan_layers is not False:
         # accum.scan_layers is lax.scan, except inside fused gradient accumulation:
         # there each layer's gradient is added into the accumulator in the backward scan.
         return accum.scan_layers(body, x_BxSxD, state)

@@ -22,6 +22,7 @@ from jax.sharding import AbstractMesh, AxisType
 import accum
 from trainer import model as model_lib
 from trainer.config import MESH_AXES, Config
+from trainer.config.layer_loop import decide_scan_layers
 from trainer.config.validate import global_batch_size, validate
 from trainer.sharding import ShardCtx, logical_rules, make_mesh, reduction_plan, slices
 from trainer.step import reduction_choice
@@ -31,7 +32,7 @@ from trainer.step import reduction_choice
 class RunSpec:
     """Every decision of a run, before anything is allocated or compiled."""
 
-    config: Config  # validated; gradient_reduction_policy never "auto" here
+    config: Config  # validated; gradient_reduction_policy and scan_layers never "auto" here
     devices: tuple  # in mesh order (slice-major on several slices); () on an AbstractMesh
     mesh_shape: dict[str, int]
     batch_size: int  # sequences per optimizer step, all microbatches
@@ -92,6 +93,9 @@ def choose_for(
 
 def _decide(config: Config, devices: tuple, sizes: dict[str, int], mesh: Any) -> RunSpec:
     """Everything after the mesh: batch, ctx, model, trained shapes, auto, plan."""
+    # scan_layers=auto decided for these devices first: the model's definition and
+    # auto's policy ranking (which gradients a layer loop sums) both read it.
+    config = decide_scan_layers(config, devices)
     batch = global_batch_size(config.accumulation, config.data, math.prod(sizes.values()))
     ctx = ShardCtx(mesh, logical_rules(config.parallelism), config.shard_mode)
     model = model_lib.define(config.model, ctx)
