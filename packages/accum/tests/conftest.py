@@ -22,6 +22,10 @@ def _load(name):
 
 
 TOY = _load("toy_model")
+if (
+    importlib.util.find_spec("flax") is not None
+):  # the closure tests' Flax layers; they skip without
+    _load("closure_cases")
 
 
 class Setup:

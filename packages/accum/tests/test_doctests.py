@@ -10,9 +10,9 @@ import pytest
 
 import accum
 
-# The modules whose docstring examples run (accum.closure: an internal module
-# with an example of its own).
-NAMES = "accumulate closure dispatch gating guard microbatch plan schedule step tags zero1"
+# The modules whose docstring examples run (accum.closure, accum.retype: internal
+# modules with examples of their own).
+NAMES = "accumulate closure dispatch gating guard microbatch plan retype schedule step tags zero1"
 MODULES = tuple(importlib.import_module(f"accum.{name}") for name in NAMES.split())
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 

@@ -8,9 +8,7 @@ gradients, no in-loop reduction, through accumulate_gradients and
 start/add/finish, on data and data x model meshes, stock layers Embed and
 Conv included; the closure and the same value passed in the batch give the
 same numbers. A closed-over value reaching a nested jaxpr (relu, softmax,
-scan, jax.random's samplers) cannot be closure-converted: accum maps each
-device's rows with jax.vmap instead (accum.local_mapped), and where that
-cannot map the layer either (Embed, Conv), one line says what to do.
+scan, jax.random's samplers): test_local_nested_closures.py.
 
 On the data x model mesh the Embed and Conv weights stay replicated: JAX asks
 for an out_sharding for a Conv kernel sharded over "model" (closure or not),
@@ -22,21 +20,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import accum
 import hlo_tools
 
 nn = pytest.importorskip("flax.linen")
-N, ROWS = 2, 64  # microbatches, batch rows
-FIX = "pass it through the params or the batch"
-MESHES = {  # name: (axis type, model axis size)
-    "auto_data8": (AxisType.Auto, 1),
-    "explicit_data8": (AxisType.Explicit, 1),
-    "explicit_data4_model2": (AxisType.Explicit, 2),
-}
+from accum_tests_closure_cases import (  # noqa: E402 - registered by conftest where Flax is
+    LAYERS,
+    MESHES,
+    ROWS,
+    N,
+    check_layer_case,
+    ddp_grads,
+    device_groups,
+    layer_case,
+    mechanism,
+    mesh_named,
+)
 
 
 class Model(nn.Module):
@@ -48,15 +50,8 @@ class Model(nn.Module):
         return nn.Dense(1)(nn.relu(x))
 
 
-def _mesh(name):
-    axis, model = MESHES[name]
-    if model == 1:
-        return jax.make_mesh((8,), ("data",), axis_types=(axis,))
-    return jax.make_mesh((8 // model, model), ("data", "model"), axis_types=(axis, axis))
-
-
 def _setup(name):
-    mesh = _mesh(name)
+    mesh = mesh_named(name)
     key_x, key_y = jax.random.split(jax.random.key(1))
     batch = {"x": jax.random.normal(key_x, (ROWS, 4)), "y": jax.random.normal(key_y, (ROWS, 1))}
     variables = Model().init(jax.random.key(0), batch["x"][:1])
@@ -100,17 +95,7 @@ def _ddp_reference(variables, batch, temperature, devices):
     """Each device's rows of each microbatch (accum.local) through BatchNorm."""
     variables, batch = jax.device_get((variables, batch))
     loss_fn = make_loss(variables["batch_stats"], temperature)
-    block = ROWS // devices
-    groups = [
-        np.arange(d * block + i, (d + 1) * block, N) for d in range(devices) for i in range(N)
-    ]
-    grads = [
-        jax.grad(lambda p, g=g: loss_fn(p, jax.tree.map(lambda x: x[g], batch))[0])(
-            variables["params"]
-        )
-        for g in groups
-    ]
-    return jax.tree.map(lambda *g: sum(g) / ROWS, *grads)
+    return ddp_grads(loss_fn, variables["params"], device_groups(batch, devices))
 
 
 @pytest.mark.parametrize("mesh_name", list(MESHES))
@@ -186,7 +171,8 @@ def test_a_closed_over_scale_and_the_same_scale_in_the_batch_agree_with_dropout(
 def test_a_closed_over_dropout_key():
     """A PRNG key closed over (not accum's rng), every device's rows dropped
     with that same key, as the same key passed in the batch (a 0-d leaf) gives.
-    It reaches jax.random's jitted sampler (a nested jaxpr): the vmap takes it."""
+    It reaches jax.random's jitted sampler (a nested jaxpr, re-traced by
+    accum.retype): the closure-converted shard_map takes it."""
     mesh, _, batch = _setup("explicit_data8")
     params = Dropped().init(jax.random.key(0), jnp.zeros((1, 4)))["params"]
     params = jax.device_put(params, NamedSharding(mesh, P()))
@@ -205,6 +191,7 @@ def test_a_closed_over_dropout_key():
         )
 
     with jax.set_mesh(mesh):
+        assert mechanism(closed, (params, batch, key)) == "converted"
         compiled = [accum.compile_checked(f, params, batch, key) for f in (closed, passed)]
         (loss_c, _, grads_c), (loss_p, _, grads_p) = (c(params, batch, key) for c in compiled)
     np.testing.assert_allclose(float(loss_c), float(loss_p), rtol=1e-6)
@@ -254,86 +241,6 @@ def test_closing_over_a_traced_scalar_temperature(mesh_name):
     hlo_tools.assert_reduced_once_per_step(compiled.as_text())
 
 
-class ScannedBlocks(nn.Module):
-    """Two tanh(Dense) blocks through nn.scan over nn.remat."""
-
-    @nn.compact
-    def __call__(self, x):
-        class Block(nn.Module):
-            @nn.compact
-            def __call__(self, carry, _):
-                return nn.tanh(nn.Dense(4)(carry)), None
-
-        scan = nn.scan(
-            nn.remat(Block), variable_axes={"params": 0}, split_rngs={"params": True}, length=2
-        )
-        return scan()(x, None)[0]
-
-
-# name: (module, input rows (ROWS, ...)), each called the usual way inside loss_fn.
-LAYERS = {
-    "Dense": (lambda: nn.Dense(4), (4,)),
-    "LayerNorm": (lambda: nn.LayerNorm(), (16,)),  # 16 features: a gradient-sized scale
-    "RMSNorm": (lambda: nn.RMSNorm(), (16,)),
-    "MultiHeadDotProductAttention": (
-        lambda: nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=4),
-        (3, 4),
-    ),
-    "scan_remat": (ScannedBlocks, (4,)),
-    "Embed": (lambda: nn.Embed(16, 4), ()),  # a gather
-    "Conv": (lambda: nn.Conv(4, (2,)), (3, 4)),  # a convolution
-}
-
-
-def _layer_case(name, mesh, squash=jnp.tanh):
-    """(step, loss_of, args): `step` accumulates loss_fn closing over a traced
-    scale, `squash(module(x) * scale)` squared. On a data x model mesh the scale
-    is a vector over the 4 features (JAX takes a scalar into the shard_map there
-    itself) and the embedding table is sharded over "model" (a Conv kernel
-    cannot be: JAX asks for an out_sharding, closure or not)."""
-    make, shape = LAYERS[name]
-    module = make()
-    if name == "Embed":
-        x = jnp.arange(ROWS, dtype=jnp.int32) % 16
-    else:
-        x = jax.random.normal(jax.random.key(1), (ROWS, *shape))
-    params = module.init(jax.random.key(0), x[:1])["params"]
-    scale = jnp.full((4,), 2.0) if "model" in mesh.axis_names else jnp.float32(2.0)
-    params, scale = jax.device_put((params, scale), NamedSharding(mesh, P()))
-    batch = jax.device_put({"x": x}, NamedSharding(mesh, P("data")))
-
-    def loss_of(p, mb, s):
-        out = squash(module.apply({"params": p}, mb["x"]) * s)
-        return jnp.sum(out * out), {"weight": jnp.float32(mb["x"].shape[0])}
-
-    def step(params, batch, scale):
-        loss_fn = lambda p, mb: loss_of(p, mb, scale)  # noqa: E731 - the closure under test
-        return accum.accumulate_gradients(loss_fn, params, batch, num_microbatches=N)
-
-    return step, loss_of, (params, batch, scale)
-
-
-def _mechanism(step, args):
-    """Which local mechanism `step` traced to: "converted" (the shard_map of the
-    closure-converted loss_fn, no varying types), "shard_map" or "vmap"."""
-    text = str(jax.make_jaxpr(step)(*args))
-    if "shard_map[" not in text:
-        return "vmap"
-    return "converted" if "check_vma=False" in text else "shard_map"
-
-
-def _check_layer_case(step, loss_of, args, mesh):
-    """Full-batch gradients, no in-loop reduction."""
-    with jax.set_mesh(mesh):
-        compiled = accum.compile_checked(step, *args)
-        _, _, grads = compiled(*args)
-    params, batch, scale = jax.device_get(args)
-    ref = jax.grad(lambda p: loss_of(p, batch, scale)[0] / ROWS)(params)
-    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref), strict=True):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=1e-6)
-    hlo_tools.assert_reduced_once_per_step(compiled.as_text())
-
-
 CASES = [(name, "explicit_data8") for name in LAYERS] + [
     ("Embed", "explicit_data4_model2"),
     ("Conv", "explicit_data4_model2"),
@@ -345,31 +252,12 @@ def test_stock_layers_closing_over_a_scale_on_an_explicit_mesh(name, mesh_name):
     """Each layer, Embed and Conv included, on the shard_map: closure-converted
     where JAX refuses the closed-over scale (always on the data mesh; on the
     data x model mesh JAX 0.10.2 refuses it, 0.12 takes it itself)."""
-    mesh = _mesh(mesh_name)
-    step, loss_of, args = _layer_case(name, mesh)
+    mesh = mesh_named(mesh_name)
+    step, loss_of, args = layer_case(name, mesh)
     with jax.set_mesh(mesh):
-        mechanism = _mechanism(step, args)
-    assert mechanism == "converted" if mesh_name == "explicit_data8" else mechanism != "vmap"
-    _check_layer_case(step, loss_of, args, mesh)
-
-
-def _scanned_squash(h):
-    """A closed-over value's product through a lax.scan: a nested jaxpr."""
-    return lax.scan(lambda c, _: (jnp.sin(c), None), h, None, length=2)[0]
-
-
-# A closed-over value reaching a nested jaxpr: custom_jvp (relu), jit
-# (log_softmax), scan. Closure conversion cannot retype it; the vmap takes it.
-NESTED = {"relu": jax.nn.relu, "log_softmax": jax.nn.log_softmax, "scan": _scanned_squash}
-
-
-@pytest.mark.parametrize("squash", list(NESTED))
-def test_a_closed_over_value_reaching_a_nested_jaxpr_takes_the_vmap(squash):
-    mesh = _mesh("explicit_data8")
-    step, loss_of, args = _layer_case("Dense", mesh, NESTED[squash])
-    with jax.set_mesh(mesh):
-        assert _mechanism(step, args) == "vmap"
-    _check_layer_case(step, loss_of, args, mesh)
+        took = mechanism(step, args)
+    assert took == "converted" if mesh_name == "explicit_data8" else took != "vmap"
+    check_layer_case(step, loss_of, args, mesh)
 
 
 class CNN(nn.Module):
@@ -385,7 +273,7 @@ class CNN(nn.Module):
 def _cnn_setup(mesh_name):
     """(mesh, variables, batch); the weights replicated (on a data x model mesh
     too: JAX's Conv cannot take a model-sharded kernel without an out_sharding)."""
-    mesh = _mesh(mesh_name)
+    mesh = mesh_named(mesh_name)
     key_x, key_y = jax.random.split(jax.random.key(1))
     batch = {"x": jax.random.normal(key_x, (ROWS, 6, 3)), "y": jax.random.normal(key_y, (ROWS, 1))}
     variables = CNN().init(jax.random.key(0), batch["x"][:1], train=False)
@@ -436,22 +324,13 @@ def test_a_cnn_closing_over_its_batch_stats_on_an_explicit_mesh(step, mesh_name)
     mesh, variables, batch = _cnn_setup(mesh_name)
     args = (variables["params"], variables["batch_stats"], batch)
     with jax.set_mesh(mesh):
-        assert _mechanism(step, args) == "converted"
+        assert mechanism(step, args) == "converted"
         compiled = accum.compile_checked(step, *args)
         grads, stats = compiled(*args)
     variables, batch = jax.device_get((variables, batch))
     loss_fn = make_cnn_loss(variables["batch_stats"])
-    block = ROWS // mesh.shape["data"]
-    rows = [
-        np.arange(d * block + i, (d + 1) * block, N)
-        for d in range(mesh.shape["data"])
-        for i in range(N)
-    ]
-    groups = [jax.tree.map(lambda x, g=g: x[g], batch) for g in rows]
-    ref = jax.tree.map(
-        lambda *g: sum(g) / ROWS,
-        *[jax.grad(lambda p, b=b: loss_fn(p, b)[0])(variables["params"]) for b in groups],
-    )
+    groups = device_groups(batch, mesh.shape["data"])
+    ref = ddp_grads(loss_fn, variables["params"], groups)
     ref_stats = jax.tree.map(
         lambda *s: sum(s) / ROWS,
         *[loss_fn(variables["params"], b)[1]["batch_stats"] for b in groups],
@@ -466,16 +345,3 @@ def test_a_cnn_closing_over_its_batch_stats_on_an_explicit_mesh(step, mesh_name)
     assert not np.allclose(stats["BatchNorm_0"]["var"], old["var"])
     if step is cnn_scanned:  # no gradient-sized reduction inside the microbatch loop
         hlo_tools.assert_reduced_once_per_step(compiled.as_text())
-
-
-@pytest.mark.parametrize("name", ["Embed", "Conv"])
-def test_a_closure_neither_mechanism_takes_says_what_to_do(name):
-    """Embed or Conv with a closed-over value reaching a nested jaxpr (relu):
-    closure conversion cannot retype it and jax.vmap cannot map the layer; one
-    line says what to do."""
-    mesh = _mesh("explicit_data8")
-    step, _, args = _layer_case(name, mesh, jax.nn.relu)
-    with jax.set_mesh(mesh), pytest.raises(ValueError, match=FIX) as info:
-        jax.jit(step).trace(*args)
-    message = str(info.value)
-    assert "\n" not in message and "closure conversion" in message and "jax.vmap" in message

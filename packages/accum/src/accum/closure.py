@@ -29,17 +29,23 @@ What it takes to evaluate that jaxpr inside the shard_map (accum.local):
   weights is its local partial sum (no cross-device sum is added inside), and
   the one `psum` after the loop sums the devices.
 
+Nested jaxprs: a closed-over array that reaches one (`jax.nn.relu` or
+`softmax` of it: a custom_jvp and a jit; a `jit`, `scan`, `cond`, `while`,
+`checkpoint`; a closed-over dropout key reaching `jax.random`'s jitted
+samplers) keeps, inside that jaxpr, the explicit mesh's type it had when
+traced, and JAX re-uses a nested jaxpr's types when it evaluates or
+differentiates it: inside the shard_map a mesh mismatch ("Mesh for all inputs
+should be equal", "Expected cotangent type"). So the jaxpr is evaluated by
+accum.retype, which traces those nested jaxprs again on the values it is
+given (a custom_jvp keeps its rule).
+
 What it cannot do, and why (accum.local then falls back to accum.local_mapped):
-a closed-over array that reaches a nested jaxpr (`jax.nn.relu` or `softmax` of
-it: a custom_jvp and a jit; a `jit`, `scan`, `cond`, `checkpoint`; a closed-over
-dropout key reaching `jax.random`'s jitted samplers) keeps, inside that jaxpr,
-the explicit mesh's type it had when traced, and JAX re-uses a nested jaxpr's
-types when it evaluates or differentiates it: inside the shard_map that is a
-mesh mismatch ("Mesh for all inputs should be equal", "Expected cotangent
-type"). Nor can the trace, made without a mesh, record the out_sharding a
-library computes from its operands' types on a non-batch explicit axis (the
-backward scatter of an `Embed` table sharded over "model"). Both fail loudly
-at trace time, never with other numbers.
+a closed-over array reaching what accum.retype does not rebuild (a
+`custom_vjp`, a `jit` with shardings of its own) fails as above. Nor can the
+trace, made without a mesh, record the out_sharding a library computes from
+its operands' types on a non-batch explicit axis (the backward scatter of an
+`Embed` table sharded over "model"). Both fail loudly at trace time, never
+with other numbers.
 
 Only JAX arrays (tracers and committed arrays: their types name a mesh) are
 lifted; numpy constants stay in the jaxpr. PRNG keys and integers pass as any
@@ -47,10 +53,9 @@ array. The gradient is still taken with respect to the parameters only: the
 caller differentiates the returned function in its `params` argument, and the
 lifted consts are not differentiated, as a closure's values are not.
 
-JAX API used: `jax.make_jaxpr(..., return_shape=True)` and
-`jax.core.eval_jaxpr(jaxpr, consts, *args)`, the same on JAX 0.10.2 and 0.12
-(0.12 merged `ClosedJaxpr` into `Jaxpr`, whose legacy `.jaxpr` returns itself,
-and `eval_jaxpr` binds the consts it is given on either).
+JAX API used: `jax.make_jaxpr(..., return_shape=True)`, the same on JAX 0.10.2
+and 0.12 (0.12 merged `ClosedJaxpr` into `Jaxpr`, whose legacy `.jaxpr` returns
+itself; the consts are bound as given on either), and accum.retype's.
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+
+from accum.retype import eval_retyped
 
 # No mesh: what `lift_closure` traces under (module docstring).
 _NO_MESH = jax.sharding.AbstractMesh((), ())
@@ -100,6 +107,6 @@ def lift_closure(fn: Callable, *args: Any) -> tuple[Callable, list[Any]]:
             raise TypeError(f"lift_closure: called with {tree}, traced with {in_tree}")
         given = iter(consts)
         values = [next(given) if lift else c for c, lift in zip(closed.consts, lifted, strict=True)]
-        return jax.tree.unflatten(out_tree, jax.core.eval_jaxpr(jaxpr, values, *leaves))
+        return jax.tree.unflatten(out_tree, eval_retyped(jaxpr, values, *leaves))
 
     return converted, [c for c, lift in zip(closed.consts, lifted, strict=True) if lift]

@@ -23,12 +23,11 @@ outside `loss_fn` can hand it in (it sits in the Python closure). There
 - closure conversion (accum.closure): `loss_fn` traced once outside the
   shard_map, the closed-over arrays made arguments the shard_map takes
   replicated, the jaxpr evaluated inside: the same shard_map, rows, keys and
-  numbers. It works where the closed-over values meet only plain ops (a
-  BatchNorm's running averages, a scale); not where one reaches a nested jaxpr
-  (`jax.nn.relu`/`softmax` of it, a `jit`, `scan`, `cond`, `checkpoint`, a
-  closed-over dropout key reaching `jax.random`'s jitted samplers): that jaxpr
-  keeps the explicit mesh's type from the outer trace, which JAX re-uses when
-  it evaluates or differentiates it, and it fails inside the shard_map;
+  numbers. Where a closed-over value reaches a nested jaxpr (`jax.nn.relu`/
+  `softmax` of it, a `jit`, `scan`, `cond`, `checkpoint`, a closed-over dropout
+  key reaching `jax.random`'s jitted samplers), whose types the outer trace
+  fixed, accum.retype traces that jaxpr again inside; what it does not rebuild
+  (a `custom_vjp` the value reaches) fails here;
 - the same accumulation without a shard_map (accum.local_mapped: `jax.vmap`
   over one row per batch device, same rows, keys and numbers), which takes
   any closure but not a layer JAX's explicit sharding rules cannot map over
@@ -130,7 +129,7 @@ def _local_run(run: Callable, loss_fn: Callable, local_args: tuple, mapped: Call
        *key)` the loss), on `loss_fn` itself;
     2. where JAX refuses a closed-over value in it, on `loss_fn` closure-converted
        (accum.closure), traced on `local_args` (one device's params, rows, key);
-    3. where that fails (a closed-over value reaching a nested jaxpr), `mapped()`
+    3. where that fails (a closed-over value reaching a custom_vjp), `mapped()`
        (accum.local_mapped, jax.vmap over the device rows);
     4. where that fails on a sharding rule too, a one-line error naming the fix.
     """

@@ -4,12 +4,12 @@ On an explicit mesh JAX's shard_map refuses a value `loss_fn` closes over (a
 jitted step's traced argument: BatchNorm's running averages read from a
 TrainState, a temperature): "Closing over inputs to shard_map where the input
 is sharded on Explicit axes is not implemented". accum first passes such a
-value in by closure conversion (accum.closure); that cannot take a closed-over
-value reaching a nested jaxpr (`jax.nn.relu`/`softmax` of it, a `scan`, a
-closed-over dropout key in `jax.random`'s samplers), and this path is where
-those go (accum.local._local_run). `jax.vmap` has no such limit (a
-closed-over value is an unmapped input, traced where it lives), so this path
-gets the shard_map's numbers from explicit types instead of manual axes:
+value in by closure conversion (accum.closure, accum.retype); that cannot
+take a closed-over value reaching what accum.retype does not rebuild (a
+`custom_vjp`), and this path is where those go (accum.local._local_run).
+`jax.vmap` has no such limit (a closed-over value is an unmapped input,
+traced where it lives), so this path gets the shard_map's numbers from
+explicit types instead of manual axes:
 
 - each batch leaf (B, ...) is reshaped, in place, to (D, B/D, ...) with D the
   number of batch devices and the first dimension sharded over the batch axes:
