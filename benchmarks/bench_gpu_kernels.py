@@ -32,6 +32,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import benchlib as bl  # noqa: E402
 
+from hlo_tools.thunks import OUTSIDE  # noqa: E402
 from trainer.config import make_config  # noqa: E402
 from trainer.run import aot  # noqa: E402
 
@@ -63,23 +64,13 @@ ROWS = [
 CATEGORIES = ("matmul", "copy/transpose", "elementwise/fusion", "collective")
 
 
-def _loop_trips(by_loop: dict[str, int]) -> tuple[str, str]:
-    """(kernels of one microbatch-loop trip, of one layer-loop trip), "-" where absent.
-
-    by_loop keys read "while.N xT [transform]" nested with " > "; its values are
-    kernels per step, so one trip's count is the value over its trips."""
-    microbatch, layer = 0, 0
-    for key, per_step in by_loop.items():
-        path = key.split(" > ")
-        trips = 1
-        for loop in path:
-            words = loop.split()
-            if len(words) > 1 and words[1].startswith("x") and words[1][1:].isdigit():
-                trips *= int(words[1][1:])
-        if len(path) == 1 and key != "outside loops":
-            microbatch += per_step // trips
-        elif len(path) == 2:
-            layer += per_step // trips
+def _loop_trips(kernels) -> tuple[str, str]:
+    """(kernels of one microbatch-loop trip, of one trip of each layer loop nested in
+    it, summed), "-" where absent: from hlo_tools' per-trip counts, whose keys are
+    loop paths nested with " > " (KernelCount)."""
+    trips = kernels.per_trip
+    microbatch = sum(n for loop, n in trips.items() if loop != OUTSIDE and " > " not in loop)
+    layer = sum(n for loop, n in trips.items() if loop.count(" > ") == 1)
     return (f"{microbatch:,}" if microbatch else "-", f"{layer:,}" if layer else "-")
 
 
@@ -91,7 +82,7 @@ def measure(label: str, overrides: dict) -> dict:
     result = aot.compile_for_topology(config)
     seconds = time.perf_counter() - start
     kernels = result.kernels
-    microbatch, layer = _loop_trips(kernels.by_loop)
+    microbatch, layer = _loop_trips(kernels)
     row = {
         "row": label,
         "scan_layers": result.run.config.scan_layers,

@@ -65,7 +65,7 @@ from typing import Any
 
 import jax
 
-from accum.retype import eval_retyped
+from accum.retype import eval_retyped, open_jaxpr
 
 # No mesh: what `lift_closure` traces under (module docstring).
 _NO_MESH = jax.sharding.AbstractMesh((), ())
@@ -98,7 +98,7 @@ def lift_closure(fn: Callable, *args: Any) -> tuple[Callable, list[Any]]:
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*shapes)
     in_tree, out_tree = jax.tree.structure(shapes), jax.tree.structure(out_shape)
     # 0.10: the open Jaxpr of a ClosedJaxpr; 0.12: the Jaxpr itself.
-    jaxpr = getattr(closed, "jaxpr", closed)
+    jaxpr, _ = open_jaxpr(closed)
     lifted = [isinstance(c, jax.Array) for c in closed.consts]
 
     def converted(consts: list[Any], *call_args: Any) -> Any:

@@ -39,7 +39,7 @@ falls back to its next mechanism; nothing is evaluated differently.
 The parameters read are the same on JAX 0.10.2 and 0.12, except `scan`'s
 layout: 0.10 has `num_consts`/`num_carry`, 0.12 a flat tree `ft_in` of
 (consts, carry, xs) (`_scan_counts`); and 0.12 merged `ClosedJaxpr` into
-`Jaxpr` (`_open`).
+`Jaxpr` (`open_jaxpr`).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def _retyped_params(params: dict) -> dict:
     return {k: None if _replicated_on_a_mesh(v) else v for k, v in params.items()}
 
 
-def _open(closed: Any) -> tuple[Any, Sequence[Any]]:
+def open_jaxpr(closed: Any) -> tuple[Any, Sequence[Any]]:
     """(jaxpr, consts) of a nested jaxpr param: a ClosedJaxpr on 0.10, an open
     Jaxpr (checkpoint's on 0.10) or 0.12's Jaxpr, whose `.jaxpr` is itself."""
     return getattr(closed, "jaxpr", closed), getattr(closed, "consts", ())
@@ -122,7 +122,7 @@ def _open(closed: Any) -> tuple[Any, Sequence[Any]]:
 
 def _evaluator(closed: Any) -> Callable[..., list[Any]]:
     """`closed` as a function of its inputs, evaluated by `eval_retyped`."""
-    return functools.partial(eval_retyped, *_open(closed))
+    return functools.partial(eval_retyped, *open_jaxpr(closed))
 
 
 def _unsharded(shardings: Sequence[Any]) -> bool:
@@ -227,7 +227,7 @@ def _custom_jvp(eqn: Any, invals: list[Any]) -> list[Any] | None:
         primals, tangents = primals[n_consts:], tangents[n_consts:]
         with eqn.ctx.manager:  # the rule is traced where the function was
             jaxpr, consts, out_zeros = rule_of.call_wrapped(*[False] * len(primals))
-        out = eval_retyped(_open(jaxpr)[0], consts, *primals, *tangents)
+        out = eval_retyped(open_jaxpr(jaxpr)[0], consts, *primals, *tangents)
         outs, nonzero = out[: len(out_zeros)], iter(out[len(out_zeros) :])
         pairs = zip(outs, out_zeros, strict=True)
         return outs, [_zero_tangent(p) if zero else next(nonzero) for p, zero in pairs]

@@ -19,7 +19,8 @@ from trainer.config.config import Config
 
 # The schedules that run inside the backward layer scan (validate refuses them unscanned).
 SCAN_SCHEDULES = ("overlapped", "overlapped_ring")
-GPU_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
+# What JAX calls a CUDA or ROCm device (`device.platform`), as attention_kernel reads it.
+GPU_PLATFORM = "gpu"
 
 
 def scans_layers(config: Config, platforms: frozenset[str]) -> bool:
@@ -29,7 +30,7 @@ def scans_layers(config: Config, platforms: frozenset[str]) -> bool:
         return config.scan_layers
     if config.gradient_accumulation_schedule in SCAN_SCHEDULES:
         return True
-    return not (platforms and platforms <= GPU_PLATFORMS)
+    return platforms != {GPU_PLATFORM}
 
 
 def decide_scan_layers(config: Config, devices: tuple) -> Config:
