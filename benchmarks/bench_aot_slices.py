@@ -147,7 +147,9 @@ def _predicted_columns(variant: dict, module) -> dict:
     from trainer.step import reduction_bytes
 
     config = make_config({**COMMON, **variant, "base_output_directory": tempfile.mkdtemp()})
-    devices = aot.devices_for(aot.resolve(config.parallelism), config.compile_topology_num_slices)
+    devices = aot.devices_for(
+        aot.choose_topology(config.parallelism), config.compile_topology_num_slices
+    )
     run = run_lib.abstract_setup(config, devices)
     pred_in, pred_out = reduction_bytes.predicted(run)
     got_in, got_out = reduction_bytes.counted(module, dict(run.ctx.mesh.shape), ["data"])

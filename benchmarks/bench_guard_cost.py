@@ -93,7 +93,7 @@ def measure_aot() -> dict:
     from trainer.run import run as run_lib
 
     config = make_config({**AOT_SHAPE, "base_output_directory": tempfile.mkdtemp()})
-    topo = aot.resolve(config.parallelism)
+    topo = aot.choose_topology(config.parallelism)
     devices = aot.devices_for(topo, 1)
     run, lowered, recorded, plain = _lower_both(
         lambda: run_lib.abstract_setup(config, devices), run_lib.abstract_batch

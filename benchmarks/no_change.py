@@ -6,11 +6,12 @@
 `record` runs `uv run train` in TREE on ten configurations (CONFIGS: the README job
 and the parallelism, schedule, policy, MTP and LoRA variants), 3 steps each, and writes
 the sha256 of every optimized HLO module XLA dumps (metadata off, so source paths do
-not count), the printed step lines without timings, and every metrics.jsonl value as a
-hex float (the perf/ timings aside). `compare` says which configurations differ, and
-exits 1 if any does; `record TREE OUT.json NAME...` records only the configurations
-named (DATA_CONFIGS: each data source with its eval set). Used for the trainer's
-restructure (issue 42: trainer CHANGELOG) and its one data-source shape (issue 56).
+not count), the printed step, eval and data lines without timings, and every
+metrics.jsonl value as a hex float (the timings aside: perf/..., eval_time_s).
+`compare` says which configurations differ, and exits 1 if any does; `record TREE
+OUT.json NAME...` records only the configurations named (DATA_CONFIGS: each data
+source with its eval set). Used for the trainer's restructure (issue 42: trainer
+CHANGELOG) and its one data-source shape (issue 56).
 """
 
 import glob
@@ -55,12 +56,17 @@ DATA_CONFIGS = {
 PRINTED = ("step ", "eval ", "data:", "eval:")
 
 
+def _timing(key: str) -> bool:
+    """A metrics key holding a wall-clock time (perf/..., eval_time_s)."""
+    return key.startswith("perf/") or key.endswith("_time_s")
+
+
 def floats_hex(obj):
-    """`obj` with every float as its hex string, the timings (perf/...) left out."""
+    """`obj` with every float as its hex string, the timings left out."""
     if isinstance(obj, float):
         return obj.hex()
     if isinstance(obj, dict):
-        return {k: floats_hex(v) for k, v in sorted(obj.items()) if not k.startswith("perf/")}
+        return {k: floats_hex(v) for k, v in sorted(obj.items()) if not _timing(k)}
     if isinstance(obj, list):
         return [floats_hex(v) for v in obj]
     return obj
@@ -80,7 +86,7 @@ def run(tree: str, name: str, extra: str) -> dict:
     if p.returncode:
         return {"error": p.stderr[-2000:]}
     printed = [
-        re.sub(r"\s+[\d,]+ tokens/s.*", "", line)
+        re.sub(r"\s+[\d,]+ tokens/s.*|\s+[\d,]+ ms$", "", line)  # timings cut
         for line in p.stdout.splitlines()
         if line.startswith(PRINTED)
     ]

@@ -54,10 +54,10 @@ def test_fused_path_equals_dot_product_on_packed_rows(shard_mode):
 def test_auto_is_dot_product_off_gpu_and_cudnn_flash_is_refused_naming_the_key():
     config = make_config({"model_name": "tagtrain-tiny"})
     ctx = _ctx(config, {"data": 8})
-    assert attention_kernel.resolve(config.model, ctx) == "dot_product"
+    assert attention_kernel.choose_kernel(config.model, ctx) == "dot_product"
     forced = make_config({"model_name": "tagtrain-tiny", "attention": "cudnn_flash"})
     with pytest.raises(ConfigError, match=r"attention=cudnn_flash cannot run here: .*not GPUs"):
-        attention_kernel.resolve(forced.model, ctx)
+        attention_kernel.choose_kernel(forced.model, ctx)
 
 
 def test_blockers_name_dtype_head_dim_and_context_parallelism():

@@ -30,7 +30,7 @@ def test_target_config_carries_the_chip_figures():
 
 def test_hosts_must_fill_the_dcn_axes():
     config = make_config({"compile_topology": "h100-8", "compile_topology_num_slices": "2"})
-    assert aot.resolve(config.parallelism).chips == 8  # dcn_data=-1 spans the 2 hosts
+    assert aot.choose_topology(config.parallelism).chips == 8  # dcn_data=-1 spans the 2 hosts
     config = make_config(
         {
             "compile_topology": "h100-8",
@@ -39,7 +39,7 @@ def test_hosts_must_fill_the_dcn_axes():
         }
     )
     with pytest.raises(ConfigError, match="dcn"):
-        aot.resolve(config.parallelism)
+        aot.choose_topology(config.parallelism)
 
 
 def test_missing_plugin_says_how_to_install_it(monkeypatch):

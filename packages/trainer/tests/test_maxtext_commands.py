@@ -104,10 +104,10 @@ def test_every_hardware_value_names_a_jax_platform():
 
 def test_skip_jax_distributed_system_keeps_one_process(monkeypatch):
     monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1234")
-    assert distributed.resolve().multi_process
-    assert not distributed.resolve(skip=True).multi_process
+    assert distributed.choose_launch().multi_process
+    assert not distributed.choose_launch(skip=True).multi_process
     with pytest.raises(ValueError, match="--coordinator_address"):
-        distributed.resolve("127.0.0.1:1234", 2, 0, skip=True)
+        distributed.choose_launch("127.0.0.1:1234", 2, 0, skip=True)
 
 
 def test_hardware_cpu_selects_the_cpu_backend():

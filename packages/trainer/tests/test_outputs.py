@@ -180,7 +180,7 @@ def test_bad_keys_are_named(overrides, match):
         config = make_config(overrides)
         profiling.check(config.training, config.output)
         if config.compile_topology:
-            aot.resolve(config.parallelism)
+            aot.choose_topology(config.parallelism)
 
 
 def test_topology_names_and_chip_counts():
@@ -207,17 +207,17 @@ def test_multi_process_flags_and_environment(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv("TPU_WORKER_HOSTNAMES", raising=False)
     monkeypatch.delenv("MEGASCALE_NUM_SLICES", raising=False)
-    assert not distributed.resolve().multi_process
-    launch = distributed.resolve("127.0.0.1:1234", 2, 1)
+    assert not distributed.choose_launch().multi_process
+    launch = distributed.choose_launch("127.0.0.1:1234", 2, 1)
     assert (launch.source, launch.num_processes, launch.process_id) == ("flags", 2, 1)
     with pytest.raises(ValueError, match="missing --process_id"):
-        distributed.resolve("127.0.0.1:1234", 2, None)
+        distributed.choose_launch("127.0.0.1:1234", 2, None)
     with pytest.raises(ValueError, match="--process_id=2 must be in"):
-        distributed.resolve("127.0.0.1:1234", 2, 2)
+        distributed.choose_launch("127.0.0.1:1234", 2, 2)
     monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:8476")
     monkeypatch.setenv("JAX_NUM_PROCESSES", "4")
     monkeypatch.setenv("JAX_PROCESS_ID", "3")
-    launch = distributed.resolve()
+    launch = distributed.choose_launch()
     assert (launch.source, launch.coordinator_address, launch.num_processes) == (
         "environment",
         "10.0.0.1:8476",

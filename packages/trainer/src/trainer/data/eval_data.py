@@ -89,7 +89,7 @@ def make_eval_set(config: Config, num_devices: int, sizes: dict[str, int]) -> Ev
     if not eval_schedule.enabled(evaluation):
         return None
     batch = eval_batch_size(config.parallelism, config.data, evaluation, num_devices, sizes)
-    source = input_pipeline.data_format(config).eval_source(config, batch)
+    source = input_pipeline.choose_format(config).eval_source(config, batch)
     steps, note = source.num_batches, source.describe()
     if steps is None:  # a stream with no end: eval_source checked eval_steps >= 1
         return EvalSet(source, evaluation.eval_steps, batch, note)

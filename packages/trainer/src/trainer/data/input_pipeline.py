@@ -76,7 +76,7 @@ def _shown(value, text=repr) -> str:
     return str(value).lower() if isinstance(value, bool) else text(value)
 
 
-def data_format(config: Config) -> ModuleType:
+def choose_format(config: Config) -> ModuleType:
     """The module reading the configured data (FORMATS), its keys checked: a key it does
     not read is refused; cheap, nothing read."""
     format_ = FORMATS.get((config.dataset_type, config.use_sft))
@@ -93,7 +93,7 @@ def make_source(config: Config, global_batch: int) -> Source:
     """Open the configured dataset's training stream; every input problem is a
     ConfigError, before compiling. Takes the Config: a format reads the model, training,
     data and evaluation groups."""
-    return data_format(config).train_source(config, global_batch)
+    return choose_format(config).train_source(config, global_batch)
 
 
 def put_rows(source: Source, step: int, ctx: ShardCtx, length: int) -> dict[str, jax.Array]:

@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         arguments = args_lib.parse(argv)
-        source = source_lib.resolve(arguments)
+        source = source_lib.choose_source(arguments)
         notes = sampling_lib.check(arguments.sampling, source.config.vocab_size)
         rows = prompt_rows(arguments, source)
     except ConfigError as error:

@@ -103,7 +103,7 @@ def _from_run(args: Arguments, overrides: dict) -> Source:
     return Source(config, f"checkpoint {path}", tokenizer, eos, checkpoint=path)
 
 
-def resolve(args: Arguments) -> Source:
+def choose_source(args: Arguments) -> Source:
     """The Source `args` name, every check done, no weight read; ConfigError naming
     the key of anything that is missing or wrong."""
     overrides = dict(args.model_overrides)

@@ -81,7 +81,7 @@ class MLA(nnx.Module):
         self.config, self.ctx = config, ctx
         self.dtype = jnp.dtype(config.dtype)
         # "dot_product" or "cudnn_flash": attention_kernel decides "auto" once.
-        self.kernel = attention_kernel.resolve(config, ctx)
+        self.kernel = attention_kernel.choose_kernel(config, ctx)
 
     def _attach_lora(self, spec: lora.LoraSpec | None, rngs: nnx.Rngs) -> None:
         """LoRA adapters on the projections `spec` targets (none without LoRA)."""

@@ -40,7 +40,7 @@ def cudnn_flash_blockers(config: ModelConfig, ctx: ShardCtx) -> list[str]:
     return blockers
 
 
-def resolve(config: ModelConfig, ctx: ShardCtx) -> str:
+def choose_kernel(config: ModelConfig, ctx: ShardCtx) -> str:
     """ "dot_product" or "cudnn_flash" for `config.attention`; ConfigError when
     cudnn_flash is asked for where it cannot run, naming the key and the reason."""
     if config.attention == "dot_product":

@@ -21,7 +21,7 @@ Their report adds the kernels the step launches (the thunk sequence of XLA's
 dump, weighted by loop trip counts) and their mix.
 
 `compile_for_topology` and `main` take the whole Config: they build the run
-(`run.abstract_setup`) and write under run_dir; `resolve` takes the parallelism group.
+(`run.abstract_setup`) and write under run_dir; `choose_topology` takes the parallelism group.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def _known() -> dict[str, Topology]:
 TOPOLOGIES = _known()
 
 
-def resolve(parallelism: ParallelismConfig) -> Topology:
+def choose_topology(parallelism: ParallelismConfig) -> Topology:
     """The topology named by compile_topology, and checks on the mesh it implies.
 
     Raises ConfigError naming the key (unknown names list the known ones); cheap,
@@ -173,7 +173,7 @@ def memory_of(compiled: Any) -> dict[str, int]:
 
 def compile_for_topology(config: Config, hlo_path: str | None = None) -> AotResult:
     """Build the abstract state on the topology's devices, lower, compile, write HLO."""
-    topo = resolve(config.parallelism)
+    topo = choose_topology(config.parallelism)
     slices = config.compile_topology_num_slices
     devices = devices_for(topo, slices)
     run = run_lib.abstract_setup(config, devices)
@@ -274,7 +274,7 @@ def report_lines(result: AotResult) -> list[str]:
 
 def main(config: Config, hlo_path: str | None = None) -> int:
     """`train compile_topology=...`: compile, print the report; 1 when it does not fit."""
-    topo = resolve(config.parallelism)  # ConfigError before libtpu loads
+    topo = choose_topology(config.parallelism)  # ConfigError before libtpu loads
     if topo.platform == "gpu":
         gpu_topology.require_plugin()  # ConfigError: how to install it
     print(f"model: {config.model_name}", flush=True)

@@ -152,7 +152,7 @@ def kernels_of_dump(dump_dir: str, hlo_text: str, keep_as: str | None = None):
 def report_lines(kernels, run, hlo_path: str) -> list[str]:
     """The GPU part of the AOT report: which attention kernel was compiled, and the
     kernels per step (hlo_tools.format_kernels) with where the thunk sequence went."""
-    chosen = attention_kernel.resolve(run.config.model, run.ctx)
+    chosen = attention_kernel.choose_kernel(run.config.model, run.ctx)
     blockers = attention_kernel.cudnn_flash_blockers(run.config.model, run.ctx)
     why = f" (not cudnn_flash: {'; '.join(blockers)})" if blockers else ""
     thunks = hlo_path.removesuffix(".hlo") + ".thunks.txt"

@@ -82,7 +82,7 @@ def _checked_config(argv: list[str]):
             checkpoint_files.check_writable(config.run_dir, key="base_output_directory")
         profiling.check(config.training, config.output)
         if config.compile_topology:
-            aot.resolve(config.parallelism)
+            aot.choose_topology(config.parallelism)
         if config.gradient_reduction_policy == "auto":
             # deferred: a bad key or flag is reported before JAX and the model code load
             from trainer.step import reduction_choice
@@ -90,7 +90,7 @@ def _checked_config(argv: list[str]):
             reduction_choice.hardware_for(
                 config.parallelism, config.accumulation, []
             )  # ConfigError: unknown or incomplete chip
-        launch = distributed.resolve(
+        launch = distributed.choose_launch(
             FLAGS.coordinator_address,
             FLAGS.num_processes,
             FLAGS.process_id,

@@ -16,6 +16,7 @@ policy and AOT-compile the step, each of which reads every group.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any
 
@@ -42,11 +43,13 @@ def choice_for(config: Config):
     trained parameters are the adapters, what is reduced."""
     # deferred: the keys are checked before JAX and the model code load
     from trainer.run import aot, spec
+    from trainer.step import reduction_choice
 
-    topo = aot.resolve(config.parallelism)  # ConfigError for an unknown topology or a bad mesh
+    # ConfigError for an unknown topology or a bad mesh
+    topo = aot.choose_topology(config.parallelism)
     slices = config.compile_topology_num_slices
     planned = spec.resolve_abstract(config, topo.chips * slices, slices)
-    choice = planned.choice or spec.choose_for(
+    choice = planned.choice or reduction_choice.choose(
         planned.config, planned.ctx, planned.model, planned.trained, planned.devices
     )
     return choice, planned.ctx, planned.trained
@@ -56,11 +59,14 @@ def compiled_lines(config: Config, choice: Any, ctx: Any) -> list[str]:
     """AOT-compile each policy; compiled memory and hlo_tools' gradient bytes per axis."""
     # deferred: the keys are checked before JAX and the model code load
     from trainer.run import aot
-    from trainer.step import reduction_bytes, reduction_choice
+    from trainer.step import reduction_bytes
 
     lines = ["compiled (trainer AOT; gradient operand bytes per step, hlo_tools):"]
     for policy in choice.order:
-        result = aot.compile_for_topology(reduction_choice.with_policy(config, policy))
+        # each policy's own compile (RunSpec.with_policy is the same act on a resolved spec)
+        result = aot.compile_for_topology(
+            dataclasses.replace(config, gradient_reduction_policy=policy)
+        )
         mesh = dict(result.run.ctx.mesh.shape)
         axes = result.run.plan.batch_axes
         inside, outside = reduction_bytes.counted(result.compiled.as_text(), mesh, axes)

@@ -45,7 +45,7 @@ class RunSpec:
     def with_policy(self, policy: str, choice: reduction_choice.Choice | None = None) -> RunSpec:
         """This spec under another gradient_reduction_policy: the config and the plan
         change, nothing else (auto's fallback when a policy does not fit in HBM)."""
-        config = reduction_choice.with_policy(self.config, policy)
+        config = dataclasses.replace(self.config, gradient_reduction_policy=policy)
         plan = reduction_plan(config.parallelism, config.accumulation, self.ctx, self.trained)
         return dataclasses.replace(self, config=config, plan=plan, choice=choice)
 
@@ -82,15 +82,6 @@ def resolve_abstract(config: Config, num_devices: int = 8, num_slices: int = 1) 
         return _decide(config, (), sizes, mesh)
 
 
-def choose_for(
-    config: Config, ctx: ShardCtx, model: model_lib.ModelDef, trained: Any, devices: tuple
-) -> reduction_choice.Choice:
-    """auto's decision for the trained parameters: accum.cost's ranking of every policy
-    that applies (reduction_choice.choose), with the model's gradient traits."""
-    traits = reduction_choice.gradient_traits(model_lib.trained_view(model), trained)
-    return reduction_choice.choose(config, ctx, trained, list(devices), traits)
-
-
 def _decide(config: Config, devices: tuple, sizes: dict[str, int], mesh: Any) -> RunSpec:
     """Everything after the mesh: batch, ctx, model, trained shapes, auto, plan."""
     # scan_layers=auto decided for these devices first: the model's definition and
@@ -102,7 +93,7 @@ def _decide(config: Config, devices: tuple, sizes: dict[str, int], mesh: Any) ->
     trained = trained_shapes(model, ctx)
     choice = None
     if config.gradient_reduction_policy == "auto":
-        choice = choose_for(config, ctx, model, trained, devices)
+        choice = reduction_choice.choose(config, ctx, model, trained, devices)
     spec = RunSpec(config, devices, sizes, batch, ctx, model, trained, None)
     return spec.with_policy(choice.policy if choice else config.gradient_reduction_policy, choice)
 

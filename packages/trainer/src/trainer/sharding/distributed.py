@@ -51,7 +51,7 @@ def _cluster_detected() -> bool:
     )
 
 
-def resolve(
+def choose_launch(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
     process_id: int | None = None,

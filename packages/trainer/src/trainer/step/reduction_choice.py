@@ -27,6 +27,7 @@ import numpy as np
 import accum
 from accum import cost as cost_lib
 from accum.hardware import HARDWARE, Hardware, HardwareError, hardware
+from trainer import model as model_lib
 from trainer.config import (
     AccumulationConfig,
     Config,
@@ -302,17 +303,19 @@ def rank(costs: dict[str, cost_lib.Cost], across_slices: bool) -> tuple[str, ...
     return tuple(order)
 
 
-def choose(config: Config, ctx: Any, params: Any, devices: list, grad_dtypes: Any = None) -> Choice:
-    """The auto decision for `params` (compute layout) on `ctx`'s mesh
-    (`grad_dtypes`: `gradient_traits` of the model). Takes the Config: the cost
+def choose(config: Config, ctx: Any, model: Any, params: Any, devices: list | tuple) -> Choice:
+    """gradient_reduction_policy=auto's decision for the trained `params` (compute
+    layout) of `model` (a ModelDef) on `ctx`'s mesh: accum.cost's ranking of every
+    policy that applies, with the model's gradient traits. Takes the Config: the cost
     model reads the model, parallelism, accumulation and data groups."""
     if config.shard_mode != "explicit":
         return Choice(
             ("deferred",), {}, None, "shard_mode=auto: XLA places every reduction", applies=False
         )
     parallelism, accumulation = config.parallelism, config.accumulation
-    hw, note = hardware_for(parallelism, accumulation, devices)
+    hw, note = hardware_for(parallelism, accumulation, list(devices))
     candidates = plans(parallelism, accumulation, ctx, params)
+    grad_dtypes = gradient_traits(model_lib.trained_view(model), params)
     costs = predict_all(
         config.model, parallelism, accumulation, config.data, candidates, params, hw, grad_dtypes
     )
@@ -330,11 +333,6 @@ def auto_order(
     if ga == 1:
         order = ("deferred", *(p for p in order if p != "deferred"))
     return order
-
-
-def with_policy(config: Config, policy: str) -> Config:
-    """`config` with gradient_reduction_policy=`policy`."""
-    return dataclasses.replace(config, gradient_reduction_policy=policy)
 
 
 def next_choice(choice: Choice, reason: str) -> Choice:
