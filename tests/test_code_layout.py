@@ -35,9 +35,11 @@ MAY_IMPORT = {
 }
 MAX_LINES = 500
 # The trainer's subpackages, lowest first: each imports only those before it
-# (docs/design.md, "The trainer's layout"). "_lazy" is the one top-level helper.
+# (docs/design.md, "The trainer's layout"). "_lazy" and "_host" are the top-level
+# helpers below everything; "_scripts" (the console scripts) sits above everything.
 TRAINER_LAYERS = (
     "_lazy",
+    "_host",
     "config",
     "sharding",
     "model",
@@ -47,6 +49,7 @@ TRAINER_LAYERS = (
     "io",
     "run",
     "generate",
+    "_scripts",
 )
 
 

@@ -19,7 +19,7 @@ import os
 import shutil
 import sys
 
-from trainer import hf
+from trainer import _host, hf
 from trainer import model as model_lib
 from trainer.config import Config, ConfigError, hf_map, parse_overrides
 from trainer.io import initial_weights
@@ -91,6 +91,9 @@ def export(run_dir: str, output: str, step: int | None = None, dtype: str | None
 def main(argv: list[str] | None = None) -> int:
     """Console entry point."""
     argv = sys.argv[1:] if argv is None else argv
+    # It computes nothing on a device: no accelerator runtime starts, so no libtpu
+    # lockfile stops a TPU run or compile beside it.
+    _host.cpu_only()
     try:
         args = _arguments(argv)
         step = int(args["step"]) if args.get("step") else None

@@ -179,7 +179,9 @@ def compile_for_topology(config: Config, hlo_path: str | None = None) -> AotResu
     run = run_lib.abstract_setup(config, devices)
     records = {}  # id(compiled) -> the trace-time record of its lowering
     dumps = {}  # id(compiled) -> its XLA dump directory (GPU: the thunk sequence)
-    scratch = tempfile.mkdtemp(prefix="tagtrain_aot_") if topo.platform == "gpu" else None
+    gpu = topo.platform == "gpu"
+    user_dump = gpu_topology.user_dump_dir() if gpu else None  # XLA_FLAGS' --xla_dump_to
+    scratch = tempfile.mkdtemp(prefix="tagtrain_aot_") if gpu and not user_dump else None
 
     def compile_run(run):
         # The record names the parameters in a TagLostError's message.
@@ -191,9 +193,12 @@ def compile_for_topology(config: Config, hlo_path: str | None = None) -> AotResu
             options = xla_options.for_mesh(run.config.parallelism, run.ctx.mesh)
             if scratch:  # one directory per compile: auto may compile several policies
                 options["xla_dump_to"] = tempfile.mkdtemp(dir=scratch)
+            # the user's dump directory (XLA dumps there already): this compile's files
+            # are those that were not there before it
+            earlier = gpu_topology.thunk_sequences(user_dump) if user_dump else set()
             compiled = lowered.compile(compiler_options=options)
         records[id(compiled)] = record
-        dumps[id(compiled)] = options.get("xla_dump_to")
+        dumps[id(compiled)] = (user_dump or options.get("xla_dump_to"), earlier)
         return compiled
 
     def rebuild(choice):  # the next policy auto's order offers, on the same spec
@@ -213,11 +218,12 @@ def compile_for_topology(config: Config, hlo_path: str | None = None) -> AotResu
         with open(hlo_path, "w") as f:
             f.write(text)
         kernels = None
-        if scratch:  # the thunk sequence is kept beside the HLO, for a reader
+        if gpu:  # the thunk sequence is kept beside the HLO, for a reader
             thunks_path = hlo_path.removesuffix(".hlo") + ".thunks.txt"
-            kernels = gpu_topology.kernels_of_dump(dumps[id(compiled)], text, thunks_path)
+            dump, earlier = dumps[id(compiled)]
+            kernels = gpu_topology.kernels_of_dump(dump, text, thunks_path, earlier)
     finally:
-        if scratch:  # the dump (LLVM IR, PTX of every kernel) is large: not kept
+        if scratch:  # our own dump (LLVM IR, PTX of every kernel) is large: not kept
             shutil.rmtree(scratch, ignore_errors=True)
     # After writing the HLO, so a TagLostError's program can be inspected.
     accum.check_compiled(text, "raise", record)

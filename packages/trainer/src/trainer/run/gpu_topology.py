@@ -12,7 +12,8 @@ jax): `uv run --extra gpu train compile_topology=h100-8 ...`.
 
 The compile also asks XLA for its dump (`xla_dump_to`), whose
 `*.thunk_sequence.txt` lists the kernels the step launches, nested under its
-while loops; `kernels_of_dump` weights them by trip count (hlo_tools.thunks).
+while loops; `kernels_of_dump` weights them by trip count (hlo_tools.thunks). A
+`--xla_dump_to` in XLA_FLAGS is honoured: the dump goes there and is read from there.
 """
 
 from __future__ import annotations
@@ -126,12 +127,31 @@ def devices(chip_name: str, gpus_per_host: int, hosts: int) -> list:
     return sorted(topology.devices, key=lambda d: d.id)
 
 
-def thunk_files(dump_dir: str) -> tuple[str, str]:
+def user_dump_dir() -> str | None:
+    """The directory XLA_FLAGS' `--xla_dump_to=DIR` names (the last one given), or
+    None: XLA dumps every compile there, so the GPU compile reads its thunk sequence
+    from it instead of from a scratch directory of its own (and deletes nothing)."""
+    given = [
+        flag.split("=", 1)[1]
+        for flag in os.environ.get("XLA_FLAGS", "").split()
+        if flag.startswith("--xla_dump_to=")
+    ]
+    # "-" (stdout) and "sponge" are XLA's names for no directory: a scratch one is used
+    return given[-1] if given and given[-1] not in ("-", "sponge") else None
+
+
+def thunk_sequences(dump_dir: str) -> set[str]:
+    """The *.thunk_sequence.txt files in `dump_dir` now (before a compile adds its own)."""
+    return set(glob.glob(os.path.join(dump_dir, "*.thunk_sequence.txt")))
+
+
+def thunk_files(dump_dir: str, earlier: set[str] = frozenset()) -> tuple[str, str]:
     """The train step's thunk sequence and thunk metadata files in an XLA dump.
 
     The dump holds every module compiled while it was set; the step is the one
-    with the largest thunk sequence."""
-    sequences = glob.glob(os.path.join(dump_dir, "*.thunk_sequence.txt"))
+    with the largest thunk sequence, of those not in `earlier` (a user's dump
+    directory holds the earlier compiles too)."""
+    sequences = thunk_sequences(dump_dir) - set(earlier)
     if not sequences:
         raise RuntimeError(f"XLA wrote no *.thunk_sequence.txt under {dump_dir}")
     sequence = max(sequences, key=os.path.getsize)
@@ -139,10 +159,12 @@ def thunk_files(dump_dir: str) -> tuple[str, str]:
     return sequence, metadata
 
 
-def kernels_of_dump(dump_dir: str, hlo_text: str, keep_as: str | None = None):
-    """hlo_tools.KernelCount of the step in `dump_dir`; its thunk sequence is
-    copied to `keep_as` (for a reader) when given."""
-    sequence, metadata = thunk_files(dump_dir)
+def kernels_of_dump(
+    dump_dir: str, hlo_text: str, keep_as: str | None = None, earlier: set[str] = frozenset()
+):
+    """hlo_tools.KernelCount of the step in `dump_dir` (its files not in `earlier`);
+    its thunk sequence is copied to `keep_as` (for a reader) when given."""
+    sequence, metadata = thunk_files(dump_dir, earlier)
     if keep_as:
         shutil.copyfile(sequence, keep_as)
     with open(sequence) as f, open(metadata) as g:
