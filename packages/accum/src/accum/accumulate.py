@@ -10,10 +10,12 @@ import jax
 import jax.numpy as jnp
 
 from accum.blame import add_marked
+from accum.contract import check_batch, checked
 from accum.fused_accumulate import fused_microbatch
 from accum.gating import plan_for
 from accum.guard import find_dropped_tags, report_dropped_tags
 from accum.local import local_accumulate
+from accum.local_mapped import batch_devices
 from accum.microbatch import split_microbatches
 from accum.paths import choose_path
 from accum.plan import ReductionPlan
@@ -122,11 +124,20 @@ def accumulate_gradients(
 ) -> tuple[jax.Array, dict, Any]:
     """Loss, summed aux and gradients of `batch`, computed over `num_microbatches` microbatches.
 
-    `loss_fn(params, microbatch[, rng]) -> (loss_sum, aux)`, with `aux["weight"]`
-    the number of counted targets. Returns `loss = Σ loss_sum / Σ weight`,
+    `loss_fn(params, microbatch[, rng]) -> (loss_sum, aux)`, `loss_sum` the SUM
+    of the microbatch's per-target losses and `aux["weight"]` the number of
+    targets counted (accum.contract checks it: one line per breach, a warning
+    for a weight that counts nothing). Returns `loss = Σ loss_sum / Σ weight`,
     `aux` summed over microbatches (weight included) and
-    `grads = Σ ∇loss_sum / Σ weight`: the full-batch result. Zero total weight
-    gives zero loss and grads. With `rng`, microbatch i gets `fold_in(rng, i)`.
+    `grads = Σ ∇loss_sum / Σ weight`: the full batch's token-weighted mean and
+    its gradient for row-wise layers. What is computed across rows sees a group
+    of them: BatchNorm statistics the microbatch (tags path) or each device's
+    rows of it (local path; with `axis_name` over the batch axis the whole
+    microbatch), a balance loss the same groups (docs/accum.md, "The loss
+    contract, and what each layer sees"). A loss or weight reduced over a
+    batch axis inside `loss_fn` (`lax.pmean(loss, "data")`) is refused, one
+    line (accum.batch_collectives). Zero total weight gives zero loss and
+    grads. With `rng`, microbatch i gets `fold_in(rng, i)`.
 
     Call it inside `jax.jit`. The microbatch loop is one `lax.scan` over a
     strided, communication-free split of every leaf's leading dimension.
@@ -169,6 +180,8 @@ def accumulate_gradients(
     (8.0, [1.0, 1.0], 16.0)
     """
     _check_option(on_tag_lost)
+    check_batch(batch)  # a non-array leaf named before any tracing
+    user_fn, loss_fn = loss_fn, checked(loss_fn)  # its results checked (accum.contract)
     if plan is None:
         plan = plan_for(params, batch)
     check_schedule(schedule, plan)  # an unknown schedule is named before any tracing
@@ -190,7 +203,7 @@ def accumulate_gradients(
                 f"path ({plan.path_reason or 'asked for'}): use schedule='plain'"
             )
         return local_accumulate(
-            loss_fn,
+            checked(user_fn, batch_devices(plan)),  # shapes named for the whole microbatch
             params,
             batch,
             num_microbatches=num_microbatches,
