@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import accum
 import hlo_tools
@@ -135,3 +136,38 @@ def test_sync_batchnorm_statistics_over_the_whole_microbatch(kind, mesh_name):
     for got, want in zip(jax.tree.leaves(stats), jax.tree.leaves(want_stats), strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
     _no_in_loop_reduction(compiled.as_text(), allowed=("f32[2,16]", "(f32[1,16], f32[1,16])"))
+
+
+def test_nnx_tensor_parallel_on_an_explicit_data_model_mesh():
+    """Stock nnx layers, column then row parallel over 'model', on data=4 x model=2:
+    the batch axes are the batch's ('data', never 'model'), the gradients are the
+    full batch's and stay sharded over 'model', no gradient reduction in the loop,
+    and the step compile_checked returns runs step after step unpinned."""
+    example = importlib.import_module("nnx_tensor_parallel")
+    mesh = common.make_mesh(*MESHES["explicit_data4_model2"])
+    loss_fn, params, batch = example.setup(mesh)
+    with jax.set_mesh(mesh):
+        plan = accum.choose_path(
+            loss_fn, params, batch, num_microbatches=2, plan=accum.plan_for(params, batch)
+        )
+        assert plan.batch_axes == ("data",)
+        compiled = accum.compile_checked(
+            lambda p, b: accum.accumulate_gradients(loss_fn, p, b, num_microbatches=2),
+            params,
+            batch,
+        )
+        _, _, grads = compiled(params, batch)
+        replicated = jax.device_put(params, jax.sharding.NamedSharding(mesh, P()))
+        full_batch = jax.device_put(batch, jax.sharding.NamedSharding(mesh, P()))
+        ref = jax.jit(jax.grad(lambda p: loss_fn(p, full_batch)[0] / 32))(replicated)
+        _, losses = common.train(loss_fn, params, batch, common.optax.adamw(1e-2), steps=4)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=1e-6)
+    for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(params), strict=True):
+        assert g.sharding.is_equivalent_to(p.sharding, g.ndim), (g.sharding, p.sharding)
+    assert any("model" in str(g.sharding.spec) for g in jax.tree.leaves(grads))
+    assert losses[-1] < losses[0]
+    # In the loop only the row-parallel layer's own reduction over "model" of its
+    # output (4 rows per device x 3 classes: activations, tensor parallelism's cost).
+    assert not accum.in_loop_reductions(compiled.as_text())
+    _no_in_loop_reduction(compiled.as_text(), allowed=("f32[4,3]",))
