@@ -171,3 +171,35 @@ def test_nnx_tensor_parallel_on_an_explicit_data_model_mesh():
     # output (4 rows per device x 3 classes: activations, tensor parallelism's cost).
     assert not accum.in_loop_reductions(compiled.as_text())
     _no_in_loop_reduction(compiled.as_text(), allowed=("f32[4,3]",))
+
+
+def test_moe_balance_loss_per_device_microbatch_group():
+    """A top-2 MoE's balance loss, computed across the rows loss_fn sees, gets on
+    the local path one group per device and microbatch (the documented
+    semantics): the gradient equals the rows-weighted sum over those groups."""
+    mesh = common.make_mesh("explicit")
+    example = importlib.import_module("moe_balance")
+    loss_fn, params, batch = example.setup(mesh)
+    with jax.set_mesh(mesh):
+        plan = accum.choose_path(
+            loss_fn, params, batch, num_microbatches=2, plan=accum.plan_for(params, batch)
+        )
+        compiled = accum.compile_checked(
+            lambda p, b: accum.accumulate_gradients(loss_fn, p, b, num_microbatches=2),
+            params,
+            batch,
+        )
+        _, _, grads = compiled(params, batch)
+    assert plan.path == "local"
+    params, batch = jax.device_get((params, batch))
+    groups = [jax.tree.map(lambda x, g=g: x[g], batch) for g in _device_microbatch_groups(64)]
+    per_group = [jax.grad(lambda p, b=b: loss_fn(p, b)[0])(params) for b in groups]
+    ref = jax.tree.map(lambda *g: sum(g) / 64, *per_group)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=1e-6)
+    # Not the microbatch's balance: the router's gradient differs from that reference.
+    whole = [jax.tree.map(lambda x, i=i: x[i::2], batch) for i in range(2)]
+    per_mb = [jax.grad(lambda p, b=b: loss_fn(p, b)[0])(params) for b in whole]
+    router = sum(g["router"]["kernel"] for g in per_mb) / 64
+    assert not np.allclose(np.asarray(grads["router"]["kernel"]), router, rtol=1e-4, atol=1e-7)
+    _no_in_loop_reduction(compiled.as_text())
