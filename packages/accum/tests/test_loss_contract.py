@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 import accum
 from accum.batch_collectives import check_lifted
 from accum.closure import lift_closure
+from pspec_tags import TagLostError
 
 ROWS = 32
 
@@ -165,3 +166,36 @@ def test_nested_reasons_are_cut_at_a_word_end():
     assert len(cut) <= 80 and cut.endswith(" ...")
     assert text.startswith(cut[: -len(" ...")]) and text[len(cut) - 4] == " "
     assert shortened("short", 80) == "short"
+
+
+def test_a_dropped_tag_in_an_nnx_model_names_the_parameter_path(mesh):
+    """The compiled verdict names an nnx parameter by its State path, not by a
+    shape (two kernels of one shape here: the shape alone could not tell)."""
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(8, 8, use_bias=False, rngs=rngs)
+            self.b = nnx.Linear(8, 8, use_bias=False, rngs=rngs)
+
+        def __call__(self, x):
+            kernel = jax.reshard(self.b.kernel[...], P())  # drops b's reduced tag
+            return jnp.tanh(self.a(x)) @ kernel
+
+    graphdef, params = nnx.split(Model(nnx.Rngs(0)))
+
+    def loss_fn(p, mb):
+        out = nnx.merge(graphdef, p)(mb["x"])
+        return jnp.sum(out**2), _rows(mb)
+
+    with jax.set_mesh(mesh):
+        params = jax.device_put(params, NamedSharding(mesh, P()))
+        batch = {"x": jax.device_put(jnp.ones((32, 8)), NamedSharding(mesh, P("data")))}
+        with pytest.raises(TagLostError) as info:
+            accum.compile_checked(
+                lambda p, b: accum.accumulate_gradients(loss_fn, p, b, num_microbatches=2),
+                params,
+                batch,
+            )
+    assert "gradient of: ['b']['kernel']" in str(info.value)
+    assert "['a']" not in str(info.value)
