@@ -46,9 +46,18 @@ def train(loss_fn, params, batch, optimizer, *, steps=3, num_microbatches=2):
     return params, losses
 
 
+def run_example(setup, optimizer, label: str) -> None:
+    """An example's `main`: its setup on the explicit data=8 mesh, a few steps, the losses."""
+    mesh = make_mesh()
+    loss_fn, params, batch = setup(mesh)
+    with jax.set_mesh(mesh):
+        _, losses = train(loss_fn, params, batch, optimizer)
+    print(label, losses)
+
+
 def weight(rows: jax.Array) -> dict:
     """The aux accum needs: the number of rows (targets) counted."""
     return {"weight": jnp.float32(rows.shape[0])}
 
 
-__all__ = ["make_mesh", "optax", "replicate", "shard_batch", "train", "weight"]
+__all__ = ["make_mesh", "optax", "replicate", "run_example", "shard_batch", "train", "weight"]

@@ -10,10 +10,12 @@ import jax
 import jax.numpy as jnp
 
 from accum.blame import add_marked
+from accum.contract import check_batch, checked
 from accum.fused_accumulate import fused_microbatch
 from accum.gating import plan_for
 from accum.guard import find_dropped_tags, report_dropped_tags
 from accum.local import local_accumulate
+from accum.local_mapped import batch_devices
 from accum.microbatch import split_microbatches
 from accum.paths import choose_path
 from accum.plan import ReductionPlan
@@ -122,11 +124,20 @@ def accumulate_gradients(
 ) -> tuple[jax.Array, dict, Any]:
     """Loss, summed aux and gradients of `batch`, computed over `num_microbatches` microbatches.
 
-    `loss_fn(params, microbatch[, rng]) -> (loss_sum, aux)`, with `aux["weight"]`
-    the number of counted targets. Returns `loss = Σ loss_sum / Σ weight`,
+    `loss_fn(params, microbatch[, rng]) -> (loss_sum, aux)`, `loss_sum` the SUM
+    of the microbatch's per-target losses and `aux["weight"]` the number of
+    targets counted (accum.contract checks it: one line per breach, a warning
+    for a weight that counts nothing). Returns `loss = Σ loss_sum / Σ weight`,
     `aux` summed over microbatches (weight included) and
-    `grads = Σ ∇loss_sum / Σ weight`: the full-batch result. Zero total weight
-    gives zero loss and grads. With `rng`, microbatch i gets `fold_in(rng, i)`.
+    `grads = Σ ∇loss_sum / Σ weight`: the full batch's token-weighted mean and
+    its gradient for row-wise layers. What is computed across rows sees a group
+    of them: BatchNorm statistics the microbatch (tags path) or each device's
+    rows of it (local path; with `axis_name` over the batch axis the whole
+    microbatch), a balance loss the same groups (docs/accum.md, "The loss
+    contract, and what each layer sees"). A loss or weight reduced over a
+    batch axis inside `loss_fn` (`lax.pmean(loss, "data")`) is refused, one
+    line (accum.batch_collectives). Zero total weight gives zero loss and
+    grads. With `rng`, microbatch i gets `fold_in(rng, i)`.
 
     Call it inside `jax.jit`. The microbatch loop is one `lax.scan` over a
     strided, communication-free split of every leaf's leading dimension.
@@ -169,6 +180,8 @@ def accumulate_gradients(
     (8.0, [1.0, 1.0], 16.0)
     """
     _check_option(on_tag_lost)
+    check_batch(batch)  # a non-array leaf named before any tracing
+    user_fn, loss_fn = loss_fn, checked(loss_fn)  # its results checked (accum.contract)
     if plan is None:
         plan = plan_for(params, batch)
     check_schedule(schedule, plan)  # an unknown schedule is named before any tracing
@@ -176,17 +189,21 @@ def accumulate_gradients(
         # The fused and overlapped schedules are the tags path's; on an auto mesh
         # XLA places every reduction, as before the local path existed.
         plan = dataclasses.replace(plan, path="tags")
+    # Which path runs, and why, is the plan's: `choose_path` traces one microbatch
+    # under the tags and records in `plan.path_reason` what refused them.
     plan = choose_path(
         loss_fn, params, batch, num_microbatches=num_microbatches, plan=plan, rng=rng
     )
     if plan.path == "local":
+        # The model cannot carry the tags (or the mesh is auto): each microbatch
+        # in a shard_map over the batch axes, one psum after the loop (accum.local).
         if schedule != "plain":
             raise ValueError(
                 f"schedule={schedule!r} needs the tags path; this plan takes the local "
                 f"path ({plan.path_reason or 'asked for'}): use schedule='plain'"
             )
         return local_accumulate(
-            loss_fn,
+            checked(user_fn, batch_devices(plan)),  # shapes named for the whole microbatch
             params,
             batch,
             num_microbatches=num_microbatches,
@@ -195,23 +212,40 @@ def accumulate_gradients(
             grad_shardings=grad_shardings,
             accum_dtype=accum_dtype,
         )
-    overlap = schedule in OVERLAPPED
-    mode = plan.mode
-    microbatches = split_microbatches(batch, num_microbatches)
-    # Free cast outside the loop: forward reads of a reduced array are reads of
-    # a replicated one; only the cotangents change type (to unreduced).
-    compute_params = tag_reduced(params, plan)
-    acc0 = unreduced_zeros(params, plan, accum_dtype)
-    fused = fuses_in_scan(schedule, plan, num_microbatches)
+    # The tags path: reduced parameters, unreduced accumulators, one reduction after
+    # the loop; the overlapped schedules reduce the last microbatch's layers in its
+    # backward pass instead.
+    return tags_accumulate(
+        loss_fn,
+        params,
+        batch,
+        num_microbatches=num_microbatches,
+        plan=plan,
+        schedule=schedule,
+        grad_shardings=grad_shardings,
+        rng=rng,
+        on_tag_lost=on_tag_lost,
+        accum_dtype=accum_dtype,
+    )
 
-    def args_of(index, microbatch):
-        return (microbatch,) if rng is None else (microbatch, jax.random.fold_in(rng, index))
+
+def _tags_body(
+    loss_fn: Callable,
+    compute_params: Any,
+    plan: ReductionPlan,
+    rng: jax.Array | None,
+    on_tag_lost: str,
+    fused: bool,
+) -> Callable:
+    """The tags path's scan body: one microbatch's gradients added into the
+    unreduced (or scattered) accumulator; `fused`: added inside the backward
+    layer scan (accum.fused_accumulate)."""
 
     def body(acc, xs):
         index, microbatch = xs
         if fused:
             # Each layer's gradient is added into `acc` inside the backward scan.
-            args = args_of(index, microbatch)
+            args = _args_of(rng, index, microbatch)
             guard_forward(loss_fn, compute_params, args, plan, on_tag_lost)
             loss_sum, aux, acc = fused_microbatch(
                 loss_fn, compute_params, args, plan, acc, on_tag_lost=on_tag_lost
@@ -225,6 +259,39 @@ def accumulate_gradients(
         # the loop. Scatter axes (hierarchical) are reduce-scattered here.
         return add_grads(acc, scatter_into(grads, plan)), (loss_sum, aux)
 
+    return body
+
+
+def _args_of(rng: jax.Array | None, index: jax.Array, microbatch: Any) -> tuple:
+    """`loss_fn`'s arguments after the params: the microbatch and its folded key."""
+    return (microbatch,) if rng is None else (microbatch, jax.random.fold_in(rng, index))
+
+
+def tags_accumulate(
+    loss_fn: Callable,
+    params: Any,
+    batch: Any,
+    *,
+    num_microbatches: int,
+    plan: ReductionPlan,
+    schedule: Schedule,
+    grad_shardings: Any,
+    rng: jax.Array | None,
+    on_tag_lost: str,
+    accum_dtype: Any,
+) -> tuple[jax.Array, dict, Any]:
+    """`accumulate_gradients` on the tags path (docs/accum.md, "How it works"):
+    the microbatch `lax.scan` over reduced-tagged parameters, its carry unreduced
+    partial sums, the step's one reduction after it; the overlapped schedules
+    run the last microbatch after the loop (`_overlapped_last`)."""
+    overlap = schedule in OVERLAPPED
+    microbatches = split_microbatches(batch, num_microbatches)
+    # Free cast outside the loop: forward reads of a reduced array are reads of
+    # a replicated one; only the cotangents change type (to unreduced).
+    compute_params = tag_reduced(params, plan)
+    acc0 = unreduced_zeros(params, plan, accum_dtype)
+    fused = fuses_in_scan(schedule, plan, num_microbatches)
+    body = _tags_body(loss_fn, compute_params, plan, rng, on_tag_lost, fused)
     indices = jnp.arange(num_microbatches, dtype=jnp.uint32)
     xs = (indices, microbatches)
     # With overlap the loop takes the first N-1 microbatches: no gradient
@@ -235,7 +302,7 @@ def accumulate_gradients(
     # The marks the compiled verdict (accum.verdict) looks for: a reduction over
     # these axes inside this loop's `while` runs once per microbatch; the trace
     # number finds this plan (and the parameters' names) from the compiled text.
-    watched = plan.strict_axes if mode == "explicit" else ()
+    watched = plan.strict_axes if plan.mode == "explicit" else ()
     with traced(plan), marked(LOOP_SCOPE, watched, dict(plan.mesh_shape)):
         record_params(compute_params)
         acc, (loss_sums, auxes) = jax.lax.scan(body, acc0, xs)
@@ -248,27 +315,59 @@ def accumulate_gradients(
         # onto ZeRO-1 shardings). Normalizing afterwards keeps the scale off
         # unreduced values (an unreduced array times a replicated scalar does
         # not type-check).
-        return normalize(loss_sum, aux, reduce_to(acc, targets, mode))
-    # The last microbatch reduces each layer's total inside its backward pass.
-    index, last = jax.tree.map(lambda x: x[looped], (indices, microbatches))
+        return normalize(loss_sum, aux, reduce_to(acc, targets, plan.mode))
+    last = jax.tree.map(lambda x: x[looped], (indices, microbatches))
+    return _overlapped_last(
+        loss_fn,
+        compute_params,
+        plan,
+        rng,
+        acc,
+        last,
+        (loss_sum, aux),
+        looped,
+        targets=targets,
+        ring=schedule == "overlapped_ring",
+        on_tag_lost=on_tag_lost,
+    )
+
+
+def _overlapped_last(
+    loss_fn: Callable,
+    compute_params: Any,
+    plan: ReductionPlan,
+    rng: jax.Array | None,
+    acc: Any,
+    last: tuple,
+    sums: tuple,
+    looped: int,
+    *,
+    targets: Any,
+    ring: bool,
+    on_tag_lost: str,
+) -> tuple[jax.Array, dict, Any]:
+    """The overlapped schedules' last microbatch, after the loop: it reduces each
+    layer's total inside its backward pass; `sums` the loop's (loss_sum, aux)."""
+    index, microbatch = last
     # The last microbatch's input is tied to the loop's result, so its forward runs
     # after the loop: nothing in it needs the accumulator, and XLA:TPU otherwise
     # scheduled its forward layer scan before the loop, keeping what it saves for
     # the backward live across the first N-1 microbatches. The step's memory with
     # it: benchmarks/results/aot_async.md (commit 489aa6c compares its rows without
     # the barrier; on v6e-8 without ZeRO-1 XLA's allocation went the other way).
-    acc, last = jax.lax.optimization_barrier((acc, last))
+    acc, microbatch = jax.lax.optimization_barrier((acc, microbatch))
     last_loss, last_aux, grads = fused_microbatch(
         loss_fn,
         compute_params,
-        args_of(index, last),
+        _args_of(rng, index, microbatch),
         plan,
         acc,
         final=True,
         targets=targets,
-        ring=schedule == "overlapped_ring",
+        ring=ring,
         on_tag_lost=on_tag_lost,
     )
+    loss_sum, aux = sums
     loss_sum = loss_sum + last_loss.astype(loss_sum.dtype) if looped else last_loss
     aux = jax.tree.map(lambda a, b: a + b.astype(a.dtype), aux, last_aux) if looped else last_aux
     return normalize(loss_sum, aux, grads)

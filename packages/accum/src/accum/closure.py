@@ -76,14 +76,19 @@ def _mesh_free(x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
-def lift_closure(fn: Callable, *args: Any) -> tuple[Callable, list[Any]]:
+def lift_closure(
+    fn: Callable, *args: Any, axis_env: tuple[tuple[str, int], ...] = ()
+) -> tuple[Callable, list[Any]]:
     """(converted, consts): `converted(consts, *args)` computes `fn(*args)`,
     the JAX arrays `fn` closes over passed in `consts` instead.
 
     `args` give shapes and dtypes only (arrays or ShapeDtypeStructs), those of
     the values `converted` will be called with; `fn` is traced once, here.
     Call it where `fn`'s closed-over values may be read (outside the
-    shard_map); call `converted` inside it (module docstring).
+    shard_map); call `converted` inside it (module docstring). `axis_env`:
+    (name, size) of the shard_map's manual axes, so a collective over one (a
+    sync BatchNorm's `pmean` over "data") traces; `converted.jaxpr` and
+    `converted.out_shape` are the trace, for checks (accum.batch_collectives).
 
     Example (in a jitted step, `temperature` a traced argument):
 
@@ -95,7 +100,7 @@ def lift_closure(fn: Callable, *args: Any) -> tuple[Callable, list[Any]]:
     """
     shapes = jax.tree.map(_mesh_free, args)
     with jax.sharding.use_abstract_mesh(_NO_MESH):
-        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*shapes)
+        closed, out_shape = jax.make_jaxpr(fn, axis_env=list(axis_env), return_shape=True)(*shapes)
     in_tree, out_tree = jax.tree.structure(shapes), jax.tree.structure(out_shape)
     # 0.10: the open Jaxpr of a ClosedJaxpr; 0.12: the Jaxpr itself.
     jaxpr, _ = open_jaxpr(closed)
@@ -109,4 +114,5 @@ def lift_closure(fn: Callable, *args: Any) -> tuple[Callable, list[Any]]:
         values = [next(given) if lift else c for c, lift in zip(closed.consts, lifted, strict=True)]
         return jax.tree.unflatten(out_tree, eval_retyped(jaxpr, values, *leaves))
 
+    converted.jaxpr, converted.out_shape = closed, out_shape
     return converted, [c for c, lift in zip(closed.consts, lifted, strict=True) if lift]

@@ -52,8 +52,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from accum.batch_collectives import check_lifted
 from accum.closure import lift_closure
 from accum.device_grads import device_grads, device_key
+from accum.jaxpr_types import manual_axes
 from accum.local_mapped import batch_devices, mapped_accumulate, mapped_add
 from accum.plan import ReductionPlan, is_floating
 from accum.tags import reduce_to, safe_inverse
@@ -82,6 +84,22 @@ def _varying(params: Any, axes: tuple[str, ...]) -> Any:
     gradient of each device's loss with respect to it stays that device's
     partial sum (autodiff adds no psum)."""
     return jax.tree.map(lambda p: lax.pcast(p, axes, to="varying"), params)
+
+
+def _varying_sums(tree: Any, axes: tuple[str, ...]) -> Any:
+    """`tree` made fit for the step's psum over `axes`: a value varying over some
+    of them but not all (a sync BatchNorm's statistics on a data x model mesh,
+    averaged over "data" by `loss_fn`) is typed varying over the rest, so it is
+    counted once per device as a value the same on every device already is
+    (JAX's psum of an invariant value; the rows-weighted sum divided by the
+    weight gives it back). Values varying over all or none stay as they are."""
+
+    def one(x: jax.Array) -> jax.Array:
+        have = manual_axes(x, "varying")
+        missing = tuple(a for a in axes if a not in have)
+        return lax.pcast(x, missing, to="varying") if have and missing else x
+
+    return jax.tree.map(one, tree)
 
 
 def _zeros(p: jax.Array, accum_dtype: Any) -> jax.Array:
@@ -117,12 +135,21 @@ def _sharding_refusal(error: Exception) -> bool:
     return type(error).__name__ == "ShardingTypeError" or isinstance(error, NotImplementedError)
 
 
+def shortened(text: str, limit: int = 200) -> str:
+    """`text` cut to at most `limit` characters at a word's end, " ..." marking a cut."""
+    if len(text) <= limit:
+        return text
+    return text[: text.rfind(" ", 0, limit - 4) + 1 or limit - 4].rstrip() + " ..."
+
+
 def _first_line(error: Exception) -> str:
     """`error`'s type and the first line of its message, for a one-line report."""
-    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:160]}"
+    return f"{type(error).__name__}: {shortened((str(error).strip().splitlines() or [''])[0])}"
 
 
-def _local_run(run: Callable, loss_fn: Callable, local_args: tuple, mapped: Callable) -> Any:
+def _local_run(
+    run: Callable, loss_fn: Callable, local_args: tuple, mapped: Callable, plan: ReductionPlan
+) -> Any:
     """The local path's mechanism for `loss_fn` (module docstring), first that works:
 
     1. `run(fn, consts, check_vma)`, the shard_map (`fn(consts, params, rows,
@@ -139,15 +166,31 @@ def _local_run(run: Callable, loss_fn: Callable, local_args: tuple, mapped: Call
         got = _closure_refused(error)
         if got is None:
             raise
+    axes = plan.batch_axes
     try:
-        converted, consts = lift_closure(loss_fn, *local_args)
-        # Traced outside the shard_map, the jaxpr has no varying types (accum.closure).
-        return run(converted, consts, False)
+        # The batch axes bound, so a sync BatchNorm's pmean over them traces.
+        env = tuple((a, dict(plan.mesh_shape)[a]) for a in axes)
+        converted, consts = lift_closure(loss_fn, *local_args, axis_env=env)
     except Exception as error:  # noqa: BLE001 - the mapped mechanism decides, below
-        not_converted = error
+        converted, not_converted = None, error
+    if converted is not None:
+        # Traced outside the shard_map, the jaxpr has no varying types (accum.closure):
+        # a loss reduced over a batch axis is found on the jaxpr instead.
+        check_lifted(converted.jaxpr, converted.out_shape, axes)
+        try:
+            return run(converted, consts, False)
+        except Exception as error:  # noqa: BLE001 - the mapped mechanism decides, below
+            not_converted = error
     try:
         return mapped()
     except Exception as error:  # noqa: BLE001 - only JAX's sharding refusals, below
+        if isinstance(error, NameError) and "unbound axis name" in str(error):
+            raise ValueError(
+                f"accum local path: loss_fn runs a collective over a batch axis {axes} "
+                f"and closes over an array on an explicit mesh ({got}); closure conversion "
+                f"failed ({_first_line(not_converted)}) and jax.vmap binds no batch axis: "
+                "pass the closed-over array through the params or the batch"
+            ) from error
         if not _sharding_refusal(error):
             raise
         raise ValueError(
@@ -166,11 +209,12 @@ def _normalized(loss_sum: jax.Array, aux: dict, grads: Any) -> tuple[jax.Array, 
     return loss_sum * inv.astype(loss_sum.dtype), aux, grads
 
 
-def _device_grads(loss_fn, varying, microbatch, rng, index, device) -> tuple:
+def _device_grads(loss_fn, varying, microbatch, rng, index, device, axes) -> tuple:
     """(loss_sum, aux, grads) of this device's rows of one microbatch; dropout
-    keys folded with the microbatch `index` and the `device`."""
+    keys folded with the microbatch `index` and the `device`; a loss reduced over
+    the batch `axes` inside `loss_fn` refused (accum.batch_collectives)."""
     key = () if rng is None else (device_key(rng, index, device),)
-    return device_grads(loss_fn, varying, microbatch, *key)
+    return device_grads(loss_fn, varying, microbatch, *key, axes=axes)
 
 
 def local_accumulate(
@@ -201,7 +245,9 @@ def local_accumulate(
 
         def step(acc, xs):
             index, microbatch = xs
-            loss_sum, aux, grads = _device_grads(loss_fn, varying, microbatch, rng, index, device)
+            loss_sum, aux, grads = _device_grads(
+                loss_fn, varying, microbatch, rng, index, device, axes
+            )
             acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
             return acc, (loss_sum, aux)
 
@@ -209,9 +255,8 @@ def local_accumulate(
         with marked(LOOP_SCOPE, axes, dict(plan.mesh_shape)):
             acc, (loss_sums, auxes) = lax.scan(step, acc0, (indices, microbatches))
         # The step's one reduction of the gradients, loss and aux.
-        return lax.psum(
-            (jnp.sum(loss_sums, 0), jax.tree.map(lambda a: jnp.sum(a, 0), auxes), acc), axes
-        )
+        sums = (jnp.sum(loss_sums, 0), jax.tree.map(lambda a: jnp.sum(a, 0), auxes), acc)
+        return lax.psum(_varying_sums(sums, axes), axes)
 
     def run(fn, consts, check_vma):
         args = (params, batch, consts) if rng is None else (params, batch, consts, rng)
@@ -233,7 +278,7 @@ def local_accumulate(
     rows = jax.tree.map(lambda x: _device_rows(x, batch_devices(plan) * n), batch)
     with traced(plan):
         record_params(params)
-        sums = _local_run(run, loss_fn, _local_args(params, rows, rng), mapped)
+        sums = _local_run(run, loss_fn, _local_args(params, rows, rng), mapped, plan)
     loss, aux, grads = _normalized(*sums)
     return loss, aux, _placed(grads, plan, grad_shardings)
 
@@ -299,6 +344,7 @@ def local_add(
             rng,
             count,
             _device_index(axes),
+            axes,
         )
         grads = jax.tree.map(lambda a, g: a + g.astype(a.dtype)[None], grads, new)
         return grads, *lax.psum((loss_sum, aux), axes)
@@ -322,6 +368,7 @@ def local_add(
             loss_fn,
             _local_args(params, rows, rng),
             lambda: mapped_add(grads, count, loss_fn, params, microbatch, rng, plan),
+            plan,
         )
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import jax
 
-from accum.local import local_accumulate
+from accum.local import local_accumulate, shortened
 from accum.microbatch import split_microbatches
 from accum.plan import ReductionPlan, make_plan
 from accum.seed import value_and_grad
@@ -44,6 +44,13 @@ def _tags_refused(error: Exception) -> bool:
     # non-empty unreduced/reduced set". Other ValueErrors (no mesh context, shapes)
     # are the caller's to see, as on the tags path.
     return isinstance(error, ValueError) and _REFUSAL.search(str(error)) is not None
+
+
+def _unbound_batch_axis(error: Exception, plan: ReductionPlan) -> bool:
+    """Whether `error` is JAX refusing a collective over one of `plan`'s batch axes
+    outside a shard_map ("Found an unbound axis name: data")."""
+    found = re.search(r"unbound axis name: (\S+?)\.?(?:\s|$)", str(error))
+    return isinstance(error, NameError) and found is not None and found.group(1) in plan.batch_axes
 
 
 def local_plan(plan: ReductionPlan, params: Any, reason: str) -> ReductionPlan:
@@ -99,10 +106,15 @@ def choose_path(
     try:
         jax.eval_shape(one_microbatch, params, batch, *args)
     except Exception as error:  # noqa: BLE001 - only the tag refusals fall back, below
+        if _unbound_batch_axis(error, plan):
+            # A collective over a batch axis (a sync BatchNorm's pmean) needs the axis
+            # bound: the local path's shard_map binds it (accum.batch_collectives).
+            first = shortened(str(error).strip().splitlines()[0])
+            return local_plan(plan, params, f"loss_fn runs a collective over a batch axis: {first}")
         if not _tags_refused(error):
             raise
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        return local_plan(plan, params, f"tags refused: {type(error).__name__}: {first[:160]}")
+        return local_plan(plan, params, f"tags refused: {type(error).__name__}: {shortened(first)}")
     return dataclasses.replace(plan, path="tags")
 
 
@@ -129,6 +141,6 @@ def _auto_mesh_path(loss_fn, params, batch, num_microbatches, plan, rng) -> Redu
         )
     except Exception as error:  # noqa: BLE001 - the fallback is the pre-local behaviour
         first = (str(error).strip().splitlines() or [""])[0]
-        reason = f"the local path failed: {type(error).__name__}: {first[:160]}"
+        reason = f"the local path failed: {type(error).__name__}: {shortened(first)}"
         return dataclasses.replace(plan, path="tags", path_reason=reason)
     return local

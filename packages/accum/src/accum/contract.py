@@ -1,0 +1,161 @@
+"""The loss contract, checked where a mistake would otherwise surface as a stranger error.
+
+`loss_fn(params, microbatch[, rng]) -> (loss_sum, aux)`: `loss_sum` a scalar, the
+*sum* over the microbatch's counted targets, and `aux["weight"]` their number;
+accum divides the summed `loss_sum` by the summed `weight` once per step. What
+goes wrong otherwise, and what is said instead:
+
+- a batch leaf that is not an array (a Python float): accum splits every leaf's
+  first dimension, so it names the leaf (`check_batch`);
+- a loss without aux, an aux without "weight", a `loss_sum` that is not a scalar
+  (per-example losses): one line each, with the shape the user returned for the
+  whole microbatch (on the local path the function sees one device's rows; the
+  shape is scaled back to the microbatch's) (`checked`);
+- a `weight` that does not grow with the microbatch's rows (`{"weight": 1}`
+  beside a mean): the result then depends on the number of microbatches and
+  devices, since each call's mean is added as if it were a sum. accum cannot
+  know the mean was meant, so it warns once, saying what to return
+  (`check_weight`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+CONTRACT = (
+    "loss_fn(params, microbatch[, rng]) must return (loss_sum, aux): loss_sum the sum "
+    "of the microbatch's per-target losses (a scalar), aux a dict with aux['weight'] the "
+    "number of targets counted"
+)
+
+
+def check_batch(batch: Any) -> None:
+    """TypeError, one line naming the leaf, for a batch leaf that is not an array."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        if not hasattr(leaf, "ndim") or not hasattr(leaf, "shape"):
+            raise TypeError(
+                f"accum: batch leaf {jax.tree_util.keystr(path)} is a "
+                f"{type(leaf).__name__} ({leaf!r}), not an array; accum splits each batch "
+                "leaf's first dimension into microbatches: make it jnp.asarray(value) "
+                "(a 0-d array goes to every microbatch) or close over it in loss_fn"
+            )
+
+
+def _shape_text(shape: tuple, rows: int, scale: int) -> str:
+    """`shape` as the user wrote it for the whole microbatch: a leading dimension of
+    one device's `rows` is scaled by the `scale` devices that split the rows."""
+    if scale > 1 and shape and shape[0] == rows:
+        shape = (rows * scale, *shape[1:])
+    return str(tuple(shape))
+
+
+def _rows(microbatch: Any) -> int | None:
+    """The microbatch's row count (its leaves' leading dimension), if it has rows."""
+    sizes = [x.shape[0] for x in jax.tree.leaves(microbatch) if jnp.ndim(x) > 0]
+    return sizes[0] if sizes else None
+
+
+def check_output(out: Any, microbatch: Any, devices: int = 1) -> tuple[Any, Any]:
+    """`out` as (loss_sum, aux) if it keeps the contract; else a one-line error.
+
+    `devices`: how many devices split the microbatch's rows where `loss_fn` runs
+    (the local path: one device's rows), so a shape is named as the user wrote it.
+    """
+    if not isinstance(out, tuple | list) or len(out) != 2:
+        what = f"a tuple of {len(out)}" if isinstance(out, tuple | list) else _kind(out)
+        raise TypeError(f"accum: {CONTRACT}; it returned {what}")
+    loss_sum, aux = out
+    if not isinstance(aux, Mapping) or "weight" not in aux:
+        what = f"keys {sorted(map(str, aux))}" if isinstance(aux, Mapping) else _kind(aux)
+        raise KeyError(
+            f"loss_fn's aux must hold 'weight' (the number of counted targets); got {what}"
+        )
+    shape = jnp.shape(loss_sum)
+    if shape != ():
+        rows = _rows(microbatch) or 0
+        seen = _shape_text(shape, rows, devices)
+        raise ValueError(
+            f"accum: loss_fn's loss_sum has shape {seen} for a microbatch of "
+            f"{rows * devices} rows; it must be a scalar, the sum over the targets "
+            "(jnp.sum(per_example_losses)), with aux['weight'] their number"
+        )
+    return loss_sum, aux
+
+
+def _kind(value: Any) -> str:
+    """A short description of a returned value: its type, and shape if an array."""
+    shape = getattr(value, "shape", None)
+    return type(value).__name__ + ("" if shape is None else f" of shape {tuple(shape)}")
+
+
+def checked(loss_fn: Callable, devices: int = 1) -> Callable:
+    """`loss_fn` whose every result is checked by `check_output` and, where the
+    weight is a constant, `check_weight` (same values)."""
+
+    def loss_with_contract(params: Any, microbatch: Any, *rng: Any) -> tuple[Any, Any]:
+        loss_sum, aux = check_output(loss_fn(params, microbatch, *rng), microbatch, devices)
+        check_weight(loss_fn, aux["weight"], params, microbatch, *rng)
+        return loss_sum, aux
+
+    return loss_with_contract
+
+
+def _constant(value: Any) -> float | None:
+    """`value` as a Python float when it is known while tracing (a constant), else None."""
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, jax.core.Tracer):
+        return None
+    try:
+        return float(jnp.asarray(value))
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def _half(x: Any, rows: int) -> Any:
+    """A stand-in for the first `rows` rows of `x` (its type kept), for tracing only."""
+    if jnp.ndim(x) == 0:
+        return x
+    return jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype, sharding=jax.typeof(x).sharding)
+
+
+def check_weight(loss_fn: Callable, weight: Any, params: Any, microbatch: Any, *rng: Any) -> None:
+    """Warn when aux['weight'] is a constant that does not change with the rows.
+
+    A weight computed from the data (a mask's sum) is not a constant and passes.
+    A constant one (`jnp.float32(rows)`, `{"weight": 1}`) is compared with the
+    weight `loss_fn` gives for the first half of the rows, traced (no compute):
+    the same constant for both is not a count of targets, and with a mean as
+    loss_sum the step's result would depend on the number of microbatches and
+    devices. Where the half cannot be traced (a layer needs the full shape) no
+    warning is given.
+    """
+    full, rows = _constant(weight), _rows(microbatch)
+    if full is None or full == 0 or rows is None or rows < 2:
+        return
+    half = jax.tree.map(lambda x: _half(x, rows // 2), microbatch)
+    found = []
+
+    def probe(params, half, *rng):
+        found.append(_constant(loss_fn(params, half, *rng)[1]["weight"]))
+        return jnp.zeros(())
+
+    try:
+        jax.eval_shape(probe, params, half, *rng)
+    except Exception:  # noqa: BLE001 - a best-effort warning: no half, no verdict
+        return
+    if found != [full]:
+        return
+    warnings.warn(
+        f"accum: aux['weight'] is {full:g} for a microbatch's {rows} rows and for half of "
+        "them: a weight that does not count the targets makes the result depend on the "
+        "number of microbatches and devices; return loss_sum = the sum of per-target "
+        "losses and aux['weight'] = the number of targets (e.g. mask.sum())",
+        RuntimeWarning,
+        stacklevel=2,
+    )
