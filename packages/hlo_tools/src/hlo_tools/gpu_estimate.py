@@ -57,9 +57,11 @@ class Calibration:
 #   GA=4, scan_layers=true) over this tree's deviceless compile of the same shape
 #   (benchmarks/bench_gpu_estimate.py --only calibration prints the fit; its page,
 #   benchmarks/results/gpu_estimate.md, compares each group). Readings: XLA's
-#   scatters run about 40x slower than their bytes (atomic updates), transposes
-#   were too few on the device to fit (held at the 0.25 bound), elementwise and
-#   "other" kernels about 1.8x (small, latency-bound).
+#   scatters (and sorts: one profile group) run about 40x slower than their bytes
+#   (atomic read-modify-writes), transposes were too few on the device to fit (held
+#   at the 0.25 bound), elementwise and "other" kernels about 1.8x (small, latency-
+#   bound). The calibration program has no gather kernel: gather is not fitted
+#   (FIT_KEEPS) and is priced as a small elementwise kernel (1.842), a prior.
 CALIBRATION = Calibration(
     hbm_efficiency=0.75,
     matmul_efficiency=0.70,
@@ -77,7 +79,7 @@ CALIBRATION = Calibration(
         "select": 2.344,
         "scatter": 40.402,
         "sort": 40.402,
-        "gather": 40.402,
+        "gather": 1.842,
         "slice/pad": 1.842,
         "elementwise": 1.842,
         "other": 1.842,
@@ -92,9 +94,10 @@ CALIBRATION = Calibration(
 # (hlo-report --gpu; the trainer reads its gpu_topology.CHIPS, the same figures).
 CHIPS = {"h100": (989e12, 3.35e12), "h200": (989e12, 4.8e12)}
 
-# Categories `fit_calibration` leaves alone though their profile group is refit: a concatenate
-# is a plain copy kernel, while its group's time (scatter/sort/gather) is the scatters'.
-FIT_KEEPS = frozenset({"concatenate"})
+# Categories `fit_calibration` leaves alone though their profile group is refit: a
+# concatenate is a plain copy kernel and a gather a plain indexed read, while their
+# group's measured time (scatter/sort/gather) went to XLA's scatters (and sorts).
+FIT_KEEPS = frozenset({"concatenate", "gather"})
 
 
 @dataclass(frozen=True)
