@@ -13,7 +13,8 @@ chip's figures, the model's XLA attention priced as cuDNN's). Rows:
   program priced with XLA's attention against the measured attention=dot_product
   path (a compile-only GPU compiles XLA's attention, so that is the device's program).
 - default: deepseek3-small with today's defaults (layers unrolled on GPUs).
-- h200: deepseek3-h200 at per_device_batch_size=8, GA=2.
+- h200: deepseek3-h200 at per_device_batch_size=8, GA=2 (estimated whether it fits
+  in HBM or not: the compiled GiB column says).
 
     JAX_PLATFORMS=cpu uv run --extra tpu --extra gpu python benchmarks/bench_gpu_estimate.py \
         [--only default] [--layers 4] [--set key=value] [--keep DIR] [--refit]
@@ -59,12 +60,15 @@ ROWS = {
         "deepseek3-small pdbs 8 GA 4, defaults (layers unrolled)",
         {**SMALL, "gradient_accumulation_steps": "4"},
     ),
+    # The policy pinned: auto stops with a config error when no policy fits in HBM,
+    # and the estimate is wanted either way (the memory column says whether it fits).
     "h200": (
         "deepseek3-h200 pdbs 8 GA 2, defaults",
         {
             "model_name": "deepseek3-h200",
             "per_device_batch_size": "8",
             "gradient_accumulation_steps": "2",
+            "gradient_reduction_policy": "deferred",
         },
     ),
 }

@@ -241,3 +241,37 @@ def test_program_files_and_cli(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith("predicted GPU step: ") and "(15 kernels;" in out
     assert cli.main(["--gpu", str(tmp_path / "missing")]) == 2
+
+
+CUDNN = """HloModule c
+
+ENTRY %main (q: bf16[2,1024,16,128], k: bf16[2,1024,16,128], v: bf16[2,1024,16,64]) -> bf16[2] {
+  %q = bf16[2,1024,16,128]{3,2,1,0} parameter(0)
+  %k = bf16[2,1024,16,128]{3,2,1,0} parameter(1)
+  %v = bf16[2,1024,16,64]{3,2,1,0} parameter(2)
+  %fwd = (bf16[2,16,1024,64]{3,1,2,0}, u8[0]{0}) custom-call(%q, %k, %v), CALL_FWD
+  %bwd = (bf16[2,1024,16,128], u8[0]{0}) custom-call(%q, %k, %v), CALL_BWD
+  ROOT %z = bf16[2]{0} constant({0, 0})
+}
+"""
+CUDNN = CUDNN.replace("CALL_FWD", 'custom_call_target="__cudnn$fmhaSoftmax"')
+CUDNN = CUDNN.replace("CALL_BWD", 'custom_call_target="__cudnn$fmhaSoftmaxBackward"')
+
+
+def test_cudnn_attention_custom_calls():
+    # A program compiled with cuDNN (a device, or the nvidia-cudnn wheel on this host):
+    # its attention calls count as the XLA attention they replace.
+    sequence = "001: kCuDnn [source | next=002 (1)] fwd\n002: kCuDnn [prev=001 (1) | sink] bwd\n"
+    metadata = "".join(
+        f'thunk_metadata {{\n  thunk_info {{\n    profile_annotation: "{n}"\n'
+        f"    thunk_id: {i}\n  }}\n}}\n"
+        for i, n in ((1, "fwd"), (2, "bwd"))
+    )
+    fwd, bwd = ht.launched_kernels(sequence, metadata, CUDNN)
+    forward = 2 * 2 * 16 * 1024 * 1024 * (128 + 64)  # B H S T (D + Dv), two products
+    assert (fwd.category, fwd.flops) == ("attention", forward)
+    assert (bwd.category, bwd.flops) == ("attention", 2 * forward)
+    roofline = ht.Roofline(1e15, 1e12, _plain(attention_efficiency=0.5))
+    assert ht.estimate_step([fwd], roofline).total_ms == pytest.approx(
+        (1e-6 + forward / 0.5e15) * 1e3
+    )

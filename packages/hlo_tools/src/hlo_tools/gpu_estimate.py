@@ -9,9 +9,10 @@ per execution,
 
 where matmul_efficiency falls as sqrt(flops / matmul_full_flops) below that size
 (a small GEMM fills few of the SMs). "attention" kernels (the model's XLA
-attention, which a GPU with cuDNN runs as fused kernels a compile-only GPU
-cannot build) cost their matmul FLOPs at `attention_efficiency` of peak, and
-nothing for their softmax and masking (fused into cuDNN's kernel).
+attention, which a GPU with cuDNN runs as fused kernels; or cuDNN's own custom
+calls, in a program compiled with cuDNN) cost their matmul FLOPs at
+`attention_efficiency` of peak, and nothing for the XLA attention's softmax and
+masking (fused into cuDNN's kernel).
 
 What it cannot see: GEMM autotuning (a compile-only GPU compiles XLA's default
 Triton tiles; the device may pick cuBLAS or other tiles), cuDNN's internals (its

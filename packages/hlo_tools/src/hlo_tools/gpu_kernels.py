@@ -14,7 +14,8 @@ annotation), giving a Kernel per launching thunk:
   not the whole buffer (XLA:GPU aliases it). Caches are not modelled: every
   byte is an HBM byte.
 * **flops**: 2 x result elements x contracted size of every dot in it (a Triton
-  GEMM fusion's dot, cuBLAS's ``__cublas$gemm`` custom call); 0 for the rest.
+  GEMM fusion's dot, cuBLAS's ``__cublas$gemm`` custom call); cuDNN's attention
+  custom calls (``__cudnn$fmha*``) as the XLA attention they replace; 0 for the rest.
 * **category**: read from the kernel's name as a profiler shows it (XLA names a
   fusion after its hero: ``loop_broadcast_fusion``, ``input_reduce_fusion``),
   in the order benchmarks/gpu_profile.py reads a device trace
@@ -125,6 +126,7 @@ _PARTIAL_READS = {"dynamic-slice", "slice", "gather"}
 _IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}
 _DIMS = re.compile(r"\{([\d,\s]*)\}")
 _SITE = ("site-packages", "dist-packages", "<frozen")
+CUDNN_ATTENTION = "__cudnn$fmha"  # XLA's cuDNN attention custom calls (forward, backward)
 
 
 @dataclass(frozen=True)
@@ -272,7 +274,11 @@ def _category(kind: str, name: str, module: HloModule, instr: Instruction | None
             root = fused.by_name.get(root.operands[0], root)
     if root.opcode in _ROOT_CATEGORY:
         return _ROOT_CATEGORY[root.opcode]
-    if root.opcode == "custom-call" and "gemm" in root.attributes.get("custom_call_target", ""):
+    target = root.attributes.get("custom_call_target", "").strip('"')
+    target = target if root.opcode == "custom-call" else ""
+    if target.startswith(CUDNN_ATTENTION):
+        return "attention"
+    if "gemm" in target:
         return "matmul"
     return "elementwise" if root.opcode in _ELEMENTWISE else "other"
 
@@ -341,7 +347,9 @@ def instruction_flops(module: HloModule, instr: Instruction, comp: Computation) 
     if instr.opcode == "dot":
         return _dot_flops(comp, instr, instr.attributes.get("lhs_contracting_dims", "{}"))
     if instr.opcode == "custom-call":
-        target = instr.attributes.get("custom_call_target", "")
+        target = instr.attributes.get("custom_call_target", "").strip('"')
+        if target.startswith(CUDNN_ATTENTION):
+            return _cudnn_attention_flops(comp, instr, "Backward" in target)
         if "gemm" not in target.lower() and "matmul" not in target.lower():
             return 0
         try:
@@ -357,6 +365,24 @@ def instruction_flops(module: HloModule, instr: Instruction, comp: Computation) 
             callee = module.computations[name]
             total += sum(instruction_flops(module, i, callee) for i in callee.instructions)
     return total
+
+
+def _cudnn_attention_flops(comp: Computation, instr: Instruction, backward: bool) -> int:
+    """cuDNN attention counted as the XLA attention it replaces is: the score and value
+    products over the full (S, T) square (no causal discount), 2 of them forward, 4
+    backward. q, k, v are the first three operands, laid out (B, S, H, D) as jax's
+    cuDNN call passes them."""
+    shapes = []
+    for name in instr.operands[:3]:
+        operand = comp.by_name.get(name)
+        if operand is None:
+            return 0
+        shapes.append(leaf_arrays(operand.type)[0].dims)
+    if len(shapes) < 3 or any(len(d) != 4 for d in shapes):
+        return 0
+    (b, s, h, d), t, dv = shapes[0], shapes[1][1], shapes[2][3]
+    forward = 2 * b * h * s * t * (d + dv)
+    return 2 * forward if backward else forward
 
 
 def _dot_flops(comp: Computation, instr: Instruction, contracting: str) -> int:

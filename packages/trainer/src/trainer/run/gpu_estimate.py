@@ -14,6 +14,7 @@ from __future__ import annotations
 from hlo_tools import gpu_estimate, gpu_kernels
 from trainer.model import flops
 from trainer.model.attention import MLA
+from trainer.model.layers import MLP
 from trainer.model.lora import project
 from trainer.run import gpu_topology
 from trainer.sharding import ShardCtx
@@ -26,6 +27,7 @@ THROUGH = (
     ShardCtx.act.__qualname__,
     project.__qualname__,
     MLA._project.__qualname__,
+    MLP._project.__qualname__,
 )
 TOP = 5  # kernel groups the AOT report lists
 
