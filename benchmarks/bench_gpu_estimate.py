@@ -21,7 +21,10 @@ chip's figures, the model's XLA attention priced as cuDNN's). Rows:
 
 `--only NAME` (repeatable) compiles only those rows; `--layers N` cuts the models to
 N decoder layers (fast iteration: the figures then describe the cut model);
-`--set key=value` adds a trainer key to every row; `--keep DIR` keeps each row's
+`--set key=value` adds a trainer key to every row; `--cudnn` compiles cuDNN's attention
+(where the nvidia-cudnn wheel is installed: `uv pip install nvidia-cudnn-cu12`; it is
+not in the gpu extra) by lifting the trainer's compile-only-topology blocker in this
+process, so the program is the one a device runs; `--keep DIR` keeps each row's
 compiled files there and reuses them when present (`--reuse`); `--refit` fits the
 calibration to the measured profile on the calibration row and prints the new table.
 With --only, --layers or --set the page goes to /tmp/gpu_estimate (or --out DIR),
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import json
 import os
 import re
@@ -46,6 +50,7 @@ import benchlib as bl  # noqa: E402
 import hlo_tools  # noqa: E402
 from hlo_tools import gpu_estimate as ge  # noqa: E402
 from trainer.config import make_config  # noqa: E402
+from trainer.model import attention_kernel  # noqa: E402
 from trainer.run import aot  # noqa: E402
 from trainer.run import gpu_estimate as tg  # noqa: E402
 
@@ -119,10 +124,25 @@ def measured() -> dict:
     }
 
 
+def allow_cudnn_deviceless() -> None:
+    """Let `attention=auto` pick cuDNN on a compile-only GPU (--cudnn): the trainer
+    blocks it there because without the cuDNN library jax cannot build the call; with
+    the nvidia-cudnn wheel, XLA compiles cuDNN's flash attention without a device."""
+    if importlib.util.find_spec("nvidia.cudnn") is None:
+        raise SystemExit("--cudnn needs the nvidia-cudnn wheel: uv pip install nvidia-cudnn-cu12")
+    blockers = attention_kernel.cudnn_flash_blockers
+
+    def without_compile_only(config, ctx):
+        return [b for b in blockers(config, ctx) if "compile-only" not in b]
+
+    attention_kernel.cudnn_flash_blockers = without_compile_only
+
+
 def compile_row(name: str, overrides: dict, args) -> tuple[str, dict]:
     """The row's HLO path (compiled now, or reused from --keep) and its compile facts
     {compile_s, compiled_gib, batch}, kept beside the HLO as compile.json."""
-    keep = os.path.join(args.keep, name) if args.keep else tempfile.mkdtemp(prefix="gpu_est_")
+    folder = name + ("-cudnn" if args.cudnn else "")
+    keep = os.path.join(args.keep, folder) if args.keep else tempfile.mkdtemp(prefix="gpu_est_")
     hlo, facts = os.path.join(keep, "aot_h200-1.hlo"), os.path.join(keep, "compile.json")
     if args.reuse and os.path.exists(hlo):
         if os.path.exists(facts):
@@ -193,7 +213,7 @@ def calibration_lines(row: dict, truth: dict, args) -> list[str]:
             f"- kernels per step: {est.launches:,} in the thunk sequence vs "
             f"{truth['kernels']:,} profiled"
         )
-    if truth["xla_attention_ms"]:
+    if truth["xla_attention_ms"] and not args.cudnn:
         xla = hlo_tools.launched_kernels(*_texts(row["_hlo"]), (), tg.THROUGH)
         held = hlo_tools.estimate_step(xla, tg.roofline("h200")).total_ms
         off = 100 * (held / truth["xla_attention_ms"] - 1)
@@ -202,12 +222,30 @@ def calibration_lines(row: dict, truth: dict, args) -> list[str]:
             f"(attention=dot_product on the device) predicted {held:,.1f} ms vs measured "
             f"{truth['xla_attention_ms']:,.1f} ms ({off:+.1f}%)"
         )
+    # The same shape compiled with cuDNN's attention (--cudnn, kept beside this row):
+    # the program the device ran, priced with the same calibration.
+    cudnn_hlo = os.path.join(args.keep, "calibration-cudnn", "aot_h200-1.hlo") if args.keep else ""
+    cudnn = None
+    if not args.cudnn and os.path.exists(cudnn_hlo):
+        cudnn = hlo_tools.estimate_step(tg.kernels_of_files(cudnn_hlo), tg.roofline("h200"))
+        if step:
+            off = 100 * (cudnn.total_ms / step - 1)
+            lines.append(
+                "- cross-check: the same shape compiled with cuDNN's attention on this host "
+                f"(`--cudnn`, the device's program) predicted {cudnn.total_ms:,.1f} ms "
+                f"({off:+.1f}%)"
+            )
     lines.append("")
     body = []
     for group in dict.fromkeys([*truth["groups"], *predicted]):
         m, p = truth["groups"].get(group), predicted.get(group, 0.0)
-        body.append([group, f"{m:,.1f}" if m is not None else "-", f"{p:,.1f}"])
-    lines += bl.table(["profile group", "measured ms", "predicted ms"], body) + [""]
+        cells = [group, f"{m:,.1f}" if m is not None else "-", f"{p:,.1f}"]
+        if cudnn is not None:
+            cells.append(f"{cudnn.by_group().get(group, 0.0):,.1f}")
+        body.append(cells)
+    columns = ["profile group", "measured ms", "predicted ms"]
+    columns += ["predicted, cuDNN compile"] if cudnn is not None else []
+    lines += bl.table(columns, body) + [""]
     if args.refit:
         fitted = hlo_tools.fit_calibration(
             est.kernels, truth["groups"], tg.roofline("h200"), source=truth["source"]
@@ -275,6 +313,11 @@ def page(rows: list[dict], truth: dict, args, wall: float) -> list[str]:
     ]
     if args.layers:
         notes.append(f"models cut to {args.layers} decoder layers (--layers)")
+    if args.cudnn:
+        notes.append(
+            "--cudnn: cuDNN's attention compiled on this host (nvidia-cudnn wheel), its "
+            "custom calls priced as the XLA attention they replace"
+        )
     if args.set:
         notes.append("extra keys (--set): " + " ".join(args.set))
     columns = ["row", "kernels/step", "predicted ms", "MFU", "compiled GiB", "compile s"]
@@ -301,6 +344,7 @@ def page(rows: list[dict], truth: dict, args, wall: float) -> list[str]:
 def _flags(args) -> str:
     flags = [f" --only {n}" for n in args.only or []]
     flags += [f" --layers {args.layers}"] if args.layers else []
+    flags += [" --cudnn"] if args.cudnn else []
     return "".join(flags + [f" --set {s}" for s in args.set])
 
 
@@ -313,6 +357,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--reuse", action="store_true", help="reuse --keep's files where present")
     p.add_argument("--refit", action="store_true", help="refit the calibration (calibration row)")
     p.add_argument("--out", default="", help="page directory")
+    p.add_argument("--cudnn", action="store_true", help="compile cuDNN's attention (see above)")
     args = p.parse_args(argv)
     for item in args.set:
         if "=" not in item:
@@ -320,13 +365,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.reuse and not args.keep:
         p.error("--reuse needs --keep DIR")
     if not args.out:
-        scratch = args.only or args.layers or args.set
+        scratch = args.only or args.layers or args.set or args.cudnn
         args.out = os.path.join(tempfile.gettempdir(), "gpu_estimate") if scratch else bl.RESULTS
     return args
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if args.cudnn:
+        allow_cudnn_deviceless()
     extra = dict(item.split("=", 1) for item in args.set)
     if args.layers:
         extra["base_num_decoder_layers"] = str(args.layers)
