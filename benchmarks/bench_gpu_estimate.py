@@ -159,6 +159,7 @@ def compile_row(name: str, overrides: dict, args) -> tuple[str, dict]:
         "compiled_gib": result.memory["total"] / bl.GIB,
         "batch": result.run.batch_size,
         "overrides": overrides,
+        "tree": bl.revision(),
     }
     with open(facts, "w") as f:
         json.dump(out, f)
@@ -183,7 +184,7 @@ def estimate_row(name: str, title: str, overrides: dict, args) -> dict:
         "mfu": mfu,
         "compiled_gib": memory,
         "compile_s": seconds,
-        "tree": bl.revision(),
+        "tree": facts.get("tree", bl.revision()),
         **{f"ms_{cat}": ms for cat, (_, _, ms) in est.by_category.items()},
         "_estimate": est,
         "_hlo": hlo,

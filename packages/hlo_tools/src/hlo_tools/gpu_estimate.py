@@ -56,7 +56,7 @@ class Calibration:
 # - attention_efficiency and slowdown: `fit_calibration` to the 2026-12-04 H200 profile
 #   (benchmarks/results/device_check.md: deepseek3-small, per_device_batch_size=8,
 #   GA=4, scan_layers=true) over this tree's deviceless compile of the same shape
-#   (benchmarks/bench_gpu_estimate.py --only calibration prints the fit; its page,
+#   (benchmarks/bench_gpu_estimate.py --only calibration --refit prints the fit; its page,
 #   benchmarks/results/gpu_estimate.md, compares each group). Readings: XLA's
 #   scatters (and sorts: one profile group) run about 40x slower than their bytes
 #   (atomic read-modify-writes), transposes were too few on the device to fit (held
