@@ -22,7 +22,9 @@ FLOPs per token), whose MFU tagtrain's is divided by.
     benchmarks/device_check.sh [--cpu] [--steps N] [--variant bf16:accum_dtype=bfloat16]
 
 Writes device_check.md and .csv to benchmarks/results (or --out DIR) and prints
-the page. Needs only JAX, Flax, Optax and NumPy: the .sh puts packages/*/src on
+the page; with a profile, also device_check_profile.json (the profiled path's keys,
+step ms, kernel ms by group: what bench_gpu_estimate.py --refit fits the GPU
+estimate's calibration to). Needs only JAX, Flax, Optax and NumPy: the .sh puts packages/*/src on
 PYTHONPATH, nothing is installed, nothing is downloaded.
 """
 
@@ -338,6 +340,29 @@ def side_checks(args, shape: dict, steps: int, start: float) -> dict:
     return out
 
 
+def write_profile(args, shape: dict, paths: dict, rows: list[dict]) -> None:
+    """device_check_profile.json beside the page: the profiled path's keys, step time
+    and kernel ms by group, what `bench_gpu_estimate.py --refit` fits hlo_tools'
+    GPU calibration to (it compiles the same keys for a compile-only GPU)."""
+    import benchlib as bl
+
+    row = next((r for r in rows if r.get("profile")), None)
+    if row is None:
+        return
+    data = {
+        "device": row.get("device"),
+        "path": row["path"],
+        "overrides": {**shape, **paths[row["path"]]},
+        "step_ms": row.get("step_ms"),
+        **row["profile"],
+        "versions": bl.versions(),
+        "tree": bl.revision(),
+    }
+    path = os.path.join(args.out or bl.RESULTS, "device_check_profile.json")
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+
+
 def side_lines(rows: list[dict], extras: dict) -> list[str]:
     """The page's sections after the paths' table: profile, gradients, reference."""
     lines = []
@@ -439,6 +464,7 @@ def main(argv=None) -> int:
     import benchlib as bl
 
     lines = page(args, shape, rows, notes) + side_lines(rows, extras)
+    write_profile(args, {**shape, "gradient_accumulation_steps": str(args.ga)}, paths, rows)
     # The profile is on the page; the CSV keeps one flat row per path.
     bl.write(
         "device_check",

@@ -2,36 +2,21 @@
 
 `read(trace_dir)` sums the GPU planes' kernel events (the stream lines) by
 category (matmul, attention, transpose, copy, ...; `category(name)` reads the
-kernel's name) and counts them; `top` lists the costliest kernels by name.
+kernel's name as hlo_tools.profile_group does) and counts them; `top` lists
+the costliest kernels by name.
 """
 
 from __future__ import annotations
 
 import os
 
-CATEGORIES = (
-    # Attention first: cuDNN's fused kernels' names also hold "sm90" and "gemm".
-    ("attention (cuDNN)", ("cudnn", "fmha", "flash", "sdpa")),
-    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "dot")),
-    ("transpose", ("transpose",)),
-    ("copy", ("memcpy", "copy", "memset")),
-    ("dynamic-update-slice", ("dynamic_update_slice",)),
-    ("dynamic-slice", ("dynamic_slice",)),
-    ("convert", ("convert",)),
-    ("broadcast", ("broadcast",)),
-    ("reduce", ("reduce",)),
-    ("select", ("select",)),
-    ("scatter/sort/gather", ("scatter", "sort", "gather", "concatenate")),
-    ("collective", ("nccl", "all_reduce", "all-reduce")),
-)
+from hlo_tools import profile_group
 
 
 def category(name: str) -> str:
-    low = name.lower()
-    for cat, keys in CATEGORIES:
-        if any(k in low for k in keys):
-            return cat
-    return "other"
+    """The profile group of a kernel's name: hlo_tools' reading (gpu_kernels.NAME_KEYWORDS),
+    so a device profile and hlo_tools.gpu_estimate's prediction split the same way."""
+    return profile_group(name)
 
 
 def read(d, steps: int = 1):

@@ -2,6 +2,7 @@
 
 import csv
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -80,3 +81,24 @@ def test_cpu_run_writes_one_row_per_path(tmp_path):
     assert float(fused["reduce_mib_in_loop"]) == 0
     # scan_layers=true is how a CPU runs auto anyway: the same program's numbers.
     assert float(scanned["loss"]) == pytest.approx(float(deferred["loss"]), rel=1e-6)
+
+
+def test_profile_json_for_the_refit(tmp_path):
+    # What bench_gpu_estimate.py --refit reads: the profiled path's whole keys.
+    dc = _device_check()
+    args = dc.parse_args(["--out", str(tmp_path)])
+    profile = {"kernels_per_step": 100.0, "ms_per_step_by_category": {"matmul": 2.5}, "top": []}
+    rows = [
+        {"path": "deferred", "status": "ok", "step_ms": 3.0, "device": "X", "profile": profile},
+        {"path": "fused", "status": "ok", "step_ms": 4.0, "profile": None},
+    ]
+    shape = {**dc.SHAPES["accelerator"], "gradient_accumulation_steps": "4"}
+    dc.write_profile(args, shape, dc.PATHS, rows)
+    with open(tmp_path / "device_check_profile.json") as f:
+        data = json.load(f)
+    assert data["overrides"] == {**shape, **dc.PATHS["deferred"]}
+    assert (data["path"], data["step_ms"], data["device"]) == ("deferred", 3.0, "X")
+    assert data["ms_per_step_by_category"] == {"matmul": 2.5}
+    dc.write_profile(args, shape, dc.PATHS, rows[1:])  # no profile: nothing written over it
+    with open(tmp_path / "device_check_profile.json") as f:
+        assert json.load(f)["path"] == "deferred"

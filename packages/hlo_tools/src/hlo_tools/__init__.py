@@ -1,5 +1,6 @@
 """hlo_tools: collective accounting for compiled XLA HLO text (and, for XLA:GPU,
-the kernels a step launches: `kernels_per_step` over the dump's thunk sequence).
+the kernels a step launches: `kernels_per_step` over the dump's thunk sequence,
+and their predicted time: `launched_kernels` priced by `estimate_step`).
 
 Standard library only; the helpers taking a jitted function import JAX when called.
 
@@ -59,6 +60,17 @@ from hlo_tools.callgraph import CallGraph, Context, Loop, call_graph
 from hlo_tools.collectives import KINDS, REDUCTION_KINDS, Collective, collectives
 from hlo_tools.dataflow import contracts, first_marked, reaches_root
 from hlo_tools.errors import HloParseError
+from hlo_tools.gpu_estimate import (
+    CALIBRATION,
+    Calibration,
+    Estimate,
+    Roofline,
+    estimate_step,
+    fit_calibration,
+    format_estimate,
+)
+from hlo_tools.gpu_files import program_files, read_program
+from hlo_tools.gpu_kernels import Kernel, launched_kernels, profile_group
 from hlo_tools.jitted import (
     assert_jitted_reduced_once_per_step,
     compile_with_buffers,
@@ -92,6 +104,18 @@ from hlo_tools.traffic import traffic
 __version__ = "0.1.0"
 
 __all__ = [
+    "CALIBRATION",
+    "Calibration",
+    "Estimate",
+    "Kernel",
+    "Roofline",
+    "estimate_step",
+    "fit_calibration",
+    "format_estimate",
+    "launched_kernels",
+    "profile_group",
+    "program_files",
+    "read_program",
     "KINDS",
     "REDUCTION_KINDS",
     "Allocation",

@@ -1,4 +1,5 @@
-"""``hlo-report FILE|-``: where every collective runs, how big, how often."""
+"""``hlo-report FILE|-``: where every collective runs, how big, how often;
+``hlo-report --gpu DIR|FILE``: an XLA:GPU program's predicted step time."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import sys
 
 from hlo_tools.collectives import KINDS, collectives
 from hlo_tools.errors import HloParseError
+from hlo_tools.gpu_estimate import CHIPS, Roofline, estimate_step, format_estimate
+from hlo_tools.gpu_files import read_program
+from hlo_tools.gpu_kernels import launched_kernels
 from hlo_tools.overlap import format_overlap, overlap_report
 from hlo_tools.parser import parse
 from hlo_tools.report import format_table, to_json, verdict
@@ -55,12 +59,37 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--details", action="store_true", help="also list every collective")
     p.add_argument("--check", action="store_true", help="exit 1 unless the verdict is OK")
+    gpu = p.add_argument_group(
+        "GPU step-time estimate (hlo_tools.gpu_estimate; FILE: an XLA dump directory, or an "
+        "HLO file with its .thunks.txt and .thunk_metadata.txt beside it)"
+    )
+    gpu.add_argument("--gpu", action="store_true", help="print the estimate instead")
+    gpu.add_argument("--chip", choices=sorted(CHIPS), default="h200", help="default h200")
+    gpu.add_argument("--top", type=int, default=5, help="costliest source lines listed")
+    gpu.add_argument(
+        "--model-flops", type=float, help="the model's FLOPs per step per device (prints MFU)"
+    )
+    gpu.add_argument(
+        "--attention-function",
+        action="append",
+        default=[],
+        help="a function (as the HLO names it, e.g. MLA._dot_product) whose kernels run as "
+        "cuDNN attention on the device (repeatable)",
+    )
+    gpu.add_argument(
+        "--through",
+        action="append",
+        default=[],
+        help="a helper function source lines look past to its caller (repeatable)",
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (2 for unreadable or malformed input)."""
     args = build_parser().parse_args(argv)
+    if args.gpu:
+        return _gpu(args)
     try:
         if args.file == "-":
             text = sys.stdin.read()
@@ -110,6 +139,23 @@ def main(argv: list[str] | None = None) -> int:
         print(judged["message"])
     if args.check and judged["status"] != "OK":
         return 1
+    return 0
+
+
+def _gpu(args: argparse.Namespace) -> int:
+    """``--gpu``: the estimate's report lines."""
+    try:
+        hlo, sequence, metadata = read_program(args.file)
+        found = launched_kernels(
+            sequence, metadata, hlo, tuple(args.attention_function), tuple(args.through)
+        )
+    except (OSError, HloParseError) as e:
+        print(f"hlo-report: {args.file}: {e}", file=sys.stderr)
+        return 2
+    peak, bandwidth = CHIPS[args.chip]
+    est = estimate_step(found, Roofline(peak, bandwidth))
+    for line in format_estimate(est, args.top, args.model_flops, peak):
+        print(line)
     return 0
 
 

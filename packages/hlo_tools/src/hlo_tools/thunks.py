@@ -149,16 +149,37 @@ class _Frame:
     outer_loop: str = OUTSIDE
 
 
-def kernels_per_step(
-    thunk_sequence_text: str, thunk_metadata_text: str, hlo_module: HloModule
-) -> KernelCount:
-    """Count the kernels a step launches (see the module docstring)."""
+@dataclass(frozen=True)
+class Launch:
+    """One launching thunk of the sequence: its id, kind (``kKernel``, ``kGemm``,
+    ...), the name on its line (a kernel's name; ``kCopy`` for a copy), the HLO
+    instruction it runs (thunk metadata's profile annotation; "" when absent),
+    its executions per step (the product of the trip counts around it), and the
+    loop path it sits in (``OUTSIDE`` or KernelCount.by_loop's keys)."""
+
+    thunk_id: int
+    kind: str
+    name: str
+    instruction: str
+    executions: int
+    loop: str
+    category: str
+
+
+def launches(
+    thunk_sequence_text: str,
+    thunk_metadata_text: str,
+    hlo_module: HloModule,
+    unknown_trips: list[str] | None = None,
+):
+    """Yield a Launch per thunk that launches work, in sequence order (see the
+    module docstring); the loops whose trip count was not found (counted as one
+    trip) are appended to `unknown_trips` when given."""
     names = thunk_names(thunk_metadata_text)
     trips = trip_counts(hlo_module)
     sources = {
         i.name: loop_source(i.op_name) for i in hlo_module.instructions() if i.opcode == "while"
     }
-    count = KernelCount()
     stack: list[_Frame] = []
 
     def pop_to(indent: int) -> None:
@@ -194,7 +215,8 @@ def kernels_per_step(
             hlo_name = names.get(tid, f"thunk {tid}")
             n = trips.get(hlo_name)
             if n is None:
-                count.unknown_trips.append(hlo_name)
+                if unknown_trips is not None:
+                    unknown_trips.append(hlo_name)
                 n = 1
             label = f"{hlo_name} x{n}"
             if sources.get(hlo_name):
@@ -208,10 +230,21 @@ def kernels_per_step(
         cat = category(kind, name)
         if cat is None:
             continue
-        count.total += multiplier
-        count.by_category[cat] += multiplier
-        count.by_loop[loop] = count.by_loop.get(loop, 0) + multiplier
-        count.per_trip[loop] = count.per_trip.get(loop, 0) + 1
+        yield Launch(tid, kind, name, names.get(tid, ""), multiplier, loop, cat)
+
+
+def kernels_per_step(
+    thunk_sequence_text: str, thunk_metadata_text: str, hlo_module: HloModule
+) -> KernelCount:
+    """Count the kernels a step launches (see the module docstring)."""
+    count = KernelCount()
+    for launch in launches(
+        thunk_sequence_text, thunk_metadata_text, hlo_module, count.unknown_trips
+    ):
+        count.total += launch.executions
+        count.by_category[launch.category] += launch.executions
+        count.by_loop[launch.loop] = count.by_loop.get(launch.loop, 0) + launch.executions
+        count.per_trip[launch.loop] = count.per_trip.get(launch.loop, 0) + 1
     return count
 
 

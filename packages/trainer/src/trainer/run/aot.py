@@ -38,7 +38,7 @@ from jax.experimental import topologies
 import accum
 import hlo_tools
 from trainer.config import Config, ConfigError, ParallelismConfig, mesh_shape
-from trainer.run import gpu_topology, report, xla_options
+from trainer.run import gpu_estimate, gpu_topology, report, xla_options
 from trainer.run import run as run_lib
 from trainer.sharding.slices import slice_major
 from trainer.step import reduction_choice
@@ -273,6 +273,7 @@ def report_lines(result: AotResult) -> list[str]:
     lines += hlo_tools.format_table(hlo_tools.parse(text), verdict_line=False).splitlines()
     if result.kernels is not None:
         lines += gpu_topology.report_lines(result.kernels, run, result.hlo_path)
+        lines += gpu_estimate.report_lines(result)
     command = run_lib.hlo_report_command(run, result.hlo_path)
     lines.append(f"wrote compiled HLO to {result.hlo_path} (inspect with: {command})")
     return lines

@@ -159,14 +159,23 @@ def thunk_files(dump_dir: str, earlier: set[str] = frozenset()) -> tuple[str, st
     return sequence, metadata
 
 
+def metadata_path(thunks_path: str) -> str:
+    """Where the thunk metadata is kept beside a kept thunk sequence (x.thunks.txt ->
+    x.thunk_metadata.txt)."""
+    return thunks_path.removesuffix(".thunks.txt") + ".thunk_metadata.txt"
+
+
 def kernels_of_dump(
     dump_dir: str, hlo_text: str, keep_as: str | None = None, earlier: set[str] = frozenset()
 ):
     """hlo_tools.KernelCount of the step in `dump_dir` (its files not in `earlier`);
-    its thunk sequence is copied to `keep_as` (for a reader) when given."""
+    its thunk sequence is copied to `keep_as` (for a reader) when given, its thunk
+    metadata (which HLO instruction each thunk runs, what the GPU estimate reads)
+    beside it as `metadata_path(keep_as)`."""
     sequence, metadata = thunk_files(dump_dir, earlier)
     if keep_as:
         shutil.copyfile(sequence, keep_as)
+        shutil.copyfile(metadata, metadata_path(keep_as))
     with open(sequence) as f, open(metadata) as g:
         return hlo_tools.kernels_per_step(f.read(), g.read(), hlo_tools.parse(hlo_text))
 
