@@ -56,9 +56,9 @@ def _moe(x_BxSxD, params, *, config, mesh, rules, mode, keep_tags, sparse, recom
     params = {name: _as_device_array(w) for name, w in params.items()}
     check_params(params, config, x_BxSxD.shape[-1])
     if mesh is None:
-        platform = jax.default_backend()
+        device = jax.devices()[0]
         y, shard_stats = layer_body(
-            x_BxSxD, params, config=config, plan=None, sparse=sparse, platform=platform
+            x_BxSxD, params, config=config, plan=None, sparse=sparse, device=device
         )
         return y, _finish_stats(shard_stats)
     mode = mode or infer_mode(mesh)
@@ -90,10 +90,10 @@ def _moe(x_BxSxD, params, *, config, mesh, rules, mode, keep_tags, sparse, recom
 
     # The mesh's devices say what the program is compiled for (an AOT topology's
     # compile-only devices included), not the backend this process runs on.
-    platform = mesh.devices.flat[0].platform
+    device = mesh.devices.flat[0]
 
     def body(x, p):
-        return layer_body(x, p, config=config, plan=plan, sparse=sparse, platform=platform)
+        return layer_body(x, p, config=config, plan=plan, sparse=sparse, device=device)
 
     layer = jax.shard_map(
         body,
