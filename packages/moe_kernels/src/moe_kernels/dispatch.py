@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from moe_kernels.config import MoEConfig
 from moe_kernels import permute
+from moe_kernels.config import MoEConfig
 from moe_kernels.grouped import align_for, swiglu_slots
 from pspec_tags import to_varying
 
