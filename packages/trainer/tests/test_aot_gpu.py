@@ -9,6 +9,8 @@ than 10% (issue #43: the step's time on a GPU goes to ~30k small kernels).
 Lower a budget when a change cuts the count.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -103,6 +105,15 @@ def test_h100_8_report(zero1_h100_8):
     assert "of 80 GiB HBM" in text and "OK: every gradient reduced once per step" in text
     # No cuDNN on a CPU host: the compile uses XLA's attention, and says so.
     assert "attention: dot_product (not cudnn_flash: the GPUs are a compile-only topology" in text
+    # Hopper targets: the routed experts compile to the Mosaic-GPU grouped GEMM.
+    assert "moe grouped matmul: grouped_gemm (auto on a Hopper GPU)" in text
+    hlo = zero1_h100_8.compiled.as_text()
+    # 3 kernels forward and 6 backward per MoE layer, in the (unrolled) microbatch loop body.
+    assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 9 * LAYERS
+    # Routing moves tokens by gathers whose gradients are gathers (moe_kernels.permute):
+    # the step's only scatters are the embedding table's gradient (vocab 32,768 rows).
+    scatters = re.findall(r"= (\S+) scatter\(", hlo)
+    assert scatters and all(shape.startswith("f32[32768,") for shape in scatters), scatters
     assert f"kernels launched per step: {zero1_h100_8.kernels.total:,} " in text
     assert any(line.startswith("  mix: matmul ") for line in lines)
     thunks = zero1_h100_8.hlo_path.removesuffix(".hlo") + ".thunks.txt"

@@ -206,13 +206,15 @@ def capacity_lines(config, ctx, global_batch: int) -> list[str]:
 
 
 def grouped_matmul_lines(config, ctx) -> list[str]:
-    """Which grouped matmul the routed experts compile to on the mesh's devices, and
-    why (moe_kernels' choice: grouped_gemm needs a Hopper GPU and bf16 tiles);
-    nothing for a model without sparse MoE layers."""
+    """Which grouped matmul the routed experts compile to on the mesh's GPUs, and why
+    (moe_kernels' choice: grouped_gemm needs a Hopper GPU and bf16 tiles); nothing
+    for a model without sparse MoE layers, or off GPUs where auto is ragged_dot."""
     model = config.model
     if not model.num_moe_layers or not model.sparse_matmul:
         return []
     device = ctx.mesh.devices.flat[0]
+    if device.platform != "gpu" and model.grouped_matmul == "auto":
+        return []
     dims = (model.emb_dim, model.base_moe_mlp_dim)
     impl, why = moe_kernels.choose_grouped_matmul(model.grouped_matmul, device, model.dtype, dims)
     return [f"moe grouped matmul: {impl} ({why})"]
