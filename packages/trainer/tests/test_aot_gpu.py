@@ -169,3 +169,33 @@ def test_tiny_nested_scan_dump_is_counted(tmp_path):
     for outer, inner in (key.split(" > ") for key in nested):
         assert " x4 " in outer and " x3 " in inner
     assert kernels.total == sum(kernels.by_loop.values())
+
+
+def test_grouped_gemm_gradients_compile_for_8_h100s():
+    """moe_kernels' Mosaic-GPU grouped GEMM inside the layer's shard_map on data=8
+    (varying types: a Pallas result is typed invariant, its gradients are retyped as
+    their primals), with the weights' gradients: 3 kernels forward, 3 weight
+    gradients, and the one input gradient the weights' need (the hidden's through
+    wo); no scatter and no sort from routing."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from moe_kernels import MoEConfig, param_shapes, sparse_moe
+
+    mesh = jax.sharding.Mesh(gpu_topology.devices("h100", 8, 1), ("data",), (AxisType.Explicit,))
+    config = MoEConfig(num_experts=4, num_experts_per_tok=2, mlp_dim=128, num_shared_experts=1)
+    replicated = NamedSharding(mesh, P())
+    params = {
+        name: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=replicated)
+        for name, shape in param_shapes(config, 128).items()
+    }
+    x = jax.ShapeDtypeStruct((8, 64, 128), jnp.bfloat16, sharding=NamedSharding(mesh, P("data")))
+
+    def loss(params, x):
+        y, _ = sparse_moe(x, params, config=config, mesh=mesh)
+        return jnp.mean(y.astype(jnp.float32) ** 2)
+
+    with jax.set_mesh(mesh):
+        text = jax.jit(jax.grad(loss)).lower(params, x).compile().as_text()
+    assert text.count('custom_call_target="mosaic_gpu_v2"') == 3 + 3 + 1
+    assert not re.findall(r"\b(scatter|sort)\(", text)

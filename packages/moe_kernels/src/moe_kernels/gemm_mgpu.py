@@ -31,6 +31,8 @@ import importlib
 import jax
 import jax.numpy as jnp
 
+from moe_kernels.permute import vary_like
+
 # (block_m, block_n, block_k, max_concurrent_steps, grid_block_n): 128 x 128 output
 # tiles, 64-deep K steps, four in flight (~160 KiB of the 227 KiB of shared memory).
 TILE = {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1}
@@ -106,7 +108,8 @@ def gmm(x_PxK, w_ExKxN, sizes_E, sms):
     """y[p] = x[p] @ w[group of p], rows sorted by group, sum(sizes_E) == P; `sms`: the
     target's SM count (static). See the module docstring."""
     del sms
-    return _kernels()[0].ragged_dot(x_PxK, w_ExKxN, group_sizes=sizes_E, **TILE)
+    y = _kernels()[0].ragged_dot(x_PxK, w_ExKxN, group_sizes=sizes_E, **TILE)
+    return vary_like(y, x_PxK, w_ExKxN)
 
 
 def _gmm_fwd(x_PxK, w_ExKxN, sizes_E, sms):
@@ -120,7 +123,9 @@ def _gmm_bwd(sms, res, g_PxN):
     dx = ragged.ragged_dot(g_PxN, w_ExKxN, group_sizes=sizes_E, transpose_rhs=True, **TILE)
     with _sm_count(sms):
         dw = transposed.transposed_ragged_dot(x_PxK, g_PxN, group_sizes=sizes_E, **TILE_T)
-    return dx, dw.astype(w_ExKxN.dtype), None
+    # Inside a shard_map a Pallas kernel's result is typed invariant whatever its
+    # inputs; each gradient is typed as its primal (a no-op on values).
+    return vary_like(dx, x_PxK), vary_like(dw.astype(w_ExKxN.dtype), w_ExKxN), None
 
 
 gmm.defvjp(_gmm_fwd, _gmm_bwd)

@@ -94,7 +94,9 @@ def swiglu_slots(rows_PxD, kernels, sizes_E, group_P, *, impl, align, precision=
         h1 = lax.ragged_dot(rows_PxD, wi1_ExDxF, sizes_E, precision=precision)
         return lax.ragged_dot(jax.nn.silu(h0) * h1, wo_ExFxD, sizes_E, precision=precision)
     if impl == "grouped_gemm":
+        # One varying type for rows and weights, as a matmul of them would cast to.
         kernels = tuple(vary_like(w, rows_PxD, sizes_E) for w in kernels)
+        rows_PxD = vary_like(rows_PxD, *kernels)
         return gemm_mgpu.swiglu(rows_PxD, kernels, sizes_E, sms)
     if impl == "padded_blocks":
         p, d = rows_PxD.shape
