@@ -14,8 +14,11 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import hlo_tools
+from moe_kernels import MoEConfig, param_shapes, sparse_moe
 from trainer.config import make_config
 from trainer.run import aot, gpu_topology
 
@@ -177,11 +180,6 @@ def test_grouped_gemm_gradients_compile_for_8_h100s():
     their primals), with the weights' gradients: 3 kernels forward, 3 weight
     gradients, and the one input gradient the weights' need (the hidden's through
     wo); no scatter and no sort from routing."""
-    from jax.sharding import AxisType, NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from moe_kernels import MoEConfig, param_shapes, sparse_moe
-
     mesh = jax.sharding.Mesh(gpu_topology.devices("h100", 8, 1), ("data",), (AxisType.Explicit,))
     config = MoEConfig(num_experts=4, num_experts_per_tok=2, mlp_dim=128, num_shared_experts=1)
     replicated = NamedSharding(mesh, P())
