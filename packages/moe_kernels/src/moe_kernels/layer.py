@@ -3,8 +3,10 @@
 Both paths run per shard inside `jax.shard_map` over the whole mesh and share
 the routing and the shared-expert MLP; they differ in how routed experts run:
 
-- sparse: assignments sorted by expert, `jax.lax.ragged_dot` grouped matmuls for
-  the SwiGLU pair and the output kernel, unsort and weighted combine. With
+- sparse: assignments gathered into a slot layout by expert (moe_kernels.permute),
+  grouped matmuls for the SwiGLU pair and the output kernel (moe_kernels.grouped:
+  ragged_dot, padded blocks or a Hopper grouped GEMM), gathered back and
+  combined with their weights. With
   expert parallelism (the `expert` mesh axis shards experts and tokens) the
   sorted rows travel to the shard that owns their expert with a padded
   `all_to_all` and come back the same way (XLA:CPU has no ragged-all-to-all).
