@@ -12,8 +12,10 @@ What it is for: on a GPU every kernel is a launch, and a step made of many small
 kernels is bound by launching them (the 2-step profile of issue #43:
 ../docs/performance.md, "On a GPU"). The rows show which layout decisions change the
 count: the layer loop scanned or unrolled (scan_layers; auto unrolls on GPUs,
-config/layer_loop.py), what the backward recomputes (remat_policy), f32 or bf16
-parameters (weight_dtype), and 8 GPUs with ZeRO-1.
+config/layer_loop.py), the routed experts' grouped matmul (grouped_matmul; auto is
+the Mosaic-GPU grouped GEMM on these Hopper targets, padded_blocks the fallback),
+what the backward recomputes (remat_policy), f32 or bf16 parameters (weight_dtype),
+and 8 GPUs with ZeRO-1.
 
     JAX_PLATFORMS=cpu uv run --extra gpu python benchmarks/bench_gpu_kernels.py [--first N]
 
@@ -47,6 +49,7 @@ H100_8_ZERO1 = {"compile_topology": "h100-8", "shard_optimizer_over_data": "true
 # (label, overrides on SHAPE), in priority order (--first N).
 ROWS = [
     ("h100-1, defaults", H100_1),
+    ("h100-1, grouped_matmul=padded_blocks", {**H100_1, "grouped_matmul": "padded_blocks"}),
     ("h100-1, scan_layers=true", {**H100_1, "scan_layers": "true"}),
     ("h100-8 ZeRO-1, defaults", H100_8_ZERO1),
     ("h100-8 ZeRO-1, scan_layers=true", {**H100_8_ZERO1, "scan_layers": "true"}),

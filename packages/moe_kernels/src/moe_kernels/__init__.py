@@ -7,6 +7,7 @@ from moe_kernels.config import (
     MoEConfig,
     fitting_expert_counts,
 )
+from moe_kernels.grouped import choose as choose_grouped_matmul
 from moe_kernels.layer import dense_moe, sparse_moe
 from moe_kernels.lora import LORA_TARGETS
 from moe_kernels.module import MoE, RoutingBias
@@ -24,6 +25,7 @@ __all__ = [
     "MoEConfig",
     "RoutingBias",
     "capacity_plan",
+    "choose_grouped_matmul",
     "dense_moe",
     "fitting_expert_counts",
     "init_params",

@@ -82,8 +82,9 @@ class MoEConfig:
         `<kernel>_lora_a` / `<kernel>_lora_b` (layer.LORA_TARGETS) make each such
         kernel W + lora_scale x A @ B inside the layer (unused without them).
     grouped_matmul: how the sparse path runs the experts' grouped matmuls
-        (grouped.IMPLS): 'ragged_dot', 'padded_blocks', or 'auto' (padded_blocks
-        on GPU, ragged_dot elsewhere).
+        (grouped.IMPLS): 'ragged_dot', 'padded_blocks', 'grouped_gemm' (Hopper
+        GPUs), or 'auto' (grouped_gemm on Hopper, padded_blocks on other GPUs,
+        ragged_dot elsewhere; `grouped.choose`).
 
     Inconsistent values are refused when the config is built:
 

@@ -11,9 +11,11 @@ sharding plan (`moe_kernels.shard_plan`):
   shard owning their expert in a padded `all_to_all` whose (source, destination)
   blocks hold `block_capacity` rows each.
 
-Both return the output rows in assignment order and the number of assignments
-dropped (int32 scalar): the share that number is of all assignments is what a
-run reports per layer.
+Both return each token's combined routed output (float32) and the number of
+assignments dropped (int32 scalar): the share that number is of all assignments is
+what a run reports per layer. The rows reach the experts by gathers whose
+gradients are gathers (`experts_combined`, moe_kernels.permute): no scatter in the
+forward or backward pass, except on the all-to-all path's send side.
 """
 
 from __future__ import annotations
@@ -24,13 +26,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from moe_kernels import permute
 from moe_kernels.config import MoEConfig
-from moe_kernels.grouped import swiglu_by_expert, swiglu_grouped
+from moe_kernels.grouped import align_for, swiglu_slots
 from pspec_tags import to_varying
 
 
 def inverse(perm: jax.Array) -> jax.Array:
-    """The inverse permutation of `perm`."""
+    """The inverse permutation of `perm` (a scatter: only the all-to-all path's send
+    side still uses it)."""
     return jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype))
 
 
@@ -55,30 +59,45 @@ def within_capacity(ids_A: jax.Array, num_experts: int, capacity: int) -> jax.Ar
     """Boolean (A,): the assignment is among the first `capacity` of its expert's,
     counted in assignment order (token-major: earlier tokens keep their slot).
 
-    One stable argsort by expert; an assignment's rank is its position in the
-    sorted order minus where its expert's run starts.
+    An assignment's rank is the running count of its expert's assignments (one
+    cumsum; no sort, no scatter).
     """
-    order_A = jnp.argsort(ids_A, stable=True)
-    sorted_A = ids_A[order_A]
-    counts_E = jnp.bincount(ids_A, length=num_experts)
-    starts_E = jnp.cumsum(counts_E) - counts_E
-    rank_sorted_A = jnp.arange(ids_A.shape[0]) - starts_E[sorted_A]
-    return (rank_sorted_A < capacity)[inverse(order_A)]
+    rank_A, _, _ = permute.ranks(ids_A, num_experts)
+    return rank_A < capacity
 
 
-def routed_local(x_TxD, ids_A, k, kernels, e_start, e_local, grouped, vary_axis=None, keep_A=None):
-    """Run the assignments whose expert lives on this shard; others give zero rows.
+def experts_combined(x_TxD, key_A, weights_TxK, kernels, e_local, grouped):
+    """Each token's weighted sum of its assignments' SwiGLU outputs, float32 (T, D).
 
-    `keep_A` (from `within_capacity` over all experts, the same on every expert
-    shard): assignments outside it are dropped (zero rows); the count returned is
-    of all experts' drops, not only this shard's.
+    Assignment a is token a // K for local expert key_A[a] (e_local or more: none, it
+    adds zero). Rows reach their experts' slot layout and come back by gathers whose
+    gradients are gathers (moe_kernels.permute); the experts run as `grouped` says
+    (moe_kernels.grouped: impl, precision, sms).
+    """
+    t, k = weights_TxK.shape
+    impl = grouped["impl"]
+    align = align_for(impl, key_A.shape[0], e_local)
+    dest_A, src_P, sizes_E, group_P = permute.layout(key_A, e_local, align)
+    dest_TxK = dest_A.reshape(t, k)
+    rows_PxD = permute.dispatch(x_TxD, src_P, dest_TxK)
+    out_PxD = swiglu_slots(rows_PxD, kernels, sizes_E, group_P, align=align, **grouped)
+    return permute.combine(out_PxD, weights_TxK, src_P, dest_TxK)
+
+
+def routed_local(
+    x_TxD, ids_A, weights_TxK, kernels, e_start, e_local, grouped, vary_axis=None, keep_A=None
+):
+    """Run the assignments whose expert lives on this shard; others add zero.
+
+    Returns each token's combined routed output (float32) and the drops. `keep_A`
+    (from `within_capacity` over all experts, the same on every expert shard):
+    assignments outside it are dropped; the count returned is of all experts'
+    drops, not only this shard's.
     """
     if vary_axis is not None:
-        # The row gather below has indices that differ per expert shard. JAX
-        # 0.10.2 transposes a gather wrongly when the operand is invariant over a
-        # mesh axis and the indices vary over it (the cotangent comes back
-        # garbled, not just unsummed); a varying operand gives the right
-        # transpose: a scatter-add followed by a psum over `vary_axis`.
+        # The rows' indices differ per expert shard while the tokens do not: the
+        # tokens vary over `vary_axis` first, so their gradient is summed over it
+        # by this cast's transpose (a psum), once.
         x_TxD = to_varying(x_TxD, vary_axis)
     local_A = ids_A - e_start
     mine_A = (local_A >= 0) & (local_A < e_local)
@@ -86,29 +105,22 @@ def routed_local(x_TxD, ids_A, k, kernels, e_start, e_local, grouped, vary_axis=
     if keep_A is not None:
         mine_A = mine_A & keep_A
         dropped = jnp.sum(~keep_A).astype(jnp.int32)
-    # Foreign (and dropped) assignments sort last under key e_local and fall past
-    # sum(sizes): the grouped matmul gives them zero rows.
+    # Foreign (and dropped) assignments get key e_local: no slot, zero output.
     key_A = jnp.where(mine_A, local_A, e_local)
-    if grouped["impl"] == "padded_blocks":
-        # Slots by rank within the expert: no sort, no inverse permutation.
-        out_AxD = swiglu_by_expert(x_TxD, key_A, k, *kernels, precision=grouped["precision"])
-        return out_AxD, dropped
-    order_A = jnp.argsort(key_A, stable=True)
-    sizes_E = jnp.bincount(key_A, length=e_local).astype(jnp.int32)
-    rows_AxD = x_TxD[order_A // k]
-    out_AxD = swiglu_grouped(rows_AxD, *kernels, sizes_E, **grouped)
-    return out_AxD[inverse(order_A)], dropped
+    return experts_combined(x_TxD, key_A, weights_TxK, kernels, e_local, grouped), dropped
 
 
-def routed_all_to_all(x_TxD, ids_A, k, kernels, ep, axis, e_local, capacity, grouped):
+def routed_all_to_all(x_TxD, ids_A, weights_TxK, kernels, ep, axis, e_local, capacity, grouped):
     """Expert parallelism: dispatch rows to their expert's shard and bring them back.
 
     Padded all-to-all over mesh axis `axis` (size `ep`): block (source,
     destination) holds `capacity` rows; with capacity = T*Z (the default) nothing
-    can overflow. Returns the output rows in assignment order and the number of
-    assignments dropped on overflow.
+    can overflow. Returns each token's combined routed output (float32) and the
+    number of assignments dropped on overflow. The send side sorts and scatters;
+    the receiving shard reaches its experts by gathers (`experts_combined`).
     """
     n_assign, d = ids_A.shape[0], x_TxD.shape[-1]
+    k = weights_TxK.shape[1]
     order_A = jnp.argsort(ids_A, stable=True)
     sorted_ids_A = ids_A[order_A]
     dest_A = sorted_ids_A // e_local
@@ -129,16 +141,20 @@ def routed_all_to_all(x_TxD, ids_A, k, kernels, ep, axis, e_local, capacity, gro
     )
     recv_WxYxD = lax.all_to_all(send_WxYxD, axis, 0, 0, tiled=True)
     recv_ids_I = lax.all_to_all(send_ids_WxY, axis, 0, 0, tiled=True).reshape(-1)
-    # Received blocks are grouped by source; regroup by local expert (padding,
-    # id e_local, sorts last and past sum(sizes), so it computes to zero).
-    order_I = jnp.argsort(recv_ids_I, stable=True)
-    sizes_E = jnp.bincount(recv_ids_I, length=e_local).astype(jnp.int32)
-    out_IxD = swiglu_grouped(recv_WxYxD.reshape(-1, d)[order_I], *kernels, sizes_E, **grouped)
+    # Each received row is its own "token" with one choice of weight 1; padding
+    # (id e_local) gets no slot and comes back zero.
+    recv_IxD = recv_WxYxD.reshape(-1, d)
+    ones_Ix1 = jnp.ones((recv_IxD.shape[0], 1), jnp.float32)
+    out_IxD = experts_combined(recv_IxD, recv_ids_I, ones_Ix1, kernels, e_local, grouped)
     back_WxYxD = lax.all_to_all(
-        out_IxD[inverse(order_I)].reshape(ep, capacity, d), axis, 0, 0, tiled=True
+        out_IxD.astype(x_TxD.dtype).reshape(ep, capacity, d), axis, 0, 0, tiled=True
     )
     out_sorted_AxD = back_WxYxD.at[dest_A, slot_A].get(mode="fill", fill_value=0)
-    return out_sorted_AxD[inverse(order_A)], dropped
+    out_AxD = out_sorted_AxD[inverse(order_A)]
+    routed_TxD = jnp.einsum(
+        "tkd,tk->td", out_AxD.reshape(-1, k, d).astype(jnp.float32), weights_TxK
+    )
+    return routed_TxD, dropped
 
 
 def router_z_BxS(logits_BxSxE: jax.Array) -> jax.Array:

@@ -1,41 +1,71 @@
-"""Grouped SwiGLU over rows sorted by expert: two implementations, one contract.
+"""The routed experts' SwiGLU over rows in a slot layout: three implementations, one contract.
 
-`swiglu_grouped(rows_AxD, wi0_ExDxF, wi1_ExDxF, wo_ExFxD, sizes_E, impl=...)` runs
-rows `[start_e, start_e + sizes_E[e])` through expert e's SwiGLU; rows past
-`sum(sizes_E)` come out zero. Shapes: A rows, D embed, E experts, F expert hidden,
-N blocks, M rows per block.
+`swiglu_slots(rows_PxD, kernels, sizes_E, group_P, impl=..., align=...)` runs the rows
+of each expert's run in the slot layout of moe_kernels.permute (expert e's rows
+contiguous, runs padded to a multiple of `align`, zero rows where no assignment is)
+through that expert's SwiGLU; a zero row gives a zero row. Shapes: P slots, D embed,
+E experts, F expert hidden, N blocks, M rows per block.
 
-- `ragged_dot`: `jax.lax.ragged_dot`, three grouped matmuls. XLA:TPU runs them as
-  grouped matmuls. XLA:GPU (through JAX 0.11) rewrites each into a dense matmul
-  over every expert (rows times E x D), E times the FLOPs and bytes of the
+- `ragged_dot`: `jax.lax.ragged_dot`, three grouped matmuls (align 1). XLA:TPU runs
+  them as grouped matmuls. XLA:GPU (through JAX 0.11) rewrites each into a dense
+  matmul over every expert (rows times E x D), E times the FLOPs and bytes of the
   routed experts (benchmarks/results/gpu_probe.json, "ops"; the step with each:
   benchmarks/results/device_check.md).
-- `padded_blocks`: each expert's rows padded to a multiple of M and cut into
-  blocks of M rows that belong to one expert; the SwiGLU is three batched
-  matmuls over the blocks, each block against its expert's weights (gathered per
-  block). Padding costs at most E x (M - 1) rows of FLOPs, the weight gathers
-  N x D x F per kernel; no matmul runs over foreign experts.
+- `padded_blocks`: each expert's run padded to a multiple of M and cut into blocks of
+  M rows that belong to one expert; the SwiGLU is three batched matmuls over the
+  blocks, each block against its expert's weights (a gather per block, whose gradient
+  sums the blocks into their experts as one matmul). Padding costs at most E x (M - 1)
+  rows of FLOPs, the weight gathers N x D x F per kernel; no matmul runs over foreign
+  experts. Any XLA backend compiles it.
+- `grouped_gemm`: JAX's Pallas Mosaic-GPU grouped GEMM for Hopper (sm_90), forward and
+  both gradients (moe_kernels.gemm_mgpu; align 1: at most one tile of padding per
+  expert, inside the kernel, and no weight copies).
 
-`IMPLS` names them; `auto` picks padded_blocks on GPU and ragged_dot elsewhere
-(`resolve`).
+`IMPLS` names them; `auto` picks grouped_gemm on an sm_90 GPU where it can be built,
+padded_blocks on other GPUs, ragged_dot elsewhere (`choose`, which also says why).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-IMPLS = ("auto", "ragged_dot", "padded_blocks")
+from moe_kernels import gemm_mgpu
+from moe_kernels.permute import vary_like
+
+IMPLS = ("auto", "ragged_dot", "padded_blocks", "grouped_gemm")
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def choose(impl: str, device, dtype, dims: tuple[int, int]) -> tuple[str, str]:
+    """(implementation, why) that `impl` stands for on `device` for `dtype` weights of
+    (embed, expert hidden) `dims`. `device` is a jax Device (its platform and, on a
+    GPU, its compute capability) or a platform name."""
+    if impl not in IMPLS:
+        raise ValueError(f"grouped_matmul={impl!r} is not one of {IMPLS}")
+    platform = device if isinstance(device, str) else device.platform
+    if impl == "grouped_gemm":
+        blockers = gemm_mgpu.blockers(device, dtype, dims)
+        if blockers:
+            raise ValueError(f"grouped_matmul=grouped_gemm cannot run here: {'; '.join(blockers)}")
+        return impl, "asked for"
+    if impl != "auto":
+        return impl, "asked for"
+    if platform not in GPU_PLATFORMS:
+        return "ragged_dot", f"auto on {platform}"
+    blockers = gemm_mgpu.blockers(device, dtype, dims)
+    if not blockers:
+        return "grouped_gemm", "auto on a Hopper GPU"
+    return "padded_blocks", "auto on a GPU; not grouped_gemm: " + "; ".join(blockers)
 
 
 def resolve(impl: str, platform: str) -> str:
-    """The implementation `impl` stands for on `platform` ("gpu", "tpu", "cpu")."""
-    if impl not in IMPLS:
-        raise ValueError(f"grouped_matmul={impl!r} is not one of {IMPLS}")
-    if impl != "auto":
-        return impl
-    return "padded_blocks" if platform in ("gpu", "cuda", "rocm") else "ragged_dot"
+    """The implementation `impl` stands for on `platform` for bf16 weights whose dims
+    every kernel takes (see `choose`)."""
+    return choose(impl, platform, jnp.bfloat16, (1024, 1024))[0]
 
 
 def block_rows(num_rows: int, num_groups: int) -> int:
@@ -50,113 +80,69 @@ def block_rows(num_rows: int, num_groups: int) -> int:
     return min(512, max(64, m))
 
 
-def swiglu_grouped(rows_AxD, wi0_ExDxF, wi1_ExDxF, wo_ExFxD, sizes_E, *, impl, precision=None):
-    """SwiGLU of each row with its group's expert weights; see the module docstring."""
+def align_for(impl: str, num_rows: int, num_groups: int) -> int:
+    """The slot layout's alignment `impl` needs: M rows for padded_blocks, else 1."""
+    return block_rows(num_rows, num_groups) if impl == "padded_blocks" else 1
+
+
+def swiglu_slots(rows_PxD, kernels, sizes_E, group_P, *, impl, align, precision=None, sms=132):
+    """SwiGLU of each slot's row with its group's expert weights; see the module
+    docstring. `sms`: the GPU's SM count, for grouped_gemm's weight-gradient kernel."""
+    wi0_ExDxF, wi1_ExDxF, wo_ExFxD = kernels
     if impl == "ragged_dot":
-        h0 = lax.ragged_dot(rows_AxD, wi0_ExDxF, sizes_E, precision=precision)
-        h1 = lax.ragged_dot(rows_AxD, wi1_ExDxF, sizes_E, precision=precision)
+        h0 = lax.ragged_dot(rows_PxD, wi0_ExDxF, sizes_E, precision=precision)
+        h1 = lax.ragged_dot(rows_PxD, wi1_ExDxF, sizes_E, precision=precision)
         return lax.ragged_dot(jax.nn.silu(h0) * h1, wo_ExFxD, sizes_E, precision=precision)
+    if impl == "grouped_gemm":
+        # One varying type for rows and weights, as a matmul of them would cast to.
+        kernels = tuple(vary_like(w, rows_PxD, sizes_E) for w in kernels)
+        rows_PxD = vary_like(rows_PxD, *kernels)
+        return gemm_mgpu.swiglu(rows_PxD, kernels, sizes_E, sms)
     if impl == "padded_blocks":
-        return _swiglu_blocks(rows_AxD, wi0_ExDxF, wi1_ExDxF, wo_ExFxD, sizes_E, precision)
+        p, d = rows_PxD.shape
+        # Blocks past the last group's padding hold only zero rows: any expert will do.
+        expert_N = jnp.minimum(group_P[::align], wi0_ExDxF.shape[0] - 1)
+        out_NxMxD = _blocks_swiglu(
+            rows_PxD.reshape(p // align, align, d), kernels, expert_N, precision
+        )
+        return out_NxMxD.reshape(p, d)
     raise ValueError(f"impl={impl!r} is not one of {IMPLS[1:]}")
 
 
-def _padded_swiglu(rows_AxD, group_A, offset_A, sizes_E, kernels, precision):
-    """The SwiGLU of row a through expert group_A[a] (E: no expert, zero out), placed
-    at offset_A[a] among that expert's rows in a layout padded to blocks of M rows.
-
-    Rows go in with one scatter and come out with one gather. A row of no expert
-    gets its own index past the layout (N*M + a): dropped on the way in, zero on
-    the way out, and every index distinct, as unique_indices promises.
-    """
-    a, d = rows_AxD.shape
-    e = sizes_E.shape[0]
-    m = block_rows(a, e)
-    num_blocks = -(-a // m) + e  # each group pads by less than one block
-    padded_E = (sizes_E + m - 1) // m * m
-    padded_ends_E = jnp.cumsum(padded_E)
-    g_A = jnp.minimum(group_A, e - 1)
-    dest_A = jnp.where(
-        group_A < e, padded_ends_E[g_A] - padded_E[g_A] + offset_A, num_blocks * m + jnp.arange(a)
-    )
-    # Blocks past the last group's padding hold only zero rows: any expert will do.
-    block_start_N = jnp.arange(num_blocks) * m
-    expert_N = jnp.minimum(_count_at_or_below(padded_ends_E, block_start_N), e - 1)
-    padded_NxMxD = (
-        jnp.zeros((num_blocks * m, d), rows_AxD.dtype)
-        .at[dest_A]
-        .set(rows_AxD, mode="drop", unique_indices=True)
-        .reshape(num_blocks, m, d)
-    )
-    out_NxMxD = _blocks_swiglu(padded_NxMxD, *kernels, expert_N, precision)
-    return (
-        out_NxMxD.reshape(num_blocks * m, d)
-        .at[dest_A]
-        .get(mode="fill", fill_value=0, unique_indices=True)
-    )
-
-
-def swiglu_by_expert(x_TxD, key_A, k, wi0_ExDxF, wi1_ExDxF, wo_ExFxD, *, precision=None):
-    """Each assignment's SwiGLU through its expert, by padded blocks, without sorting.
-
-    Assignment a is token a // k sent to expert key_A[a]; key_A == E marks an
-    assignment for no local expert (zero out). Each assignment's slot in the padded
-    layout is its expert's padded start plus its rank among that expert's
-    assignments in token order (what a stable sort by expert would give), so no
-    argsort and no inverse permutation (on GPU, sorts, gathers and scatters were a
-    large share of the step's kernel time: benchmarks/results/device_check.md).
-    Returns out_AxD in assignment order.
-    """
-    e = wi0_ExDxF.shape[0]
-    onehot_AxE = (key_A[:, None] == jnp.arange(e)[None, :]).astype(jnp.int32)
-    sizes_E = jnp.sum(onehot_AxE, axis=0)
-    # Rank within the expert: the running count of that expert's assignments.
-    rank_A = jnp.sum(jnp.cumsum(onehot_AxE, axis=0) * onehot_AxE, axis=1) - 1
-    rows_AxD = jnp.repeat(x_TxD, k, axis=0)  # assignment a reads token a // k
-    kernels = (wi0_ExDxF, wi1_ExDxF, wo_ExFxD)
-    return _padded_swiglu(rows_AxD, key_A, rank_A, sizes_E, kernels, precision)
-
-
-def _blocks_swiglu(padded_NxMxD, wi0_ExDxF, wi1_ExDxF, wo_ExFxD, expert_N, precision):
+def _blocks_swiglu(padded_NxMxD, kernels, expert_N, precision):
     """The SwiGLU of each block of rows with its expert's weights."""
-    h0_NxMxF = jnp.einsum(
-        "nmd,ndf->nmf", padded_NxMxD, _per_block(wi0_ExDxF, expert_N), precision=precision
-    )
-    h1_NxMxF = jnp.einsum(
-        "nmd,ndf->nmf", padded_NxMxD, _per_block(wi1_ExDxF, expert_N), precision=precision
-    )
-    return jnp.einsum(
-        "nmf,nfd->nmd",
-        jax.nn.silu(h0_NxMxF) * h1_NxMxF,
-        _per_block(wo_ExFxD, expert_N),
-        precision=precision,
-    )
+    wi0, wi1, wo = (_per_block(w, expert_N) for w in kernels)
+    h0_NxMxF = jnp.einsum("nmd,ndf->nmf", padded_NxMxD, wi0, precision=precision)
+    h1_NxMxF = jnp.einsum("nmd,ndf->nmf", padded_NxMxD, wi1, precision=precision)
+    return jnp.einsum("nmf,nfd->nmd", jax.nn.silu(h0_NxMxF) * h1_NxMxF, wo, precision=precision)
 
 
 def _per_block(w_ExIxJ, expert_N):
-    """Each block's expert weights, w[expert_N], as a matmul with the block-to-expert
-    one-hot: exact (one nonzero term per sum), and its transpose sums the blocks'
-    weight gradients into their experts as a matmul too, not a scatter-add of N
-    weight-sized slices. Plain einsums, so sharding tags and varying types flow as
-    through the layer's other matmuls."""
-    onehot_NxE = jax.nn.one_hot(expert_N, w_ExIxJ.shape[0], dtype=w_ExIxJ.dtype)
-    return jnp.einsum("ne,eij->nij", onehot_NxE, w_ExIxJ)
+    """Each block's expert weights, w[expert_N]: a gather (a copy, where a one-hot
+    product read all E experts per block), whose gradient sums the blocks' weight
+    gradients into their experts as a matmul with the block-to-expert one-hot, not a
+    scatter-add of N weight-sized slices.
+
+    The weights are first cast to vary like the block indices (over the token axes
+    inside a shard_map), as a matmul with them would: the cast's transpose is what
+    reduces the gradient (psum, or unreduced for a weight with a reduced tag)."""
+    w_ExIxJ = vary_like(w_ExIxJ, expert_N)
+    return _take_experts(w_ExIxJ, expert_N, w_ExIxJ.shape[0])
 
 
-def _count_at_or_below(ends_E: jax.Array, values: jax.Array) -> jax.Array:
-    """For each value, how many of the (sorted) ends are <= it: searchsorted(side="right")."""
-    return jnp.sum(ends_E[None, :] <= values[:, None], axis=1, dtype=jnp.int32)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _take_experts(w_ExIxJ, expert_N, num_experts):
+    del num_experts
+    return jnp.take(w_ExIxJ, expert_N, axis=0, mode="clip")
 
 
-def _swiglu_blocks(rows_AxD, wi0_ExDxF, wi1_ExDxF, wo_ExFxD, sizes_E, precision):
-    """Rows already sorted by expert: a row's group is the number of group ends at or
-    before it (E past the last group), its offset its distance from the group's start."""
-    ends_E = jnp.cumsum(sizes_E)
-    row_A = jnp.arange(rows_AxD.shape[0])
-    # A compare-and-sum, not jnp.searchsorted: that lowers to a while loop of small
-    # kernels on GPU.
-    group_A = _count_at_or_below(ends_E, row_A)
-    g_A = jnp.minimum(group_A, sizes_E.shape[0] - 1)
-    offset_A = row_A - (ends_E[g_A] - sizes_E[g_A])
-    kernels = (wi0_ExDxF, wi1_ExDxF, wo_ExFxD)
-    return _padded_swiglu(rows_AxD, group_A, offset_A, sizes_E, kernels, precision)
+def _take_experts_fwd(w_ExIxJ, expert_N, num_experts):
+    return _take_experts(w_ExIxJ, expert_N, num_experts), expert_N
+
+
+def _take_experts_bwd(num_experts, expert_N, g_NxIxJ):
+    onehot_NxE = jax.nn.one_hot(expert_N, num_experts, dtype=g_NxIxJ.dtype)
+    return jnp.einsum("ne,nij->eij", onehot_NxE, g_NxIxJ), None
+
+
+_take_experts.defvjp(_take_experts_fwd, _take_experts_bwd)

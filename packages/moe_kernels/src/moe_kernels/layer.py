@@ -3,8 +3,10 @@
 Both paths run per shard inside `jax.shard_map` over the whole mesh and share
 the routing and the shared-expert MLP; they differ in how routed experts run:
 
-- sparse: assignments sorted by expert, `jax.lax.ragged_dot` grouped matmuls for
-  the SwiGLU pair and the output kernel, unsort and weighted combine. With
+- sparse: assignments gathered into a slot layout by expert (moe_kernels.permute),
+  grouped matmuls for the SwiGLU pair and the output kernel (moe_kernels.grouped:
+  ragged_dot, padded blocks or a Hopper grouped GEMM), gathered back and
+  combined with their weights. With
   expert parallelism (the `expert` mesh axis shards experts and tokens) the
   sorted rows travel to the shard that owns their expert with a padded
   `all_to_all` and come back the same way (XLA:CPU has no ragged-all-to-all).
@@ -56,9 +58,9 @@ def _moe(x_BxSxD, params, *, config, mesh, rules, mode, keep_tags, sparse, recom
     params = {name: _as_device_array(w) for name, w in params.items()}
     check_params(params, config, x_BxSxD.shape[-1])
     if mesh is None:
-        platform = jax.default_backend()
+        device = jax.devices()[0]
         y, shard_stats = layer_body(
-            x_BxSxD, params, config=config, plan=None, sparse=sparse, platform=platform
+            x_BxSxD, params, config=config, plan=None, sparse=sparse, device=device
         )
         return y, _finish_stats(shard_stats)
     mode = mode or infer_mode(mesh)
@@ -90,10 +92,10 @@ def _moe(x_BxSxD, params, *, config, mesh, rules, mode, keep_tags, sparse, recom
 
     # The mesh's devices say what the program is compiled for (an AOT topology's
     # compile-only devices included), not the backend this process runs on.
-    platform = mesh.devices.flat[0].platform
+    device = mesh.devices.flat[0]
 
     def body(x, p):
-        return layer_body(x, p, config=config, plan=plan, sparse=sparse, platform=platform)
+        return layer_body(x, p, config=config, plan=plan, sparse=sparse, device=device)
 
     layer = jax.shard_map(
         body,

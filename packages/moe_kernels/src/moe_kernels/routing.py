@@ -9,6 +9,35 @@ from jax import lax
 
 from moe_kernels.config import MoEConfig
 
+# Up to this many picks, `top_k` takes k rounds of reductions instead of lax.top_k.
+SMALL_K = 8
+
+
+def top_k(x_xN: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """(values, int32 indices) of the k largest along the last axis, largest first,
+    ties to the lower index: what `lax.top_k` returns.
+
+    For k <= SMALL_K, k rounds of a max and an argmax over what is not yet taken:
+    reductions that XLA fuses with the routing around them, where lax.top_k is a
+    sort on a GPU (three sorts per MoE layer for grouped routing). An entry that is
+    taken never wins again, even when everything left is -inf.
+    """
+    if k > SMALL_K:
+        return lax.top_k(x_xN, k)
+    n = x_xN.shape[-1]
+    iota_N = jnp.arange(n, dtype=jnp.int32)
+    taken_xN = jnp.zeros(x_xN.shape, bool)
+    values, indices = [], []
+    for _ in range(k):
+        best_x = jnp.max(jnp.where(taken_xN, -jnp.inf, x_xN), axis=-1)
+        # The first entry not yet taken that holds the best value.
+        hit_xN = ~taken_xN & (x_xN == best_x[..., None])
+        index_x = jnp.argmax(hit_xN, axis=-1).astype(jnp.int32)
+        taken_xN = taken_xN | (iota_N == index_x[..., None])
+        values.append(best_x)
+        indices.append(index_x)
+    return jnp.stack(values, axis=-1), jnp.stack(indices, axis=-1)
+
 
 def _group_mask(select_xE: jax.Array, config: MoEConfig) -> jax.Array:
     """Boolean (..., E): experts that belong to one of the `topk_groups` best groups.
@@ -22,9 +51,9 @@ def _group_mask(select_xE: jax.Array, config: MoEConfig) -> jax.Array:
     if config.topk_method == "group_limited_greedy":
         group_score_xG = grouped.max(-1)
     else:
-        best, _ = lax.top_k(grouped, min(2, per))
+        best, _ = top_k(grouped, min(2, per))
         group_score_xG = best.sum(-1)
-    _, top_groups_xJ = lax.top_k(group_score_xG, config.topk_groups)
+    _, top_groups_xJ = top_k(group_score_xG, config.topk_groups)
     keep_xG = jax.nn.one_hot(top_groups_xJ, g, dtype=jnp.int32).sum(-2) > 0
     return jnp.repeat(keep_xG, per, axis=-1)
 
@@ -96,13 +125,19 @@ def route(
         select_xE = select_xE + lax.stop_gradient(bias.astype(jnp.float32))
     if config.n_groups > 1 and config.topk_groups < config.n_groups:
         select_xE = jnp.where(_group_mask(select_xE, config), select_xE, -jnp.inf)
-    _, ids_xZ = lax.top_k(select_xE, k)
-    weights_xZ = jnp.take_along_axis(scores_xE, ids_xZ, axis=-1)
+    _, ids_xZ = top_k(select_xE, k)
+    # The chosen experts' scores by a one-hot product over the E experts, not
+    # take_along_axis: that gather's gradient is a scatter-add (a kernel of its own
+    # on a GPU); this one's is a product that fuses with its neighbours.
+    chosen_xZxE = ids_xZ[..., None] == jnp.arange(e, dtype=ids_xZ.dtype)
+    weights_xZ = jnp.sum(jnp.where(chosen_xZxE, scores_xE[..., None, :], 0.0), axis=-1)
     if config.norm_topk_prob:
         weights_xZ = weights_xZ / (weights_xZ.sum(-1, keepdims=True) + 1e-20)
     weights_xZ = weights_xZ * config.routed_scaling_factor
 
-    counts_E = jnp.bincount(ids_xZ.reshape(-1), length=e).astype(jnp.int32)
+    # Counts as sums of a one-hot (a reduction XLA fuses with its neighbours), not
+    # jnp.bincount: that is a scatter-add, a kernel of its own on a GPU.
+    counts_E = _one_hot_counts(ids_xZ.reshape(1, -1), e)[0]
     stats = {
         "tokens_per_expert": counts_E,
         "balance_loss": _sequence_balance_loss(scores_xE, ids_xZ, config),
@@ -122,14 +157,17 @@ def _sequence_balance_loss(scores_xE: jax.Array, ids_xZ: jax.Array, config: MoEC
     s = scores_xE.shape[-2]
     scores_BxSxE = scores_xE.reshape(-1, s, e)
     ids_BxA = ids_xZ.reshape(scores_BxSxE.shape[0], s * k)
-    n = scores_BxSxE.shape[0]
-    # Per-sequence counts with one bincount over (sequence, expert) pairs.
-    flat = (jnp.arange(n, dtype=jnp.int32)[:, None] * e + ids_BxA).reshape(-1)
-    counts_BxE = jnp.bincount(flat, length=n * e).reshape(n, e)
+    counts_BxE = _one_hot_counts(ids_BxA, e)
     f_BxE = counts_BxE.astype(jnp.float32) * (e / (k * s))
     normalized = scores_BxSxE / (scores_BxSxE.sum(-1, keepdims=True) + 1e-20)
     p_BxE = normalized.mean(axis=1)
     return (f_BxE * p_BxE).sum(-1).mean()
+
+
+def _one_hot_counts(ids_BxA: jax.Array, num_experts: int) -> jax.Array:
+    """(B, E) int32: how many of each row's ids equal each expert."""
+    onehot_BxAxE = ids_BxA[..., None] == jnp.arange(num_experts, dtype=ids_BxA.dtype)
+    return jnp.sum(onehot_BxAxE, axis=1, dtype=jnp.int32)
 
 
 def update_routing_bias(

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from moe_kernels import dispatch, lora
+from moe_kernels import dispatch, gemm_mgpu, lora
 from moe_kernels.config import MoEConfig
-from moe_kernels.grouped import resolve as resolve_grouped
+from moe_kernels.grouped import choose as choose_grouped
 from moe_kernels.params import EXPERT_PARAMS, SHARED_PARAMS
 from moe_kernels.routing import route
 from moe_kernels.shard_plan import ShardPlan
@@ -44,13 +44,15 @@ def _swiglu_dense(x_TxD, wi0_DxF, wi1_DxF, wo_FxD, precision):
     return jnp.dot(jax.nn.silu(h0) * h1, wo_FxD, precision=precision)
 
 
-def layer_body(
-    x_BxSxD, params, *, config: MoEConfig, plan: ShardPlan | None, sparse: bool, platform: str
-):
-    """One shard's MoE: route, routed experts (sparse or dense), shared experts."""
+def layer_body(x_BxSxD, params, *, config: MoEConfig, plan: ShardPlan | None, sparse: bool, device):
+    """One shard's MoE: route, routed experts (sparse or dense), shared experts.
+    `device`: one the program is built for (its platform picks the grouped matmul)."""
     precision = _precision(config)
-    # The grouped matmul's implementation for the platform the program is built for.
-    grouped = {"impl": resolve_grouped(config.grouped_matmul, platform), "precision": precision}
+    b, s, d = x_BxSxD.shape
+    # The grouped matmul's implementation for the device the program is built for.
+    impl, _ = choose_grouped(config.grouped_matmul, device, x_BxSxD.dtype, (d, config.mlp_dim))
+    sms = getattr(device, "core_count", None) or gemm_mgpu.H100_SMS
+    grouped = {"impl": impl, "precision": precision, "sms": sms}
     specs = plan.specs if plan is not None else {}
     ep = plan.ep if plan is not None else 1
 
@@ -70,7 +72,6 @@ def layer_body(
         )
         return lora.merged(w, a, b, config.lora_scale, precision)
 
-    b, s, d = x_BxSxD.shape
     k, e = config.num_experts_per_tok, config.num_experts
     x_TxD = x_BxSxD.reshape(b * s, d)
     # Router in f32 (as DeepSeek-V3 does): top-k choices are sensitive to rounding.
@@ -94,18 +95,15 @@ def layer_body(
         e_local = e // ep
         if a2a:
             cap = dispatch.block_capacity(config, ids_A.shape[0], ep)
-            out_AxD, dropped = dispatch.routed_all_to_all(
-                x_TxD, ids_A, k, kernels, ep, plan.expert_axis, e_local, cap, grouped
+            routed_TxD, dropped = dispatch.routed_all_to_all(
+                x_TxD, ids_A, weights_TxZ, kernels, ep, plan.expert_axis, e_local, cap, grouped
             )
         else:
             vary = None if ep == 1 else plan.expert_axis
             start = 0 if ep == 1 else lax.axis_index(plan.expert_axis) * e_local
-            out_AxD, dropped = dispatch.routed_local(
-                x_TxD, ids_A, k, kernels, start, e_local, grouped, vary, keep_A
+            routed_TxD, dropped = dispatch.routed_local(
+                x_TxD, ids_A, weights_TxZ, kernels, start, e_local, grouped, vary, keep_A
             )
-        routed_TxD = jnp.einsum(
-            "tkd,tk->td", out_AxD.reshape(b * s, k, d).astype(jnp.float32), weights_TxZ
-        )
         if ep > 1 and not a2a:
             # Tokens are replicated over the expert axis; each shard ran its own
             # experts, so the routed output is the sum over that axis.

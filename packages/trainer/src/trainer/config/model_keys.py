@@ -72,10 +72,13 @@ class ModelConfig:
     )
     # How the sparse path runs the experts' grouped matmuls (moe_kernels.grouped):
     # jax.lax.ragged_dot, which XLA:GPU rewrites into a dense matmul over every
-    # expert, or padded blocks of one expert each (batched matmuls). auto: blocks
-    # on GPU, ragged_dot elsewhere (benchmarks/results/device_check.md).
-    grouped_matmul: Literal["auto", "ragged_dot", "padded_blocks"] = key(
-        "auto", "sparse experts' grouped matmul: ragged_dot, padded_blocks, auto (blocks on GPU)"
+    # expert; padded blocks of one expert each (batched matmuls, any backend); or
+    # JAX's Mosaic-GPU grouped GEMM (Hopper, sm_90). auto: grouped_gemm on Hopper,
+    # blocks on other GPUs, ragged_dot elsewhere; the startup line says which and why.
+    grouped_matmul: Literal["auto", "ragged_dot", "padded_blocks", "grouped_gemm"] = key(
+        "auto",
+        "sparse experts' grouped matmul: ragged_dot, padded_blocks, grouped_gemm (Hopper), "
+        "auto (grouped_gemm on Hopper, blocks on other GPUs)",
     )
     # 0 = never drop a token (all-to-all blocks sized for every assignment);
     # c > 0 caps each expert-parallel all-to-all block at c x its fair share, and

@@ -30,6 +30,7 @@ from jax.experimental import topologies
 import hlo_tools
 from trainer.config import ConfigError
 from trainer.model import attention_kernel
+from trainer.run import report
 
 GIB = 1024**3
 PLUGIN = "jax_plugins.xla_cuda12"
@@ -189,6 +190,7 @@ def report_lines(kernels, run, hlo_path: str) -> list[str]:
     thunks = hlo_path.removesuffix(".hlo") + ".thunks.txt"
     return [
         f"attention: {chosen}{why}",
+        *report.grouped_matmul_lines(run.config, run.ctx),
         *hlo_tools.format_kernels(kernels),
         f"wrote the thunk sequence to {thunks}",
     ]

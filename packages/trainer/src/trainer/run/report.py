@@ -205,6 +205,21 @@ def capacity_lines(config, ctx, global_batch: int) -> list[str]:
     return [plan.describe()]
 
 
+def grouped_matmul_lines(config, ctx) -> list[str]:
+    """Which grouped matmul the routed experts compile to on the mesh's GPUs, and why
+    (moe_kernels' choice: grouped_gemm needs a Hopper GPU and bf16 tiles); nothing
+    for a model without sparse MoE layers, or off GPUs where auto is ragged_dot."""
+    model = config.model
+    if not model.num_moe_layers or not model.sparse_matmul:
+        return []
+    device = ctx.mesh.devices.flat[0]
+    if device.platform != "gpu" and model.grouped_matmul == "auto":
+        return []
+    dims = (model.emb_dim, model.base_moe_mlp_dim)
+    impl, why = moe_kernels.choose_grouped_matmul(model.grouped_matmul, device, model.dtype, dims)
+    return [f"moe grouped matmul: {impl} ({why})"]
+
+
 def checkpoints_off_line(config) -> str:
     """The startup line of a run that saves no checkpoint (checkpoint_files.checkpoint_dir
     is None), naming the key that turned them off and what would turn them on."""

@@ -365,6 +365,7 @@ def startup_lines(run: Run) -> list[str]:
         lines += reduction_choice.startup_lines(run.reduction_choice)
     lines += report.plan_lines(config.accumulation, run.plan)
     lines += report.capacity_lines(config, run.ctx, run.batch_size)
+    lines += report.grouped_matmul_lines(config, run.ctx)
     lines += data_lines(run)
     text = run.compiled.as_text()
     return lines + report.collective_summary(
