@@ -1,5 +1,7 @@
 """The attention kernels: the fused (cuDNN) path's mask, padding and shard_map equal the
-dot_product path, checked on CPU through JAX's reference kernel; `attention=` resolution."""
+dot_product path, checked on CPU through JAX's reference kernel; the packed layout's
+documents equal the segment mask; `attention=` resolution; rope's and RMSNorm's custom
+backward passes against autodiff."""
 
 import jax
 import jax.numpy as jnp
@@ -8,8 +10,10 @@ import pytest
 from flax import nnx
 
 from trainer.config import ConfigError, make_config
-from trainer.model import attention_kernel
+from trainer.model import attention_kernel, cudnn_attention
+from trainer.model import rope as rope_lib
 from trainer.model.attention import MLA, NAMES
+from trainer.model.layers import rms_norm
 from trainer.sharding import ShardCtx, logical_rules, make_mesh
 
 
@@ -74,3 +78,70 @@ def test_blockers_name_dtype_head_dim_and_context_parallelism():
     assert "dtype=float32" in blockers
     assert "head dim 136 > 128" in blockers
     assert "context parallelism" in blockers
+
+
+def _mask_of_documents(lengths, offsets, s):
+    """The (B, S, S) same-document mask cuDNN's packed layout means (causality aside)."""
+    doc = np.full((lengths.shape[0], s), -1)
+    for b in range(lengths.shape[0]):
+        for m in range(lengths.shape[1]):
+            if lengths[b, m] >= 0:
+                doc[b, offsets[b, m] : offsets[b, m] + lengths[b, m]] = m
+    return doc[:, :, None] == doc[:, None, :], doc
+
+
+def test_packed_documents_are_the_segment_mask():
+    # Row 0: one document; row 1: three and trailing padding (id 0, its own run);
+    # row 2: documents 1, 2, 3 of lengths 5, 1, 10.
+    s = 16
+    segments = np.array(
+        [[1] * s, [1] * 4 + [2] * 3 + [3] * 5 + [0] * 4, [1] * 5 + [2] + [3] * 10], np.int32
+    )
+    lengths, offsets, fits = (np.asarray(x) for x in cudnn_attention.documents(segments, 4))
+    assert bool(fits)
+    assert lengths.tolist() == [[16, -1, -1, -1], [4, 3, 5, 4], [5, 1, 10, -1]]
+    assert offsets.tolist() == [[0, -1, -1, -1, -1], [0, 4, 7, 12, -1], [0, 5, 6, -1, -1]]
+    same, doc = _mask_of_documents(lengths, offsets, s)
+    assert (doc >= 0).all()  # every token in some document
+    np.testing.assert_array_equal(same, segments[:, :, None] == segments[:, None, :])
+    # A row of more documents than the packed call's slots takes the masked call.
+    _, _, fits = cudnn_attention.documents(segments, 3)
+    assert not bool(fits)
+
+
+def test_rope_rotates_only_the_dims_after_start_with_its_transpose_as_backward():
+    config = make_config({"model_name": "tagtrain-tiny"}).model
+    nope, r = config.qk_nope_head_dim, config.qk_rope_head_dim
+    x = jax.random.normal(jax.random.key(0), (2, 8, 2, nope + r), jnp.float32)
+    pos = jnp.tile(jnp.arange(8, dtype=jnp.int32), (2, 1))
+    got = rope_lib.rope(x, pos, config, start=nope)
+    want = jnp.concatenate([x[..., :nope], rope_lib.rope(x[..., nope:], pos, config)], -1)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # A rotation preserves norms, so its VJP (the opposite rotation) does too; and
+    # the custom backward equals autodiff's through the f32 chain.
+    g = jax.random.normal(jax.random.key(1), x.shape, jnp.float32)
+    (custom,) = jax.vjp(lambda x: rope_lib.rope(x, pos, config, start=nope), x)[1](g)
+    (auto,) = jax.vjp(lambda x: rope_lib._rotate(x, pos, config, nope, 1.0), x)[1](g)
+    np.testing.assert_allclose(np.asarray(custom), np.asarray(auto), rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_backward_matches_autodiff_of_the_f32_chain():
+    def reference(x, s, eps=1e-6):
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+        return (normed * s).astype(x.dtype)
+
+    x = (3 * jax.random.normal(jax.random.key(0), (4, 16, 64))).astype(jnp.bfloat16)
+    s = 1 + 0.1 * jax.random.normal(jax.random.key(2), (64,))
+    g = jax.random.normal(jax.random.key(1), x.shape).astype(jnp.bfloat16)
+    new = lambda x, s: rms_norm(x, s, 1e-6)  # noqa: E731
+    assert new(x, s).dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(new(x, s)), np.asarray(reference(x, s)))
+    dx_want, ds_want = jax.vjp(reference, x, s)[1](g)
+    dx_got, ds_got = jax.vjp(new, x, s)[1](g)
+    assert dx_got.dtype == jnp.bfloat16 and ds_got.dtype == jnp.float32
+    # f32 inside both: dx agrees to bf16 rounding, the scale's gradient to f32's.
+    np.testing.assert_allclose(
+        np.asarray(dx_got, np.float32), np.asarray(dx_want, np.float32), rtol=1e-2, atol=1e-2
+    )
+    np.testing.assert_allclose(np.asarray(ds_got), np.asarray(ds_want), rtol=1e-5)

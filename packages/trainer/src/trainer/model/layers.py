@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +32,8 @@ NORM_SCALE = ("norm",)
 
 
 class RMSNorm(nnx.Module):
-    """Root-mean-square norm with a learned scale (computed in f32)."""
+    """Root-mean-square norm with a learned scale: the input's dtype in and out, f32
+    inside (rms_norm)."""
 
     def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs, logical=NORM_SCALE):
         # Used in f32 (normed * scale), never cast: see params.CAST_AT_USE.
@@ -39,12 +41,50 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        # `normed * scale` would raise ShardingTypeError when the scale is reduced
-        # over 'data' and `normed` is sharded over it; broadcast_param gives the
-        # scale the activation's sharding and keeps its gradient unreduced.
-        return (normed * pt.broadcast_param(self.scale[...], normed)).astype(x.dtype)
+        return rms_norm(x, self.scale[...], self.eps)
+
+
+def _normed(x, scale_D, eps):
+    """(x * rsqrt(mean(x^2) + eps) * scale in f32, the per-row rsqrt)."""
+    x32 = x.astype(jnp.float32)
+    inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    normed = x32 * inv
+    # `normed * scale` would raise ShardingTypeError when the scale is reduced
+    # over 'data' and `normed` is sharded over it; broadcast_param gives the
+    # scale the activation's sharding and keeps its gradient unreduced.
+    return normed * pt.broadcast_param(scale_D, normed), inv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def rms_norm(x: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last dim: reads x in its dtype, writes the result in it, and
+    accumulates the mean square in f32. Its backward (a custom VJP) saves x and one
+    f32 rsqrt per row, not autodiff's f32 copies of x, and computes dx in one pass:
+    dx = r (g s) - x r^3 mean(g s x), with r the row's rsqrt; the scale's gradient
+    (g x r, summed over rows) goes through broadcast_param's transpose, so a reduced
+    scale's cotangent stays unreduced as before."""
+    return _normed(x, scale_D, eps)[0].astype(x.dtype)
+
+
+def _rms_norm_fwd(x, scale_D, eps):
+    y, inv = _normed(x, scale_D, eps)
+    return y.astype(x.dtype), (x, scale_D, inv)
+
+
+def _rms_norm_bwd(eps, residuals, g):
+    del eps  # in `inv` already
+    x, scale_D, inv = residuals
+    g32, x32 = g.astype(jnp.float32), x.astype(jnp.float32)
+    broadcast = functools.partial(pt.broadcast_param, like=g32)
+    gs = g32 * broadcast(scale_D)
+    dx = inv * gs - x32 * (inv**3) * jnp.mean(gs * x32, axis=-1, keepdims=True)
+    # The scale's cotangent through the transpose of its broadcast (sum over rows).
+    _, pull = jax.vjp(broadcast, scale_D)
+    (d_scale,) = pull(g32 * x32 * inv)
+    return dx.astype(x.dtype), d_scale
+
+
+rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 class MLP(nnx.Module):
