@@ -131,10 +131,13 @@ class ModelConfig:
     weight_dtype: Literal["float32", "bfloat16"] = key("float32", "parameter dtype")
     # Which activations each layer's backward recomputes (model/decoder.py REMAT):
     # none keeps them all, full saves nothing (jax.checkpoint nothing_saveable),
-    # minimal saves the outputs of matmuls without batch dimensions.
-    remat_policy: Literal["none", "full", "minimal"] = key(
+    # minimal saves the outputs of matmuls without batch dimensions, selective
+    # everything but the norms' outputs and the dense SwiGLU's activation (cheap
+    # elementwise kernels whose (B, S, D) outputs each matmul's backward would read).
+    remat_policy: Literal["none", "full", "minimal", "selective"] = key(
         "none",
-        "what each layer's backward recomputes: none, full (all), minimal (not matmuls); "
+        "what each layer's backward recomputes: none, full (all), minimal (not matmuls), "
+        "selective (norms and the SwiGLU activation); "
         "memory, not collectives (benchmarks/results/perf_keys.md)",
     )
     # How the decoder layers run (model/decoder.py): one lax.scan (compile time

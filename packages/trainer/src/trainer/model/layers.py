@@ -8,6 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 import pspec_tags as pt
 from trainer.model import lora
@@ -29,6 +30,11 @@ class MLPNames:
 
 MLP_NAMES = MLPNames()
 NORM_SCALE = ("norm",)
+# Names (jax.ad_checkpoint.checkpoint_name) of the values remat_policy=selective
+# recomputes in the backward instead of saving: the norms' outputs (from the saved
+# residual stream, one kernel each) and the dense SwiGLU's silu(h0) * h1.
+NORM_OUT, SWIGLU_OUT = "norm_out", "swiglu_out"
+RECOMPUTED = (NORM_OUT, SWIGLU_OUT)
 
 
 class RMSNorm(nnx.Module):
@@ -41,7 +47,7 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, self.scale[...], self.eps)
+        return checkpoint_name(rms_norm(x, self.scale[...], self.eps), NORM_OUT)
 
 
 def _normed(x, scale_D, eps):
@@ -114,7 +120,8 @@ class MLP(nnx.Module):
         # cast comes first so an FSDP gather (ctx.weight) moves compute-dtype bytes.
         h0 = self._project("bsd,df->bsf", x_BxSxD, "wi_0", MLP_NAMES.wi, hidden)
         h1 = self._project("bsd,df->bsf", x_BxSxD, "wi_1", MLP_NAMES.wi, hidden)
-        return self._project("bsf,fd->bsd", jax.nn.silu(h0) * h1, "wo", MLP_NAMES.wo, MLP_NAMES.out)
+        act = checkpoint_name(jax.nn.silu(h0) * h1, SWIGLU_OUT)
+        return self._project("bsf,fd->bsd", act, "wo", MLP_NAMES.wo, MLP_NAMES.out)
 
     def _project(self, equation, x, attr, logical, out):
         return lora.project(self.ctx, equation, x, self, attr, logical, out=out, dtype=self.dtype)
