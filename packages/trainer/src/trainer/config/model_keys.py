@@ -133,11 +133,12 @@ class ModelConfig:
     # none keeps them all, full saves nothing (jax.checkpoint nothing_saveable),
     # minimal saves the outputs of matmuls without batch dimensions, selective
     # everything but the norms' outputs and the dense SwiGLU's activation (cheap
-    # elementwise kernels whose (B, S, D) outputs each matmul's backward would read).
+    # elementwise kernels whose (B, S, D) outputs each matmul's backward would read)
+    # and dot_product attention's (B, H, S, S) scores (recomputed, as cuDNN does).
     remat_policy: Literal["none", "full", "minimal", "selective"] = key(
         "none",
         "what each layer's backward recomputes: none, full (all), minimal (not matmuls), "
-        "selective (norms and the SwiGLU activation); "
+        "selective (norms, SwiGLU activation, attention scores); "
         "memory, not collectives (benchmarks/results/perf_keys.md)",
     )
     # How the decoder layers run (model/decoder.py): one lax.scan (compile time

@@ -153,7 +153,14 @@ class MLA(nnx.Module):
                 q_BxSxHxK, k_BxUxHxK, v_BxUxHxO, segments_BxS, kv_segments_BxU, scale
             )
         else:
-            out_BxSxHxO = self._dot_product(
+            dot_product = self._dot_product
+            if c.remat_policy == "selective":
+                # Save q, k and v, not the (B, H, S, U) scores and probabilities: the
+                # backward recomputes them (as a flash kernel does), a layer at a time.
+                dot_product = jax.checkpoint(
+                    dot_product, policy=jax.checkpoint_policies.nothing_saveable
+                )
+            out_BxSxHxO = dot_product(
                 q_BxSxHxK, k_BxUxHxK, v_BxUxHxO, positions_BxS, segments_BxS,
                 kv_positions_BxU, kv_segments_BxU, scale,
             )  # fmt: skip
