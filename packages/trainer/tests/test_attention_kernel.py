@@ -1,7 +1,6 @@
 """The attention kernels: the fused (cuDNN) path's mask, padding and shard_map equal the
 dot_product path, checked on CPU through JAX's reference kernel; the packed layout's
-documents equal the segment mask; `attention=` resolution; rope's and RMSNorm's custom
-backward passes against autodiff."""
+documents equal the segment mask; `attention=` resolution; rope on q's tail."""
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +12,6 @@ from trainer.config import ConfigError, make_config
 from trainer.model import attention_kernel, cudnn_attention
 from trainer.model import rope as rope_lib
 from trainer.model.attention import MLA, NAMES
-from trainer.model.layers import rms_norm
 from trainer.sharding import ShardCtx, logical_rules, make_mesh
 
 
@@ -109,7 +107,7 @@ def test_packed_documents_are_the_segment_mask():
     assert not bool(fits)
 
 
-def test_rope_rotates_only_the_dims_after_start_with_its_transpose_as_backward():
+def test_rope_rotates_only_the_dims_after_start():
     config = make_config({"model_name": "tagtrain-tiny"}).model
     nope, r = config.qk_nope_head_dim, config.qk_rope_head_dim
     x = jax.random.normal(jax.random.key(0), (2, 8, 2, nope + r), jnp.float32)
@@ -117,31 +115,5 @@ def test_rope_rotates_only_the_dims_after_start_with_its_transpose_as_backward()
     got = rope_lib.rope(x, pos, config, start=nope)
     want = jnp.concatenate([x[..., :nope], rope_lib.rope(x[..., nope:], pos, config)], -1)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    # A rotation preserves norms, so its VJP (the opposite rotation) does too; and
-    # the custom backward equals autodiff's through the f32 chain.
-    g = jax.random.normal(jax.random.key(1), x.shape, jnp.float32)
-    (custom,) = jax.vjp(lambda x: rope_lib.rope(x, pos, config, start=nope), x)[1](g)
-    (auto,) = jax.vjp(lambda x: rope_lib._rotate(x, pos, config, nope, 1.0), x)[1](g)
-    np.testing.assert_allclose(np.asarray(custom), np.asarray(auto), rtol=1e-5, atol=1e-5)
-
-
-def test_rms_norm_backward_matches_autodiff_of_the_f32_chain():
-    def reference(x, s, eps=1e-6):
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-        return (normed * s).astype(x.dtype)
-
-    x = (3 * jax.random.normal(jax.random.key(0), (4, 16, 64))).astype(jnp.bfloat16)
-    s = 1 + 0.1 * jax.random.normal(jax.random.key(2), (64,))
-    g = jax.random.normal(jax.random.key(1), x.shape).astype(jnp.bfloat16)
-    new = lambda x, s: rms_norm(x, s, 1e-6)  # noqa: E731
-    assert new(x, s).dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(new(x, s)), np.asarray(reference(x, s)))
-    dx_want, ds_want = jax.vjp(reference, x, s)[1](g)
-    dx_got, ds_got = jax.vjp(new, x, s)[1](g)
-    assert dx_got.dtype == jnp.bfloat16 and ds_got.dtype == jnp.float32
-    # f32 inside both: dx agrees to bf16 rounding, the scale's gradient to f32's.
-    np.testing.assert_allclose(
-        np.asarray(dx_got, np.float32), np.asarray(dx_want, np.float32), rtol=1e-2, atol=1e-2
-    )
-    np.testing.assert_allclose(np.asarray(ds_got), np.asarray(ds_want), rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got[..., :nope]), np.asarray(x[..., :nope]))
+    assert not np.allclose(np.asarray(got[:, 1:, :, nope:]), np.asarray(x[:, 1:, :, nope:]))

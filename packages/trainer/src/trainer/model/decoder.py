@@ -13,7 +13,7 @@ import pspec_tags as pt
 from trainer.config import ModelConfig
 from trainer.model import lora
 from trainer.model.attention import MLA
-from trainer.model.layers import BSE, MLP, RECOMPUTED, RMSNorm
+from trainer.model.layers import BSE, MLP, RMSNorm
 from trainer.model.moe_block import moe_layer
 from trainer.model.mtp import MTPLayer, depth_targets
 from trainer.model.params import param
@@ -99,9 +99,9 @@ REMAT = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    # Recompute the values named by layers.RECOMPUTED (norm outputs, the SwiGLU
-    # activation) from their saved inputs; save everything else as `none` does.
-    "selective": jax.checkpoint_policies.save_anything_except_these_names(*RECOMPUTED),
+    # No layer checkpoint: the attention recomputes its (B, H, S, S) scores itself
+    # (model/attention.py); everything else is saved as under `none`.
+    "selective": None,
 }
 
 
