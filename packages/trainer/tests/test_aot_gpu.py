@@ -200,3 +200,48 @@ def test_grouped_gemm_gradients_compile_for_8_h100s():
         text = jax.jit(jax.grad(loss)).lower(params, x).compile().as_text()
     assert text.count('custom_call_target="mosaic_gpu_v2"') == 3 + 3 + 1
     assert not re.findall(r"\b(scatter|sort)\(", text)
+
+
+def test_cudnn_attention_lowers_causal_packed_without_a_dense_mask(monkeypatch):
+    """The cuDNN call of model/cudnn_attention.py, lowered (not compiled: XLA builds
+    cuDNN graphs with a cuDNN library this host lacks) for a compile-only H100 with
+    cuDNN 9.10 assumed: causal over packed documents (lengths and offsets, no (S, S)
+    operand) with v at its own head dim, forward and backward; the masked call only
+    in the branch for rows of more than MAX_DOCUMENTS documents."""
+    from trainer.model import cudnn_attention
+
+    api, why = cudnn_attention.internal_api()
+    assert api is not None, why
+    # Reading the cuDNN version needs the library; the capability, on a CPU host, a GPU backend.
+    monkeypatch.setattr(api, "check_cudnn_version", lambda: cudnn_attention.MLA_CUDNN)
+    monkeypatch.setattr(api, "check_compute_capability", lambda capability: True)
+    monkeypatch.setattr(api, "is_cuda_compute_capability_equal", lambda capability: False)
+    (device,) = gpu_topology.devices("h100", 1, 1)
+    plan = cudnn_attention.plan([device], v_dim=64, qk_dim=96)
+    assert (plan.packed, plan.v_own_dim) == (True, True), plan
+    mesh = jax.sharding.Mesh([device], ("x",))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    b, s, h = 2, 1024, 4
+
+    def grads(q, k, v, segments):
+        def loss(q, k, v):
+            out = cudnn_attention.packed(q, k, v, segments, 0.1, plan.v_own_dim)
+            return out.astype(jnp.float32).sum()
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    def spec(*shape, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+
+    args = (spec(b, s, h, 96), spec(b, s, h, 96), spec(b, s, h, 64), spec(b, s, dtype=jnp.int32))
+    text = jax.jit(grads).lower(*args).as_text()
+    calls = [line for line in text.splitlines() if "custom_call @__cudnn$fmha" in line]
+    packed = [line for line in calls if "fmhaSoftmax" in line and "Bias" not in line]
+    masked = [line for line in calls if "fmhaScaleBiasSoftmax" in line]
+    assert len(packed) == 2 and len(masked) == 2, calls  # forward and backward each
+    for line in packed:
+        assert "PADDING_CAUSAL" in line
+        assert f"{s}x{s}" not in line  # no dense (S, S) mask or bias operand
+        assert f"{b}x{cudnn_attention.MAX_DOCUMENTS + 1}xi32" in line  # document offsets
+        assert f"{b}x{s}x{h}x64xbf16" in line  # v at its own head dim, not padded to 96
+    assert "stablehlo.case" in text or "stablehlo.if" in text  # the masked call: a branch

@@ -1,5 +1,6 @@
 """The attention kernels: the fused (cuDNN) path's mask, padding and shard_map equal the
-dot_product path, checked on CPU through JAX's reference kernel; `attention=` resolution."""
+dot_product path, checked on CPU through JAX's reference kernel; the packed layout's
+documents equal the segment mask; `attention=` resolution; rope on q's tail."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,8 @@ import pytest
 from flax import nnx
 
 from trainer.config import ConfigError, make_config
-from trainer.model import attention_kernel
+from trainer.model import attention_kernel, cudnn_attention
+from trainer.model import rope as rope_lib
 from trainer.model.attention import MLA, NAMES
 from trainer.sharding import ShardCtx, logical_rules, make_mesh
 
@@ -74,3 +76,44 @@ def test_blockers_name_dtype_head_dim_and_context_parallelism():
     assert "dtype=float32" in blockers
     assert "head dim 136 > 128" in blockers
     assert "context parallelism" in blockers
+
+
+def _mask_of_documents(lengths, offsets, s):
+    """The (B, S, S) same-document mask cuDNN's packed layout means (causality aside)."""
+    doc = np.full((lengths.shape[0], s), -1)
+    for b in range(lengths.shape[0]):
+        for m in range(lengths.shape[1]):
+            if lengths[b, m] >= 0:
+                doc[b, offsets[b, m] : offsets[b, m] + lengths[b, m]] = m
+    return doc[:, :, None] == doc[:, None, :], doc
+
+
+def test_packed_documents_are_the_segment_mask():
+    # Row 0: one document; row 1: three and trailing padding (id 0, its own run);
+    # row 2: documents 1, 2, 3 of lengths 5, 1, 10.
+    s = 16
+    segments = np.array(
+        [[1] * s, [1] * 4 + [2] * 3 + [3] * 5 + [0] * 4, [1] * 5 + [2] + [3] * 10], np.int32
+    )
+    lengths, offsets, fits = (np.asarray(x) for x in cudnn_attention.documents(segments, 4))
+    assert bool(fits)
+    assert lengths.tolist() == [[16, -1, -1, -1], [4, 3, 5, 4], [5, 1, 10, -1]]
+    assert offsets.tolist() == [[0, -1, -1, -1, -1], [0, 4, 7, 12, -1], [0, 5, 6, -1, -1]]
+    same, doc = _mask_of_documents(lengths, offsets, s)
+    assert (doc >= 0).all()  # every token in some document
+    np.testing.assert_array_equal(same, segments[:, :, None] == segments[:, None, :])
+    # A row of more documents than the packed call's slots takes the masked call.
+    _, _, fits = cudnn_attention.documents(segments, 3)
+    assert not bool(fits)
+
+
+def test_rope_rotates_only_the_dims_after_start():
+    config = make_config({"model_name": "tagtrain-tiny"}).model
+    nope, r = config.qk_nope_head_dim, config.qk_rope_head_dim
+    x = jax.random.normal(jax.random.key(0), (2, 8, 2, nope + r), jnp.float32)
+    pos = jnp.tile(jnp.arange(8, dtype=jnp.int32), (2, 1))
+    got = rope_lib.rope(x, pos, config, start=nope)
+    want = jnp.concatenate([x[..., :nope], rope_lib.rope(x[..., nope:], pos, config)], -1)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(got[..., :nope]), np.asarray(x[..., :nope]))
+    assert not np.allclose(np.asarray(got[:, 1:, :, nope:]), np.asarray(x[:, 1:, :, nope:]))

@@ -30,10 +30,12 @@ def test_matrix_first_step_and_placement(mesh, mode, ga, runner):
 
 
 @pytest.mark.parametrize(
-    "option", ["scan_layers=false", "remat_policy=full", "sparse_matmul=false"]
+    "option",
+    ["scan_layers=false", "remat_policy=full", "remat_policy=selective", "sparse_matmul=false"],
 )
 def test_model_options_keep_the_numbers(option, runner):
-    """Unrolled layers, full remat and the dense MoE path compute the same step."""
+    """Unrolled layers, full and selective remat and the dense MoE path compute the same
+    step."""
     key, value = option.split("=")
     reference, _ = runner(1, gradient_accumulation_steps="4")
     history, _ = runner(1, gradient_accumulation_steps="4", **{key: value})

@@ -134,10 +134,13 @@ class ModelConfig:
     weight_dtype: Literal["float32", "bfloat16"] = key("float32", "parameter dtype")
     # Which activations each layer's backward recomputes (model/decoder.py REMAT):
     # none keeps them all, full saves nothing (jax.checkpoint nothing_saveable),
-    # minimal saves the outputs of matmuls without batch dimensions.
-    remat_policy: Literal["none", "full", "minimal"] = key(
+    # minimal saves the outputs of matmuls without batch dimensions; selective
+    # saves what none saves but dot_product attention's (B, H, S, S) scores and
+    # probabilities, which its backward recomputes (as cuDNN's fused kernel does).
+    remat_policy: Literal["none", "full", "minimal", "selective"] = key(
         "none",
-        "what each layer's backward recomputes: none, full (all), minimal (not matmuls); "
+        "what each layer's backward recomputes: none, full (all), minimal (not matmuls), "
+        "selective (dot_product attention's scores); "
         "memory, not collectives (benchmarks/results/perf_keys.md)",
     )
     # How the decoder layers run (model/decoder.py): one lax.scan (compile time

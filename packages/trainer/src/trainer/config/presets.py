@@ -83,10 +83,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         routed_scaling_factor=2.5,
     ),
     # Sized to fill one H200 (141 GB): about 5.0B parameters, 1.2B active per token.
-    # f32 weights, Adam's two moments and the f32 gradient accumulator take 16 bytes a
-    # parameter (~86 GB), leaving the rest for activations at per_device_batch_size 2
-    # (`train compile_topology=h200-1 model_name=deepseek3-h200 per_device_batch_size=2
-    # gradient_accumulation_steps=16` compiles it for one H200 from a CPU host).
+    # f32 weights and Adam's two moments take 12 bytes a parameter (59.8 GiB of
+    # arguments), the f32 gradient accumulator 4 more at gradient_accumulation_steps
+    # > 1. At per_device_batch_size 8 activations decide the rest: one microbatch
+    # (GA=1) fits with remat_policy=selective, which recomputes dot_product
+    # attention's (B, H, S, S) scores in the backward (a compile on a CPU host builds
+    # dot_product: no cuDNN there; on the device cuDNN's fused kernel recomputes them
+    # itself, and selective then changes nothing): `train compile_topology=h200-1
+    # model_name=deepseek3-h200 per_device_batch_size=8 gradient_accumulation_steps=1`
+    # compiles to 127.0 GiB; GA=2 needs 143.0 GiB with it, 149.6 without (issue 53).
     # Most parameters sit in 32 experts (top-4 plus 2 shared), so the routed
     # matmuls are large enough to keep the GPU's matrix units busy; head dims of at
     # most 128 (96 + 32 for queries and keys, 128 for values) keep cuDNN's fused
@@ -111,6 +116,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         v_head_dim=128,
         max_target_length=1024,
         routed_scaling_factor=2.5,
+        remat_policy="selective",
     ),
     # MaxText's deepseek3-tiny: 61 layers (3 dense) of emb 64, 16 experts top-8.
     "deepseek3-tiny": dict(

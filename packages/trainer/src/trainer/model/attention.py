@@ -10,7 +10,7 @@ from flax import nnx
 
 import pspec_tags as pt
 from trainer.config import ModelConfig
-from trainer.model import attention_kernel, lora
+from trainer.model import attention_kernel, cudnn_attention, lora
 from trainer.model.layers import BSE, RMSNorm
 from trainer.model.params import param
 from trainer.model.rope import rope, softmax_scale
@@ -82,6 +82,10 @@ class MLA(nnx.Module):
         self.dtype = jnp.dtype(config.dtype)
         # "dot_product" or "cudnn_flash": attention_kernel decides "auto" once.
         self.kernel = attention_kernel.choose_kernel(config, ctx)
+        # What the cuDNN call can use on these GPUs (None: not the cuDNN kernel).
+        self.cudnn = (
+            attention_kernel.cudnn_plan(config, ctx) if self.kernel == "cudnn_flash" else None
+        )
 
     def _attach_lora(self, spec: lora.LoraSpec | None, rngs: nnx.Rngs) -> None:
         """LoRA adapters on the projections `spec` targets (none without LoRA)."""
@@ -117,9 +121,9 @@ class MLA(nnx.Module):
         c, ctx = self.config, self.ctx
         nope, rope_dim = c.qk_nope_head_dim, c.qk_rope_head_dim
 
-        q_BxSxHxK = self._queries(x_BxSxD)
-        q_nope, q_pe = q_BxSxHxK[..., :nope], q_BxSxHxK[..., nope:]
-        q_BxSxHxK = jnp.concatenate([q_nope, rope(q_pe, positions_BxS, c)], -1)
+        # RoPE on the last rope_dim dims of q in place: the nope dims pass through
+        # the same fusion (no slice and concatenate around it).
+        q_BxSxHxK = rope(self._queries(x_BxSxD), positions_BxS, c, start=nope)
 
         kv_BxSxCR = self._project("bsd,dc->bsc", x_BxSxD, "wkv_a_DxCR", NAMES.wkv_a, NAMES.lora)
         kv_c, k_pe_BxSxR = kv_BxSxCR[..., : c.kv_lora_rank], kv_BxSxCR[..., c.kv_lora_rank :]
@@ -149,7 +153,14 @@ class MLA(nnx.Module):
                 q_BxSxHxK, k_BxUxHxK, v_BxUxHxO, segments_BxS, kv_segments_BxU, scale
             )
         else:
-            out_BxSxHxO = self._dot_product(
+            dot_product = self._dot_product
+            if c.remat_policy == "selective":
+                # Save q, k and v, not the (B, H, S, U) scores and probabilities: the
+                # backward recomputes them (as a flash kernel does), a layer at a time.
+                dot_product = jax.checkpoint(
+                    dot_product, policy=jax.checkpoint_policies.nothing_saveable
+                )
+            out_BxSxHxO = dot_product(
                 q_BxSxHxK, k_BxUxHxK, v_BxUxHxO, positions_BxS, segments_BxS,
                 kv_positions_BxU, kv_segments_BxU, scale,
             )  # fmt: skip
@@ -168,28 +179,24 @@ class MLA(nnx.Module):
         return ctx.einsum("bhst,bthv->bshv", probs_BxHxSxU, v, out=NAMES.q)
 
     def _cudnn_flash(self, q, k, v, segments_BxS, kv_seg_BxU, scale, implementation="cudnn"):
-        """cuDNN's fused (flash) attention: no (B, H, S, U) scores in memory.
+        """cuDNN's fused (flash) attention: no (B, H, S, U) scores in memory, causal
+        by cuDNN's own mask mode (cudnn_attention.py says how documents and v's head
+        dim reach it, and what it falls back to).
 
-        Causal by index and within a document by segment id (the packed rows'
+        Causal by index and within a document by segment (the packed rows'
         positions restart with each document, so this is the `_dot_product` mask).
-        cuDNN wants one head dim for q, k and v: v is zero-padded to q's and the
-        padding sliced off the output. Runs per shard in a shard_map over the
-        activations' own specs (batch, heads): an activation carries no tag, and
-        the custom call needs no partitioning rule (attention_kernel.py checks
-        that the sequence is not sharded). `implementation="xla"` runs the same
-        call through JAX's reference kernel (how the CPU tests check the mask).
+        Runs per shard in a shard_map over the activations' own specs (batch,
+        heads): an activation carries no tag, and the custom call needs no
+        partitioning rule (attention_kernel.py checks that the sequence is not
+        sharded). `implementation="xla"` runs the masked call through JAX's
+        reference kernel (how the CPU tests check the mask and the padding).
         """
-        ctx = self.ctx
-        v_dim, k_dim = v.shape[-1], q.shape[-1]
+        ctx, cudnn = self.ctx, self.cudnn
 
         def local(q, k, v, seg_q, seg_kv):
-            v_pad = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, k_dim - v_dim)))
-            mask_Bx1xSxU = (seg_q[:, :, None] == seg_kv[:, None, :])[:, None]
-            out = jax.nn.dot_product_attention(
-                q, k, v_pad, mask=mask_Bx1xSxU, is_causal=True, scale=scale,
-                implementation=implementation,
-            )  # fmt: skip
-            return out[..., :v_dim]
+            if implementation == "cudnn" and cudnn is not None and cudnn.packed:
+                return cudnn_attention.packed(q, k, v, seg_q, scale, cudnn.v_own_dim)
+            return cudnn_attention.masked(q, k, v, seg_q, seg_kv, scale, implementation)
 
         if ctx.manual:
             return local(q, k, v, segments_BxS, kv_seg_BxU)

@@ -40,6 +40,15 @@ def cudnn_flash_blockers(config: ModelConfig, ctx: ShardCtx) -> list[str]:
     return blockers
 
 
+def cudnn_plan(config: ModelConfig, ctx: ShardCtx):
+    """How the cuDNN call runs on this mesh's GPUs (cudnn_attention.plan): packed
+    documents or a mask, v at its own head dim or padded, and why."""
+    from trainer.model import cudnn_attention  # function-local: it imports jax's internals
+
+    devices = list(ctx.mesh.devices.flat)
+    return cudnn_attention.plan(devices, config.v_head_dim, config.qk_head_dim)
+
+
 def choose_kernel(config: ModelConfig, ctx: ShardCtx) -> str:
     """ "dot_product" or "cudnn_flash" for `config.attention`; ConfigError when
     cudnn_flash is asked for where it cannot run, naming the key and the reason."""

@@ -99,6 +99,9 @@ REMAT = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # No layer checkpoint: the attention recomputes its (B, H, S, S) scores itself
+    # (model/attention.py); everything else is saved as under `none`.
+    "selective": None,
 }
 
 

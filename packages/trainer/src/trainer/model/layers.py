@@ -31,7 +31,10 @@ NORM_SCALE = ("norm",)
 
 
 class RMSNorm(nnx.Module):
-    """Root-mean-square norm with a learned scale (computed in f32)."""
+    """Root-mean-square norm with a learned scale (computed in f32). XLA fuses autodiff's
+    f32 chain as tightly as a hand-written backward: a custom VJP saving x and a
+    per-row rsqrt measured 4 more kernels per microbatch, the same memory, on the
+    deviceless H100 compile (issue 53)."""
 
     def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs, logical=NORM_SCALE):
         # Used in f32 (normed * scale), never cast: see params.CAST_AT_USE.

@@ -46,7 +46,9 @@ def moe_layer(config: ModelConfig, ctx: ShardCtx, *, rngs) -> moe_kernels.MoE:
         place=False,  # the trainer places every parameter itself, after init
         # A rematerialized layer saves no residuals of its own: the MoE
         # checkpoint would only add memory there (0.36 GiB on 671b / v5p).
-        recompute_casts=ctx.manual or config.remat_policy == "none",
+        # selective saves what `none` saves but the named norm/SwiGLU outputs, so
+        # the casts' recompute still pays there.
+        recompute_casts=ctx.manual or config.remat_policy in ("none", "selective"),
     )
     spec, axes = lora.spec_of(config), layer.config.logical_axes
     for name in moe_kernels.LORA_TARGETS:

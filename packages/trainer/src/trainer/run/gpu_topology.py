@@ -187,6 +187,8 @@ def report_lines(kernels, run, hlo_path: str) -> list[str]:
     chosen = attention_kernel.choose_kernel(run.config.model, run.ctx)
     blockers = attention_kernel.cudnn_flash_blockers(run.config.model, run.ctx)
     why = f" (not cudnn_flash: {'; '.join(blockers)})" if blockers else ""
+    if chosen == "cudnn_flash":
+        why = f" ({attention_kernel.cudnn_plan(run.config.model, run.ctx).describe()})"
     thunks = hlo_path.removesuffix(".hlo") + ".thunks.txt"
     return [
         f"attention: {chosen}{why}",
