@@ -3,7 +3,10 @@ checkpoint as a Hugging Face directory.
 
 Reads the run's config from the checkpoint, restores the parameters and routing
 biases of step N (default: the newest), writes them with `trainer.hf.save` and
-copies the run's tokenizer (tokenizer_path, as tokenizer.json) beside them. A run
+copies the run's tokenizer (tokenizer_path, as tokenizer.json) beside them, with
+the tokenizer_config.json, special_tokens_map.json and chat_template.jinja that lie
+beside it (the chat template stays in the file it came in). Each source config.json
+key written otherwise is printed, `config.json: KEY OLD -> NEW (why)`. A run
 started from `hf_model_path` exports over that directory's config.json (the keys
 training did not change kept as they were), its generation_config.json and, unless
 export_dtype says otherwise, its dtype (bfloat16 for fp8 files). A LoRA run's
@@ -55,9 +58,12 @@ def _lora_trees(step_path: str, config: Config, paths: dict, ctx, model) -> dict
     return {"params": model_lib.merged(model, base, saved["params"]), "router": saved["router"]}
 
 
-def export(run_dir: str, output: str, step: int | None = None, dtype: str | None = None) -> str:
+def export(
+    run_dir: str, output: str, step: int | None = None, dtype: str | None = None
+) -> tuple[str, list[str]]:
     """Write step `step` (newest: None) of the run in `run_dir` to `output` in `dtype`
-    (None: the source's, see the module doc); returns the checkpoint directory read."""
+    (None: the source's, see the module doc); returns the checkpoint directory read
+    and the source config.json keys written otherwise (hf.export_config.changes)."""
 
     if dtype is not None and dtype not in hf.export_config.EXPORT_DTYPES:
         raise ConfigError(f"export_dtype={dtype!r} is not one of {hf.export_config.EXPORT_DTYPES}")
@@ -81,11 +87,11 @@ def export(run_dir: str, output: str, step: int | None = None, dtype: str | None
         trees = _lora_trees(step_path, config, paths, ctx, model)
     else:
         trees = restore_parameters(step_path, ctx, model)
-    hf.save(output, config, trees, dtype=dtype, source=source)
+    changed = hf.save(output, config, trees, dtype=dtype, source=source)
     if config.tokenizer_path and os.path.isfile(config.tokenizer_path):
         shutil.copyfile(config.tokenizer_path, os.path.join(output, "tokenizer.json"))
         hf.copy_tokenizer(os.path.dirname(config.tokenizer_path), output)
-    return os.path.join(directory, str(step))
+    return os.path.join(directory, str(step)), changed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,11 +100,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = _arguments(argv)
         step = int(args["step"]) if args.get("step") else None
-        source = export(args["run_dir"], args["output"], step, args.get("export_dtype"))
+        source, changed = export(args["run_dir"], args["output"], step, args.get("export_dtype"))
     except (ConfigError, ValueError) as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
     print(f"exported {source} -> {args['output']}")
+    for line in changed:
+        print(f"config.json: {line}")
     return 0
 
 
