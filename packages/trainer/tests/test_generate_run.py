@@ -79,3 +79,29 @@ def test_generates_from_the_newest_checkpoint_after_training(capsys, tmp_path):
     trained = {"params": run.state["params"], "router": run.state["router"]}
     assert got == _argmax_continuation(run.config, trained, CASE["prompt_ids"], 4)
     assert got != CASE["new_ids"][:4]  # the trained weights, not v3_chat's
+
+
+def test_a_lora_run_generates_with_its_merged_weights(capsys, tmp_path):
+    """A LoRA run's checkpoint holds adapters only (issue #55: generate ended in a
+    traceback). Its base is loaded again as the run loaded it (hf_model_path) and the
+    adapters merged: generate continues as the full forward of W + alpha / r A B."""
+    lora = {"lora_rank": "2", "lora_targets": "attention"}
+    run = run_lib.setup(make_config(_overrides(tmp_path, **lora)))
+    # B starts at zero (the base exactly): give it values so the adapters matter.
+    rng = np.random.default_rng(0)
+    adapters = jax.tree.map(
+        lambda x: jax.device_put(0.5 * rng.standard_normal(x.shape).astype(x.dtype), x.sharding),
+        run.state["params"],
+    )
+    run.checkpoints.save(1, {**run.state, "params": adapters})
+    run.checkpoints.wait()
+    got, out = _generate(capsys, run.config.run_dir, 3)
+    from trainer import model as model_lib
+
+    merged = model_lib.merged(run.model, run.state["frozen"], adapters)
+    plain = make_config(_overrides(tmp_path / "plain"))
+    expected = _argmax_continuation(
+        plain, {"params": merged, "router": run.state["router"]}, CASE["prompt_ids"], 3
+    )
+    assert got == expected
+    assert got != CASE["new_ids"][:3]  # the adapters moved the tokens

@@ -29,18 +29,23 @@ class Source:
     eos_ids: tuple[int, ...]
     hf_model_path: str = ""
     checkpoint: str = ""  # run_dir/checkpoints/N
+    # The run's initial-weight paths (saved_run_config): a LoRA run's base.
+    base_paths: tuple[tuple[str, str], ...] = ()
 
     def load(self) -> dict[str, dict]:
         """{"params", "router"} on one device (trainer.hf.default_ctx)."""
         # deferred: the arguments are checked before JAX and the model code load
         from trainer import hf
         from trainer import model as model_lib
-        from trainer.io.initial_weights import restore_parameters
+        from trainer.io.initial_weights import restore_run_weights
 
         ctx = hf.default_ctx(self.config)
         if self.hf_model_path:
             return hf.import_params(self.hf_model_path, self.config, ctx, progress=False)
-        return restore_parameters(self.checkpoint, ctx, model_lib.define(self.config.model, ctx))
+        model = model_lib.define(self.config.model, ctx)
+        # A LoRA run's checkpoint holds adapters: its base is loaded as the run loaded it.
+        paths = dict(self.base_paths)
+        return restore_run_weights(self.checkpoint, self.config, paths, ctx, model)
 
 
 def _checkpoint(run_dir: str, step: int | None) -> tuple[str, int]:
@@ -95,12 +100,13 @@ def _run_tokenizer(args: Arguments, config: Config) -> tuple[codec.Codec | None,
 
 def _from_run(args: Arguments, overrides: dict) -> Source:
     checkpoints, step = _checkpoint(args.run_dir, args.step)
-    config, _ = saved_run_config(checkpoints, step, overrides)
+    config, paths = saved_run_config(checkpoints, step, overrides)
     tokenizer, tokenizer_dir = _run_tokenizer(args, config)
     declared = codec.checkpoint_eos(tokenizer_dir) if tokenizer_dir else None
     eos = _eos(args, declared, tokenizer)
     path = os.path.join(checkpoints, str(step))
-    return Source(config, f"checkpoint {path}", tokenizer, eos, checkpoint=path)
+    base = tuple(paths.items()) if config.lora_rank else ()
+    return Source(config, f"checkpoint {path}", tokenizer, eos, checkpoint=path, base_paths=base)
 
 
 def resolve(args: Arguments) -> Source:

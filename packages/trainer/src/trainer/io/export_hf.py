@@ -17,16 +17,14 @@ W + lora_alpha / lora_rank x A @ B are written.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import sys
 
 from trainer import hf
 from trainer import model as model_lib
-from trainer.config import Config, ConfigError, hf_map, parse_overrides
-from trainer.io import initial_weights
-from trainer.io.initial_weights import restore_parameters, saved_run_config, step_directory
+from trainer.config import ConfigError, hf_map, parse_overrides
+from trainer.io.initial_weights import restore_run_weights, saved_run_config, step_directory
 
 KEYS = ("run_dir", "output", "step", "export_dtype")
 
@@ -40,22 +38,6 @@ def _arguments(argv: list[str]) -> dict[str, str]:
         if not args.get(key):
             raise ConfigError(f"export-hf: {key}= is required")
     return args
-
-
-def _lora_trees(step_path: str, config: Config, paths: dict, ctx, model) -> dict:
-    """{"params": the merged weights, "router"} of a LoRA run's checkpoint."""
-
-    saved = initial_weights.restore_parameters(step_path, ctx, model, adapters=True)
-    with_paths = dataclasses.replace(config, **paths)
-    try:
-        source = initial_weights.source(with_paths.model, with_paths.checkpointing)
-    except ConfigError as error:
-        raise ConfigError(f"export-hf: the LoRA run's frozen base: {error}") from None
-    if source is None:
-        base, _ = model_lib.init(ctx, model, config.seed)
-    else:
-        base, _ = source.load(with_paths, ctx, model)
-    return {"params": model_lib.merged(model, base, saved["params"]), "router": saved["router"]}
 
 
 def export(
@@ -83,10 +65,7 @@ def export(
     ctx = hf.default_ctx(config)
     model = model_lib.define(config.model, ctx)
     step_path = os.path.join(directory, str(step))
-    if model.lora:
-        trees = _lora_trees(step_path, config, paths, ctx, model)
-    else:
-        trees = restore_parameters(step_path, ctx, model)
+    trees = restore_run_weights(step_path, config, paths, ctx, model)
     changed = hf.save(output, config, trees, dtype=dtype, source=source)
     if config.tokenizer_path and os.path.isfile(config.tokenizer_path):
         shutil.copyfile(config.tokenizer_path, os.path.join(output, "tokenizer.json"))
