@@ -15,6 +15,8 @@ import pytest
 from trainer import hf
 from trainer.config import make_config
 from trainer.generate import cli
+from trainer.hf import safetensors
+from trainer.io import export_hf
 from trainer.run import run as run_lib
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -105,3 +107,15 @@ def test_a_lora_run_generates_with_its_merged_weights(capsys, tmp_path):
     )
     assert got == expected
     assert got != CASE["new_ids"][:3]  # the adapters moved the tokens
+
+    # The same checkpoint as a PEFT adapter (export-hf adapter=true): lora_A.weight is
+    # the trainer's A flattened to [in, r] and transposed (test_peft.py checks the
+    # format against PEFT's own file); the base named is the run's hf_model_path.
+    out = tmp_path / "adapter"
+    assert export_hf.main([f"run_dir={run.config.run_dir}", f"output={out}", "adapter=true"]) == 0
+    assert f"adapter: PEFT LoRA over {CHAT.resolve()}" in capsys.readouterr().out
+    refs = safetensors.read_header(str(out / "adapter_model.safetensors"))
+    a = np.asarray(adapters["dense_layers"]["attn"]["wq_a_DxQ_lora_a"])[0]
+    name = "base_model.model.model.layers.0.self_attn.q_a_proj.lora_A.weight"
+    np.testing.assert_array_equal(refs[name].array(), a.T)
+    assert (out / "chat_template.jinja").exists() or (out / "tokenizer_config.json").exists()

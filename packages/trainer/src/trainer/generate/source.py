@@ -11,6 +11,7 @@ Everything but the weights is read first, so every check runs before any loading
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 from trainer.config import Config, ConfigError
@@ -29,6 +30,8 @@ class Source:
     eos_ids: tuple[int, ...]
     hf_model_path: str = ""
     checkpoint: str = ""  # run_dir/checkpoints/N
+    # generation_config.json's sampling keys (do_sample, temperature, top_k, top_p).
+    generation: tuple[tuple[str, object], ...] = ()
     # The run's initial-weight paths (saved_run_config): a LoRA run's base.
     base_paths: tuple[tuple[str, str], ...] = ()
 
@@ -71,11 +74,32 @@ def _eos(args: Arguments, declared: tuple[int, ...] | None, tokenizer) -> tuple[
     return () if tokenizer is None or tokenizer.eos_id is None else (tokenizer.eos_id,)
 
 
+def _generation(directory: str) -> tuple[tuple[str, object], ...]:
+    """The sampling keys of `directory`'s generation_config.json (() without one)."""
+    path = os.path.join(directory, "generation_config.json") if directory else ""
+    if not path or not os.path.isfile(path):
+        return ()
+    try:
+        with open(path) as f:
+            values = json.load(f)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{path}: not JSON ({error})") from None
+    keys = ("do_sample", "temperature", "top_k", "top_p")
+    return tuple((k, values[k]) for k in keys if isinstance(values, dict) and k in values)
+
+
 def _from_hf(args: Arguments, overrides: dict) -> Source:
     # deferred: the arguments are checked before JAX and the model code load
     from trainer import hf
+    from trainer.hf import export_config
 
     path = args.hf_model_path
+    # The checkpoint's dtype unless told otherwise (transformers' from_pretrained
+    # dtype="auto"): float32 files compute in float32, bfloat16 and fp8 in bfloat16.
+    source_config = export_config.read_source(path)
+    if source_config is not None:
+        dtype = export_config.source_dtype(source_config, path)
+        overrides = {"dtype": dtype, "weight_dtype": dtype, **overrides}
     config = hf.config_from_hf(path, **overrides)
     tokenizer_file = args.tokenizer_path or os.path.join(path, "tokenizer.json")
     tokenizer = None
@@ -83,7 +107,8 @@ def _from_hf(args: Arguments, overrides: dict) -> Source:
         key = "tokenizer_path" if args.tokenizer_path else "hf_model_path's tokenizer.json"
         tokenizer = codec.from_file(tokenizer_file, key=key)
     eos = _eos(args, codec.checkpoint_eos(path), tokenizer)
-    return Source(config, f"Hugging Face directory {path}", tokenizer, eos, hf_model_path=path)
+    where = f"Hugging Face directory {path}"
+    return Source(config, where, tokenizer, eos, generation=_generation(path), hf_model_path=path)
 
 
 def _run_tokenizer(args: Arguments, config: Config) -> tuple[codec.Codec | None, str]:
@@ -106,7 +131,16 @@ def _from_run(args: Arguments, overrides: dict) -> Source:
     eos = _eos(args, declared, tokenizer)
     path = os.path.join(checkpoints, str(step))
     base = tuple(paths.items()) if config.lora_rank else ()
-    return Source(config, f"checkpoint {path}", tokenizer, eos, checkpoint=path, base_paths=base)
+    generation = _generation(tokenizer_dir)
+    return Source(
+        config,
+        f"checkpoint {path}",
+        tokenizer,
+        eos,
+        generation=generation,
+        checkpoint=path,
+        base_paths=base,
+    )
 
 
 def resolve(args: Arguments) -> Source:

@@ -25,6 +25,7 @@ import numpy as np
 from trainer import model as model_lib
 from trainer.config import Config, ConfigError, hf_map, make_config, mesh_shape
 from trainer.hf import export_config, keys, notes, safetensors, stream
+from trainer.hf import peft as peft  # the PEFT adapter format (hf.peft.save_adapter)
 from trainer.sharding import ShardCtx, logical_rules, make_mesh
 
 # Shards above this size get split (transformers' default max_shard_size is 5 GB).

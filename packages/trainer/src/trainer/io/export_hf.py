@@ -1,5 +1,6 @@
-"""`export-hf run_dir=RUN output=DIR [step=N] [export_dtype=float32|bfloat16]`: a run's
-checkpoint as a Hugging Face directory.
+"""`export-hf run_dir=RUN output=DIR [step=N] [export_dtype=float32|bfloat16] [adapter=true]`:
+a run's checkpoint as a Hugging Face directory (adapter=true: a LoRA run's adapters
+alone, as a PEFT adapter directory, hf/peft.py).
 
 Reads the run's config from the checkpoint, restores the parameters and routing
 biases of step N (default: the newest), writes them with `trainer.hf.save` and
@@ -24,9 +25,14 @@ import sys
 from trainer import hf
 from trainer import model as model_lib
 from trainer.config import ConfigError, hf_map, parse_overrides
-from trainer.io.initial_weights import restore_run_weights, saved_run_config, step_directory
+from trainer.io.initial_weights import (
+    restore_parameters,
+    restore_run_weights,
+    saved_run_config,
+    step_directory,
+)
 
-KEYS = ("run_dir", "output", "step", "export_dtype")
+KEYS = ("run_dir", "output", "step", "export_dtype", "adapter")
 
 
 def _arguments(argv: list[str]) -> dict[str, str]:
@@ -40,12 +46,33 @@ def _arguments(argv: list[str]) -> dict[str, str]:
     return args
 
 
+def _adapter(step_path: str, output: str, config, ctx, model, source: str | None) -> list[str]:
+    """A LoRA run's adapters as a PEFT adapter directory (hf.peft); the lines to print."""
+    if not model.lora:
+        raise ConfigError("export-hf: adapter=true needs a LoRA run (this run has lora_rank=0)")
+    saved = restore_parameters(step_path, ctx, model, adapters=True)
+    params, _ = model_lib.abstract_state(model, ctx)
+    base = os.path.abspath(source) if source else None
+    hf.peft.save_adapter(output, config, saved["params"], params, base)
+    if base:
+        return [f"adapter: PEFT LoRA over {base} (PeftModel.from_pretrained(base, output))"]
+    return [
+        "adapter: the run's base is not a Hugging Face directory (load_parameters_path or "
+        "seed): export that base with export-hf and load the adapter over it"
+    ]
+
+
 def export(
-    run_dir: str, output: str, step: int | None = None, dtype: str | None = None
+    run_dir: str,
+    output: str,
+    step: int | None = None,
+    dtype: str | None = None,
+    adapter: bool = False,
 ) -> tuple[str, list[str]]:
     """Write step `step` (newest: None) of the run in `run_dir` to `output` in `dtype`
-    (None: the source's, see the module doc); returns the checkpoint directory read
-    and the source config.json keys written otherwise (hf.export_config.changes)."""
+    (None: the source's, see the module doc); `adapter`: a LoRA run's adapters alone,
+    in PEFT's format. Returns the checkpoint directory read and lines to print (the
+    source config.json keys written otherwise, hf.export_config.changes)."""
 
     if dtype is not None and dtype not in hf.export_config.EXPORT_DTYPES:
         raise ConfigError(f"export_dtype={dtype!r} is not one of {hf.export_config.EXPORT_DTYPES}")
@@ -65,12 +92,16 @@ def export(
     ctx = hf.default_ctx(config)
     model = model_lib.define(config.model, ctx)
     step_path = os.path.join(directory, str(step))
-    trees = restore_run_weights(step_path, config, paths, ctx, model)
-    changed = hf.save(output, config, trees, dtype=dtype, source=source)
+    if adapter:
+        lines = _adapter(step_path, output, config, ctx, model, paths["hf_model_path"] or None)
+    else:
+        trees = restore_run_weights(step_path, config, paths, ctx, model)
+        changed = hf.save(output, config, trees, dtype=dtype, source=source)
+        lines = [f"config.json: {line}" for line in changed]
     if config.tokenizer_path and os.path.isfile(config.tokenizer_path):
         shutil.copyfile(config.tokenizer_path, os.path.join(output, "tokenizer.json"))
         hf.copy_tokenizer(os.path.dirname(config.tokenizer_path), output)
-    return os.path.join(directory, str(step)), changed
+    return os.path.join(directory, str(step)), lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,13 +110,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = _arguments(argv)
         step = int(args["step"]) if args.get("step") else None
-        source, changed = export(args["run_dir"], args["output"], step, args.get("export_dtype"))
+        adapter = args.get("adapter", "false")
+        if adapter not in ("true", "false"):
+            raise ConfigError(f"export-hf: adapter={adapter!r} is not true or false")
+        source, lines = export(
+            args["run_dir"], args["output"], step, args.get("export_dtype"), adapter == "true"
+        )
     except (ConfigError, ValueError) as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
     print(f"exported {source} -> {args['output']}")
-    for line in changed:
-        print(f"config.json: {line}")
+    for line in lines:
+        print(line)
     return 0
 
 

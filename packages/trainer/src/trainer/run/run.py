@@ -332,17 +332,29 @@ def moe_figures(m: dict) -> str:
     return text
 
 
-def step_line(step: int, m: dict, counted: bool = False) -> str:
+def has_aux_terms(model) -> bool:
+    """Whether the loss adds anything to the cross-entropy: a balance loss, a router
+    z-loss (MoE layers) or multi-token prediction."""
+    moe = model.num_moe_layers > 0
+    return bool(
+        (moe and (model.load_balance_loss_weight or model.moe_z_loss_coeff)) or model.mtp_num_layers
+    )
+
+
+def step_line(step: int, m: dict, counted: bool = False, aux: bool = False) -> str:
     """The console line of one step; `counted` (use_sft) adds the step's counted tokens,
-    the loss's denominator."""
+    the loss's denominator; `aux` (has_aux_terms) the loss's parts: the cross-entropy
+    and the auxiliary terms added to it (loss - ce: balance, z-loss, MTP)."""
     mfu = f"  mfu {m['mfu'] * 100:5.1f}%" if "mfu" in m else ""
     if counted:
         mfu += f"  counted {m['tokens']:,.0f}"
-    # With MTP on: the main cross-entropy, then each depth's (the loss adds them, scaled).
     depths = metrics_lib.mtp_losses(m)
     mtp = ""
+    if (aux or depths) and "ce_loss" in m:
+        mtp = f"  ce {m['ce_loss']:.4f}  aux {m['loss'] - m['ce_loss']:.4f}"
     if depths:
-        mtp = f"  ce {m['ce_loss']:.4f}  mtp " + " ".join(f"{loss:.4f}" for _, loss in depths)
+        # Each depth's cross-entropy (the loss adds them, scaled: part of aux).
+        mtp += "  mtp " + " ".join(f"{loss:.4f}" for _, loss in depths)
     return (
         f"step {step:5d}  loss {m['loss']:.4f}{mtp}{moe_figures(m)}  "
         f"grad_norm {m['grad_norm']:.3f}  "
