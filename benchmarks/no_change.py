@@ -8,7 +8,9 @@ and the parallelism, schedule, policy, MTP and LoRA variants), 3 steps each, and
 the sha256 of every optimized HLO module XLA dumps (metadata off, so source paths do
 not count), the printed step lines without timings, and every metrics.jsonl value as a
 hex float (the perf/ timings aside). `compare` says which configurations differ, and
-exits 1 if any does. Used for the trainer's restructure (issue 42: trainer CHANGELOG).
+exits 1 if any does; `record TREE OUT.json NAME...` records only the configurations
+named (DATA_CONFIGS: each data source with its eval set). Used for the trainer's
+restructure (issue 42: trainer CHANGELOG) and its one data-source shape (issue 56).
 """
 
 import glob
@@ -36,6 +38,21 @@ CONFIGS = {
     "lora": "lora_rank=4",
     "overlapped_zero1": "gradient_accumulation_schedule=overlapped shard_optimizer_over_data=true",
 }
+# The data sources, each with its eval set (issue 56's one data-source shape): recorded
+# by name (`record TREE OUT.json text_eval ...`), not in the default ten.
+DATA_CONFIGS = {
+    "synthetic_eval": "eval_interval=2 eval_steps=2",
+    "text_eval": "dataset_type=text dataset_path=examples/text/train.txt "
+    "eval_dataset_path=examples/text/held_out.txt vocab_size=512 eval_interval=2",
+    "hf_eval": "dataset_type=hf hf_train_files=examples/parquet/train.parquet "
+    "hf_eval_files=examples/parquet/held_out.parquet vocab_size=512 eval_interval=2",
+    "sft_eval": "hf_model_path=packages/trainer/tests/fixtures/hf/v3_chat dataset_type=hf "
+    "use_sft=true hf_train_files=examples/chat/train.jsonl "
+    "hf_eval_files=examples/chat/held_out.jsonl max_target_length=64 eval_interval=2",
+}
+# Printed lines kept (timings cut): the steps, the evaluations, and the startup lines
+# naming the data and the eval set.
+PRINTED = ("step ", "eval ", "data:", "eval:")
 
 
 def floats_hex(obj):
@@ -65,7 +82,7 @@ def run(tree: str, name: str, extra: str) -> dict:
     printed = [
         re.sub(r"\s+[\d,]+ tokens/s.*", "", line)
         for line in p.stdout.splitlines()
-        if line.startswith("step ")
+        if line.startswith(PRINTED)
     ]
     hashes = {}
     for f in sorted(glob.glob(os.path.join(dump, "*after_optimizations.txt"))):
@@ -81,7 +98,7 @@ def run(tree: str, name: str, extra: str) -> dict:
 def record(tree, dest, names):
     result = {}
     for n in names:
-        result[n] = run(tree, n, CONFIGS[n])
+        result[n] = run(tree, n, {**CONFIGS, **DATA_CONFIGS}[n])
         print(
             n, "error" if "error" in result[n] else f"{len(result[n]['hlo'])} modules", flush=True
         )

@@ -135,7 +135,7 @@ def test_eval_set_reads_hf_eval_files_in_order(corpus):
     )
     eval_set = eval_data.make_eval_set(config, 2, mesh_shape(config, 2))
     text = _text(corpus)
-    text_eval = eval_data.TextEvalSource(
+    text_eval = text_data.PackedEvalSource(
         text_data.load_packed(text.model, text.data, str(corpus / "docs.jsonl")), 2
     )
     # The whole set once, in order, the last batch padded: as the text eval set.

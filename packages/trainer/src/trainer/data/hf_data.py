@@ -22,6 +22,8 @@ a process's own rows rely on). Every file's schema is checked (the column
 exists, its type is text or token ids) before any row is read, and the eval
 files are checked with the training files, so a bad key stops the run before
 the training set is tokenized.
+
+The hf format (input_pipeline.FORMATS): `train_source` and `eval_source`.
 """
 
 from __future__ import annotations
@@ -34,14 +36,15 @@ from pathlib import Path
 import numpy as np
 
 from trainer.config import (
+    Config,
     ConfigError,
     DataConfig,
     EvaluationConfig,
     ModelConfig,
-    TrainingConfig,
 )
 from trainer.data import eval_schedule, text_data
 
+READS = ("tokenizer_path", "hf_path", "hf_train_files", "hf_eval_files")  # data keys read here
 # MaxText's hf_path names a `datasets` loader or a Hub dataset; only local parquet is read here.
 LOADERS = ("", "parquet")
 SUFFIX = ".parquet"
@@ -217,18 +220,22 @@ def describe_kind(source: ParquetColumn) -> str:
     return f"hf, column {source.column!r}"
 
 
-def make_hf_source(
-    model: ModelConfig,
-    training: TrainingConfig,
-    data: DataConfig,
-    evaluation: EvaluationConfig,
-    global_batch: int,
-) -> text_data.TextSource:
+def train_source(config: Config, global_batch: int) -> text_data.TextSource:
     """The training stream over hf_train_files; the eval files' keys are checked first
     too (when evaluating), so every bad key stops the run before anything is read."""
+    data, evaluation = config.data, config.evaluation
     check_loader(data)
     train = open_column(data, evaluation, "hf_train_files", "train_data_columns")
     if eval_schedule.enabled(evaluation):
         open_column(data, evaluation, "hf_eval_files", eval_columns_key(data))
-    text = load_packed(model, data, train)
-    return text_data.shuffled_source(text, training, global_batch, describe_kind(train))
+    text = load_packed(config.model, data, train)
+    return text_data.shuffled_source(text, config.training, global_batch, describe_kind(train))
+
+
+def eval_source(config: Config, global_batch: int) -> text_data.PackedEvalSource:
+    """hf_eval_files' column (eval_data_columns, else train_data_columns), packed as the
+    training files, in order."""
+    data = config.data
+    column = open_column(data, config.evaluation, "hf_eval_files", eval_columns_key(data))
+    text = load_packed(config.model, data, column)
+    return text_data.PackedEvalSource(text, global_batch, describe_kind(column))

@@ -31,6 +31,9 @@ tokens weighs more; the eval loss is the same mean over the eval set.
 Every problem with a row is a ConfigError naming the file and the row (jsonl: the
 line number; parquet: the row index from 0), raised while the set is read, before
 anything compiles.
+
+The SFT format (input_pipeline.FORMATS, dataset_type=hf with use_sft=true):
+`train_source` and `eval_source`.
 """
 
 from __future__ import annotations
@@ -44,11 +47,11 @@ from typing import Any
 import numpy as np
 
 from trainer.config import (
+    Config,
     ConfigError,
     DataConfig,
     EvaluationConfig,
     ModelConfig,
-    TrainingConfig,
 )
 from trainer.data import chat_template, eval_schedule, hf_data, text_data
 from trainer.data.text_data import IGNORE
@@ -59,20 +62,10 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 OPTIONAL_COLUMNS = ("input_ids", "labels", "attention_mask")
 
 
-def check_keys(data: DataConfig) -> None:
-    """use_sft reads hf_train_files: dataset_type=hf, local files only."""
-    if not data.use_sft:
-        if not data.sft_train_on_completion_only:
-            raise ConfigError(
-                "sft_train_on_completion_only=false is set but use_sft=false; add use_sft=true"
-            )
-        return
-    if data.dataset_type != "hf":
-        raise ConfigError(
-            f"use_sft=true reads hf_train_files (.jsonl or .parquet) but "
-            f"dataset_type={data.dataset_type}; add dataset_type=hf"
-        )
-    hf_data.check_loader(data)
+# the data keys read here: hf's, and sft_train_on_completion_only (set without use_sft:
+# refused, as a key another format reads)
+READS = (*hf_data.READS, "sft_train_on_completion_only")
+NEEDS = "use_sft=true reads hf_train_files (.jsonl or .parquet)"  # when dataset_type is not hf
 
 
 def conversation_column(data: DataConfig, columns_key: str) -> str:
@@ -326,29 +319,25 @@ def load_packed(
     return text_data.PackedText(packed, tokenizer, files, len(ids), unit, truncated)
 
 
-def make_sft_source(
-    model: ModelConfig,
-    training: TrainingConfig,
-    data: DataConfig,
-    evaluation: EvaluationConfig,
-    global_batch: int,
-) -> text_data.TextSource:
+def train_source(config: Config, global_batch: int) -> text_data.TextSource:
     """The training stream over hf_train_files' examples; the eval files are found
     first too (when evaluating), so a bad key stops the run before any row is read."""
-    check_keys(data)
+    data, evaluation = config.data, config.evaluation
+    hf_data.check_loader(data)
     files = find_files(data, evaluation, "hf_train_files")
     if eval_schedule.enabled(evaluation):
         find_files(data, evaluation, "hf_eval_files")
-    text = load_packed(model, data, files, "hf_train_files", "train_data_columns")
-    return text_data.shuffled_source(text, training, global_batch, "sft")
+    text = load_packed(config.model, data, files, "hf_train_files", "train_data_columns")
+    return text_data.shuffled_source(text, config.training, global_batch, "sft")
 
 
-def load_eval(
-    model: ModelConfig, data: DataConfig, evaluation: EvaluationConfig
-) -> text_data.PackedText:
+def eval_source(config: Config, global_batch: int) -> text_data.PackedEvalSource:
     """The eval set's examples, encoded and packed as the training ones (same masking)."""
-    files = find_files(data, evaluation, "hf_eval_files")
-    return load_packed(model, data, files, "hf_eval_files", hf_data.eval_columns_key(data))
+    data = config.data
+    files = find_files(data, config.evaluation, "hf_eval_files")
+    columns_key = hf_data.eval_columns_key(data)
+    text = load_packed(config.model, data, files, "hf_eval_files", columns_key)
+    return text_data.PackedEvalSource(text, global_batch, "sft")
 
 
 def loss_line(data: DataConfig) -> str:

@@ -14,6 +14,10 @@ The packed rows are a grain `MapDataset`, shuffled with `seed` and repeated
 `s * global_batch + r`, so any process can build any rows of any step on its
 own: a process builds only the rows its devices hold, and a resumed run
 continues the exact stream from its step.
+
+The text format (input_pipeline.FORMATS): `train_source` (the stream above) and
+`eval_source` (`eval_dataset_path`'s files packed the same way, read in order by
+`PackedEvalSource`, which hf_data.py and sft_data.py use too).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
+import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -28,11 +33,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from trainer.config import ConfigError, DataConfig, ModelConfig, TrainingConfig
+from trainer.config import Config, ConfigError, DataConfig, ModelConfig, TrainingConfig
 
 if TYPE_CHECKING:
     import grain
 
+READS = ("dataset_path", "eval_dataset_path", "tokenizer_path")  # the data keys read here
 SUFFIXES = (".txt", ".jsonl")
 EOS_BYTE = 256
 BYTE_VOCAB = 257  # 256 bytes + end-of-document
@@ -375,8 +381,47 @@ def shuffled_source(
     )
 
 
-def make_text_source(
-    model: ModelConfig, training: TrainingConfig, data: DataConfig, global_batch: int
-) -> TextSource:
+class PackedEvalSource:
+    """Packed eval rows in order; row i of eval batch b is row b * batch + i of the set,
+    rows past its end padding (weight 0), so no row is counted twice."""
+
+    def __init__(self, text: PackedText, global_batch: int, kind: str = "text"):
+        self.text, self.global_batch, self.kind = text, global_batch, kind
+        self._padding = {
+            key: np.zeros(text.packed.length, np.float32 if key == "weights" else np.int32)
+            for key in KEYS
+        }
+
+    @property
+    def num_batches(self) -> int:
+        """Batches in one pass over the set (the last one padded)."""
+        return math.ceil(len(self.text.packed) / self.global_batch)
+
+    def rows(self, step: int, start: int, stop: int) -> dict[str, np.ndarray]:
+        base, packed = step * self.global_batch, self.text.packed
+        examples = [
+            packed[base + r] if base + r < len(packed) else self._padding
+            for r in range(start, stop)
+        ]
+        return {key: np.stack([e[key] for e in examples]) for key in KEYS}
+
+    def describe(self) -> str:
+        return f"{self.kind}, {self.text.describe()}"
+
+
+def train_source(config: Config, global_batch: int) -> TextSource:
     """The training stream over `dataset_path`; raise ConfigError on any bad input."""
-    return shuffled_source(load_packed(model, data, data.dataset_path), training, global_batch)
+    text = load_packed(config.model, config.data, config.dataset_path)
+    return shuffled_source(text, config.training, global_batch)
+
+
+def eval_source(config: Config, global_batch: int) -> PackedEvalSource:
+    """The files under `eval_dataset_path`, packed as the training files, in order."""
+    path = config.eval_dataset_path
+    if not path:
+        raise ConfigError(
+            f"eval_interval={config.eval_interval} with dataset_type=text needs "
+            "eval_dataset_path=DIR_OR_GLOB (.txt / .jsonl files held out from training)"
+        )
+    text = load_packed(config.model, config.data, path, key="eval_dataset_path")
+    return PackedEvalSource(text, global_batch)
