@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 import accum
 from trainer import data
 from trainer import model as model_lib
-from trainer.config import Config, ParallelismConfig
+from trainer.config import Config, ConfigError, ParallelismConfig
 from trainer.data import eval_data, eval_schedule, input_pipeline, sft_data
 from trainer.io import checkpoint, initial_weights, stop_signals
 from trainer.io import metrics as metrics_lib
@@ -75,6 +75,22 @@ def start(spec: RunSpec) -> Run:
     config = spec.config
     # Inputs and the output directory, before building or compiling anything.
     source = input_pipeline.make_source(config, spec.batch_size)
+    if config.num_epochs:
+        # The step count follows the rows (transformers' num_train_epochs): fixed here,
+        # before the schedule is built and the config saved with the checkpoints.
+        if getattr(source, "packed", None) is None:
+            raise ConfigError(
+                f"num_epochs={config.num_epochs} needs a data set of known size (text, hf or "
+                "use_sft rows); this source streams without end: set steps="
+            )
+        rows = len(source.packed)
+        steps = math.ceil(config.num_epochs * rows / spec.batch_size)
+        config = dataclasses.replace(config, steps=steps)
+        spec = dataclasses.replace(spec, config=config)
+        source.note = (
+            f"; num_epochs={config.num_epochs}: {rows} rows / {spec.batch_size} a step "
+            f"-> steps={steps}"
+        )
     eval_set = eval_data.make_eval_set(config, len(spec.devices), spec.mesh_shape)
     checkpoints = checkpoint.open_checkpointer(config, spec.batch_size)
     # A run with checkpoints of its own resumes from them: never from its initial weights,
