@@ -100,7 +100,7 @@ def merge(computed: dict, source: dict | None, config: Config) -> dict:
 
 # Why a source key changes, where the reason is not just "the run's config says so".
 CHANGE_REASONS = {
-    "num_nextn_predict_layers": "no multi-token-prediction layers are written (mtp_num_layers)",
+    "num_nextn_predict_layers": "no multi-token-prediction layers written: mtp_num_layers=0",
     "quantization_config": "nothing is written in fp8",
     "torch_dtype": "the tensors' dtype",
     "dtype": "the tensors' dtype",
