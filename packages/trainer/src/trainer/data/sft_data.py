@@ -12,7 +12,9 @@ Each row (a jsonl line, a parquet row) is one example, either
   `text`), rendered with the checkpoint's chat template (chat_template.py) and
   tokenized with its tokenizer.json without adding special tokens (the template writes
   them), as transformers' `apply_chat_template` does. The checkpoint is
-  `tokenizer_path`'s directory, which `hf_model_path` fills in.
+  `tokenizer_path`'s directory, which `hf_model_path` fills in;
+- or one of TRL's other forms (sft_rows.py): `prompt` + `completion`, `text`, or
+  `input_ids` with `assistant_masks` / `completion_mask`.
 
 With `sft_train_on_completion_only` (the default) only the assistant's tokens count:
 every token overlapping an assistant message's text (the reply and whatever the
