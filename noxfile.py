@@ -250,9 +250,10 @@ def wheels_minimum(session: nox.Session) -> None:
 # torch and transformers for the two Hugging Face sessions only (never a package
 # dependency). Installed with pip into a plain virtualenv, so pip's own configuration
 # decides where the wheels come from; the fixtures record the transformers version.
-HF_TOOLS = ["torch==2.13.0", "transformers==5.24.0", "safetensors", "numpy"]
+HF_TOOLS = ["torch==2.13.0", "transformers==5.24.0", "peft==0.21.2", "safetensors", "numpy"]
 HF_FIXTURES = "packages/trainer/tests/fixtures/make_hf_fixtures.py"
 HF_PARITY = "packages/trainer/tests/fixtures/hf_parity.py"
+PEFT_FIXTURES = "packages/trainer/tests/fixtures/make_peft_fixtures.py"
 
 
 @nox.session(venv_backend="virtualenv")
@@ -261,6 +262,7 @@ def hf_fixtures(session: nox.Session) -> None:
     packages/trainer/tests/fixtures/hf/ (commit the result)."""
     session.install(*HF_TOOLS)
     session.run("python", HF_FIXTURES)
+    session.run("python", PEFT_FIXTURES)  # over the fixtures just written
 
 
 @nox.session(venv_backend="virtualenv")

@@ -4,6 +4,7 @@ draw from the tokens they should; a run's checkpoint generates like its weights.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -18,7 +19,8 @@ import pytest
 from trainer.config import ConfigError
 from trainer.generate import args as args_lib
 from trainer.generate import cli, draw
-from trainer.generate.sampling import Sampling, check
+from trainer.generate.sampling import Sampling, check, resolve
+from trainer.generate.source import choose_source
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 CHAT = FIXTURES / "v3_chat"
@@ -71,10 +73,13 @@ def _error(capsys, *words: str) -> str:
         (("prompt_ids=0,600",), "id 600 is not below the model's vocab_size=512"),
         (("prompt=a", "eos_token_id=512"), "eos_token_id=512 is not below"),
         (("prompt=a", "decode_sampling_strategy=beam"), "decode_sampling_strategy='beam'"),
-        (("prompt=a", "decode_sampling_strategy=topk"), "decode_sampling_top_k=0 must be in"),
         (
-            ("prompt=a", "decode_sampling_strategy=nucleus"),
-            "decode_sampling_nucleus_p=-1.0 must be in (0, 1]",
+            ("prompt=a", "decode_sampling_strategy=topk", "decode_sampling_top_k=0"),
+            "decode_sampling_top_k=0 must be in",
+        ),
+        (
+            ("prompt=a", "decode_sampling_strategy=nucleus", "decode_sampling_nucleus_p=1.5"),
+            "decode_sampling_nucleus_p=1.5 must be in (0, 1]",
         ),
         (
             ("prompt=a", "decode_sampling_strategy=weighted", "decode_sampling_temperature=0"),
@@ -112,6 +117,54 @@ def test_the_console_script_reports_a_bad_key_in_one_line(tmp_path):
     assert lines == [
         "config error: generate: unknown key 'max_new_token'; did you mean 'max_new_tokens'?"
     ]
+
+
+SAMPLING_REFERENCE = json.loads((FIXTURES / "sampling_reference.json").read_text())
+
+
+def test_filters_run_in_transformers_order():
+    """sampling_reference.json (make_peft_fixtures.py): transformers 5.24's scores after
+    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, the order generate
+    builds them for do_sample; -inf where a token is filtered out. top-p after the
+    temperature: the same p keeps fewer tokens at T 0.5 than at T 2 (MaxText's order,
+    top-p on the untempered softmax, kept the same set for both)."""
+    logits = jnp.asarray(SAMPLING_REFERENCE["logits"], jnp.float32)
+    kept_by_temperature = {}
+    for case in SAMPLING_REFERENCE["cases"]:
+        k, p = case["top_k"], case["top_p"]
+        strategy = "composite" if k and p < 1 else "topk" if k else "nucleus"
+        sampling = Sampling(strategy, case["temperature"], k or 50, p)
+        ours = np.asarray(draw.warp(logits, sampling))
+        theirs = np.asarray(case["scores"], np.float32)
+        assert (np.isfinite(ours) == np.isfinite(theirs)).all(), case
+        finite = np.isfinite(theirs)
+        np.testing.assert_allclose(ours[finite], theirs[finite], rtol=1e-6)
+        if not k:
+            kept_by_temperature[case["temperature"]] = np.isfinite(theirs).sum()
+    assert kept_by_temperature[0.5] < kept_by_temperature[2.0]
+
+
+def test_defaults_are_the_checkpoint_s_then_transformers():
+    # transformers' GenerationConfig leaves do_sample, temperature, top_k, top_p unset;
+    # generate then samples greedily, or with 1.0, 50 and 1.0 when do_sample is true.
+    assert SAMPLING_REFERENCE["defaults"] == dict.fromkeys(
+        ("do_sample", "temperature", "top_k", "top_p")
+    )
+    assert resolve({}, {}) == Sampling("greedy", 1.0, 50, 1.0)
+    # DeepSeek-V3's published generation_config.json: do_sample, temperature 0.6, top_p 0.95.
+    published = {"do_sample": True, "temperature": 0.6, "top_p": 0.95}
+    assert resolve({}, published) == Sampling("composite", 0.6, 50, 0.95)
+    assert resolve({"strategy": "greedy"}, published).strategy == "greedy"
+    assert resolve({"nucleus_p": 0.5}, published) == Sampling("composite", 0.6, 50, 0.5)
+
+
+def test_an_hf_checkpoint_computes_in_its_own_dtype():
+    """transformers loads v3_chat's float32 files in float32 (dtype "auto"); so does
+    generate, unless dtype= says otherwise (issue #55: it computed in bfloat16)."""
+    source = choose_source(args_lib.parse([f"hf_model_path={CHAT}", "prompt=a"]))
+    assert (source.config.dtype, source.config.weight_dtype) == ("float32", "float32")
+    told = args_lib.parse([f"hf_model_path={CHAT}", "prompt=a", "dtype=bfloat16"])
+    assert choose_source(told).config.dtype == "bfloat16"
 
 
 def test_sampling_notes_keys_the_strategy_ignores():

@@ -15,6 +15,8 @@ import pytest
 from trainer import hf
 from trainer.config import make_config
 from trainer.generate import cli
+from trainer.hf import safetensors
+from trainer.io import export_hf
 from trainer.run import run as run_lib
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -79,3 +81,41 @@ def test_generates_from_the_newest_checkpoint_after_training(capsys, tmp_path):
     trained = {"params": run.state["params"], "router": run.state["router"]}
     assert got == _argmax_continuation(run.config, trained, CASE["prompt_ids"], 4)
     assert got != CASE["new_ids"][:4]  # the trained weights, not v3_chat's
+
+
+def test_a_lora_run_generates_with_its_merged_weights(capsys, tmp_path):
+    """A LoRA run's checkpoint holds adapters only (issue #55: generate ended in a
+    traceback). Its base is loaded again as the run loaded it (hf_model_path) and the
+    adapters merged: generate continues as the full forward of W + alpha / r A B."""
+    lora = {"lora_rank": "2", "lora_targets": "attention"}
+    run = run_lib.setup(make_config(_overrides(tmp_path, **lora)))
+    # B starts at zero (the base exactly): give it values so the adapters matter.
+    rng = np.random.default_rng(0)
+    adapters = jax.tree.map(
+        lambda x: jax.device_put(0.5 * rng.standard_normal(x.shape).astype(x.dtype), x.sharding),
+        run.state["params"],
+    )
+    run.checkpoints.save(1, {**run.state, "params": adapters})
+    run.checkpoints.wait()
+    got, out = _generate(capsys, run.config.run_dir, 3)
+    from trainer import model as model_lib
+
+    merged = model_lib.merged(run.model, run.state["frozen"], adapters)
+    plain = make_config(_overrides(tmp_path / "plain"))
+    expected = _argmax_continuation(
+        plain, {"params": merged, "router": run.state["router"]}, CASE["prompt_ids"], 3
+    )
+    assert got == expected
+    assert got != CASE["new_ids"][:3]  # the adapters moved the tokens
+
+    # The same checkpoint as a PEFT adapter (export-hf adapter=true): lora_A.weight is
+    # the trainer's A flattened to [in, r] and transposed (test_peft.py checks the
+    # format against PEFT's own file); the base named is the run's hf_model_path.
+    out = tmp_path / "adapter"
+    assert export_hf.main([f"run_dir={run.config.run_dir}", f"output={out}", "adapter=true"]) == 0
+    assert f"adapter: PEFT LoRA over {CHAT.resolve()}" in capsys.readouterr().out
+    refs = safetensors.read_header(str(out / "adapter_model.safetensors"))
+    a = np.asarray(adapters["dense_layers"]["attn"]["wq_a_DxQ_lora_a"])[0]
+    name = "base_model.model.model.layers.0.self_attn.q_a_proj.lora_A.weight"
+    np.testing.assert_array_equal(refs[name].array(), a.T)
+    assert (out / "chat_template.jinja").exists() or (out / "tokenizer_config.json").exists()

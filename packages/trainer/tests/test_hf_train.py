@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import jax
@@ -39,8 +40,23 @@ def test_config_comes_from_the_directory_and_explicit_keys_win():
     assert make_config({"hf_model_path": str(hf_dir)}).tokenizer_path == ""  # synthetic data
 
 
-def test_start_resume_export_and_load_parameters(tmp_path):
-    hf_dir = FIXTURE
+# transformers 5.24's `tokenizer.save_pretrained` writes the chat template to its own
+# file, chat_template.jinja, and leaves it out of tokenizer_config.json; from there
+# `apply_chat_template` reads it back. An export must carry that file.
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+
+
+def _transformers5_directory(tmp_path: Path) -> Path:
+    """FIXTURE copied with the tokenizer files transformers 5 saves beside it."""
+    out = tmp_path / "source"
+    shutil.copytree(FIXTURE, out)
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    (out / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
+    return out
+
+
+def test_start_resume_export_and_load_parameters(tmp_path, capsys):
+    hf_dir = _transformers5_directory(tmp_path)
     overrides = {**BASE, "hf_model_path": str(hf_dir), "base_output_directory": str(tmp_path / "a")}
     overrides |= {"dataset_type": "text", "dataset_path": str(TEXT)}  # DIR's tokenizer.json
     run = run_lib.setup(make_config(overrides))
@@ -57,12 +73,16 @@ def test_start_resume_export_and_load_parameters(tmp_path):
     # export-hf: the checkpoint's tensors are the fixture's, bit for bit, tokenizer copied.
     out = tmp_path / "export"
     assert export_hf.main([f"run_dir={run.config.run_dir}", f"output={out}", "step=1"]) == 0
+    # The source's config.json says one MTP layer; the run trained none: said aloud.
+    printed = capsys.readouterr().out
+    assert "config.json: num_nextn_predict_layers 1 -> 0 (no multi-token" in printed
     original = safetensors.read_directory(str(FIXTURE))
     exported = safetensors.read_directory(str(out))
     assert sorted(original) == sorted(exported)
     for name, ref in original.items():
         assert np.array_equal(np.asarray(ref.array()), np.asarray(exported[name].array())), name
-    assert (out / "tokenizer.json").read_bytes() == (hf_dir / "tokenizer.json").read_bytes()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (out / name).read_bytes() == (hf_dir / name).read_bytes(), name
     # ... over the source's config.json (token ids kept) and generation_config.json;
     # export_dtype=bfloat16 rounds every tensor but the routing biases.
     source_config = json.loads((hf_dir / "config.json").read_text())

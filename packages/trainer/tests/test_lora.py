@@ -160,7 +160,11 @@ def test_only_the_adapters_are_trained(runs):
               if hasattr(n, "mu"))  # fmt: skip
     assert jax.tree.structure(mu) == jax.tree.structure(adapters)
     # The base is bitwise the Hugging Face weights after 3 steps; B moved off zero.
+    # The routing biases too (issue #55: they drifted, so an adapter alone could not
+    # reproduce the run): frozen under LoRA unless lora_update_routing_bias.
     _equal(state["frozen"], initial["frozen"])
+    _equal(state["router"], initial["router"])
+    assert runs["reference"].config.routed_bias_update_rate > 0  # would have moved them
     _, expected = hf.load(str(FIXTURE), dtype="float32", mtp_num_layers=1, progress=False)
     _equal(state["frozen"], expected["params"])
     moved = np.asarray(adapters["dense_layers"]["attn"]["wo_HxVxD_lora_b"])
@@ -236,12 +240,16 @@ def test_export_writes_the_merged_weights(runs, tmp_path):
     )
     np.testing.assert_allclose(np.asarray(wo), np.asarray(want), rtol=1e-6, atol=1e-7)
     _equal(merged["embedding_VxD"], state["frozen"]["embedding_VxD"])
+    # The routed experts' adapters have no PEFT form: adapter=true says so, one line.
+    args = [f"run_dir={restarted.config.run_dir}", f"output={tmp_path / 'adapter'}"]
+    assert export_hf.main([*args, "adapter=true"]) == 2
 
 
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"lora_targets": "attention,q_proj"}, "unknown target 'q_proj'"),
+        ({"lora_targets": "attention,qproj"}, "unknown target 'qproj'"),
+        ({"lora_targets": "attention,q_proj"}, "'q_proj' selects nothing here (q_lora_rank=32"),
         ({"lora_targets": "wq"}, "'wq' is not in this model (q_lora_rank=32"),
         ({"lora_targets": "wq_a", "q_lora_rank": "0"}, "'wq_a' is not in this model"),
         ({"lora_targets": "experts", "first_num_dense_layers": "3"}, "no MoE layer"),

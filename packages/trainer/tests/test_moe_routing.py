@@ -77,6 +77,11 @@ def test_record_scalars_and_step_line_show_moe_figures():
     assert tb["moe/load_imbalance/layer_1"] == 2.5
     line = step_line(3, step)
     assert "imbalance 2.50  dropped 12.50%  z 3.500" in line, line
+    assert "  ce " not in line  # no ce_loss in this record: nothing to split
+    # issue #55: the loss includes the balance loss; the line shows the cross-entropy
+    # (what transformers' and TRL's loss is) and the auxiliary terms apart.
+    with_ce = step_line(3, {**step, "loss": 6.2428, "ce_loss": 6.2405}, aux=True)
+    assert "loss 6.2428  ce 6.2405  aux 0.0023  imbalance" in with_ce
     # No cap, no z-loss: only the imbalance; a dense model: nothing.
     plain = {k: v for k, v in step.items() if k not in ("dropped_share", "router_z_loss")}
     assert moe_figures(plain) == "  imbalance 2.50"

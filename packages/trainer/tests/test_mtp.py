@@ -190,7 +190,7 @@ def test_mtp_losses_reach_the_record_the_scalars_and_the_plot_lines(tmp_path):
         "step_time_s": 1.0,
     }
     line = step_line(1, step)
-    assert "loss 6.6000  ce 6.0000  mtp 6.1000 5.9000" in line
+    assert "loss 6.6000  ce 6.0000  aux 0.6000  mtp 6.1000 5.9000" in line
     rec = metrics.record(step)
     assert rec["learning/mtp_loss_1"] == 6.1 and rec["learning/mtp_loss_2"] == 5.9
     assert metrics.scalars(rec)["learning/mtp_loss_2"] == 5.9

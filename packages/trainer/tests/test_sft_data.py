@@ -230,14 +230,20 @@ REPLY = {"role": "assistant", "content": "hello"}
 @pytest.mark.parametrize(
     "rows, overrides, message",
     [
-        ([{"text": "hello"}], {}, r"ROWS:1 has neither 'messages' \(a conversation\) nor "
-         r"'input_ids' \(pretokenized\); it has text$"),
+        ([{"chat": "hello"}], {}, r"ROWS:1 has none of 'messages' \(a conversation\), 'prompt' "
+         r"\+ 'completion', 'text' or 'input_ids' \(pretokenized\); it has chat$"),
         ([{"messages": [USER, {"role": "robot", "content": "x"}]}], {},
          r"ROWS:1: message 1 has role 'robot', not one of system, developer, user"),
         ([{"messages": [USER, {"role": "assistant"}]}], {},
-         r"ROWS:1: message 1 is not an object with role and content"),
+         r"ROWS:1: message 1 has neither content nor tool_calls"),
         ([{"messages": [USER, {"role": "assistant", "content": 3}]}], {},
-         r"ROWS:1: message 1's content is a int, not a string"),
+         r"ROWS:1: message 1's content is a int, not a string, null or parts"),
+        ([{"messages": [USER, {"role": "assistant", "content": [{"type": "image"}]}]}], {},
+         r"ROWS:1: message 1's content has a part of type 'image'; a text model takes text"),
+        ([{"prompt": "a", "completion": [REPLY]}], {},
+         r"ROWS:1: prompt and completion must both be strings or both lists of messages"),
+        ([{"input_ids": [1, 2], "assistant_masks": [1]}], {},
+         r"ROWS:1: assistant_masks is not a list of 0 and 1 as long as input_ids \(2\)"),
         ([{"messages": [USER, REPLY]}, {"messages": [USER]}], {},
          r"ROWS:2: no assistant message \(nothing to learn from\)$"),
         ([{"messages": []}], {}, r"ROWS:1: 'messages' is not a non-empty list of messages"),
@@ -257,8 +263,8 @@ REPLY = {"role": "assistant", "content": "hello"}
         (["{not json"], {}, r"ROWS:1 is not valid JSON"),
         ([[1, 2]], {}, r"ROWS:1 is a list, not an object"),
         ([{"messages": [USER, REPLY]}], {"hf_model_path": None},
-         r"ROWS:1 is a conversation: use_sft needs the checkpoint's tokenizer and chat template; "
-         r"set hf_model_path=DIR"),
+         r"ROWS:1 needs the checkpoint's tokenizer \(and, for messages, its chat template\) "
+         r"under use_sft; set hf_model_path=DIR"),
         ([{"messages": [USER, REPLY]}], {"hf_model_path": "NO_TEMPLATE"},
          r"^hf_model_path='.*no_template' has no chat template \(no chat_template.jinja, no "
          r"'chat_template' in tokenizer_config.json\)"),

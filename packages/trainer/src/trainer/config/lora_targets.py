@@ -1,6 +1,10 @@
 """LoRA's target names (`lora_targets`) and the rules for lora_rank / lora_alpha /
 lora_targets: what a model has to adapt, checked before anything is built
-(docs/finetune.md#lora; the adapters themselves are trainer/model/lora.py)."""
+(docs/finetune.md#lora; the adapters themselves are trainer/model/lora.py).
+
+A word is a trainer parameter name (wq_a ...), a group (attention ...), or a
+transformers module name as PEFT's `target_modules` takes it (q_a_proj, kv_b_proj,
+gate_proj ..., `all-linear`)."""
 
 from __future__ import annotations
 
@@ -16,6 +20,25 @@ GROUPS: dict[str, tuple[str, ...]] = dict(
     shared_experts=("shared_wi_0", "shared_wi_1", "shared_wo"),
 )
 TARGETS = tuple(name for names in GROUPS.values() for name in names)
+# transformers' module names, as PEFT's `target_modules` takes them: a name selects the
+# trainer projections held in the checkpoint under that name (gate_proj: the dense
+# MLP's, the shared experts' and every routed expert's, model.layers.{i}.mlp.experts.
+# {e}.gate_proj.weight). `all-linear` (PEFT: every linear layer but the output head)
+# is every projection the trainer adapts; the router never is.
+HF_NAMES: dict[str, tuple[str, ...]] = {
+    "q_proj": ("wq",),
+    "q_a_proj": ("wq_a",),
+    "q_b_proj": ("wq_b",),
+    "kv_a_proj_with_mqa": ("wkv_a",),
+    "kv_b_proj": ("wkv_b",),
+    "o_proj": ("wo",),
+    "gate_proj": ("mlp_wi_0", "shared_wi_0", "expert_wi_0"),
+    "up_proj": ("mlp_wi_1", "shared_wi_1", "expert_wi_1"),
+    "down_proj": ("mlp_wo", "shared_wo", "expert_wo"),
+    "all-linear": TARGETS,
+}
+# Selecting what a model has of them (a group, or a transformers name).
+SELECTORS = {**GROUPS, **HF_NAMES}
 
 
 def _absent(model: ModelConfig, name: str) -> str | None:
@@ -42,8 +65,8 @@ def _words(model: ModelConfig) -> list[str]:
     if not words:
         raise ConfigError(f"lora_targets={model.lora_targets!r} names no target")
     for word in words:
-        if word not in GROUPS and word not in TARGETS:
-            known = ", ".join((*GROUPS, *TARGETS))
+        if word not in SELECTORS and word not in TARGETS:
+            known = ", ".join((*GROUPS, *TARGETS, *HF_NAMES))
             raise ConfigError(f"lora_targets: unknown target {word!r} (known: {known})")
     return words
 
@@ -53,11 +76,11 @@ def resolve_targets(model: ModelConfig) -> frozenset[str]:
     unknown word, a projection the model lacks, or a group of which it has none."""
     chosen: set[str] = set()
     for word in _words(model):
-        if word in GROUPS:
-            present = [n for n in GROUPS[word] if _absent(model, n) is None]
+        if word in SELECTORS:
+            present = [n for n in SELECTORS[word] if _absent(model, n) is None]
             if not present:
-                reason = _absent(model, GROUPS[word][0])
-                raise ConfigError(f"lora_targets: group {word!r} selects nothing ({reason})")
+                reason = "; ".join(sorted({str(_absent(model, n)) for n in SELECTORS[word]}))
+                raise ConfigError(f"lora_targets: {word!r} selects nothing here ({reason})")
             chosen.update(present)
         else:
             reason = _absent(model, word)

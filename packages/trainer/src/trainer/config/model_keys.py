@@ -165,13 +165,21 @@ class ModelConfig:
     # parameter and trains low-rank adapters A, B on the lora_targets, each adapted
     # projection computing x W + lora_alpha / lora_rank x (x A) B; B starts at zero, so
     # step 0 is the base model. lora_targets: a comma list of parameter names (wq,
-    # wq_a, wq_b, wkv_a, wkv_b, wo, mlp_wi_0, ..., expert_wi_0, ..., shared_wi_0, ...)
-    # and groups (attention, mlp, experts, shared_experts). lora_alpha's default is a
-    # fixed 16 (scale 16 / rank), not tied to the rank.
+    # wq_a, wq_b, wkv_a, wkv_b, wo, mlp_wi_0, ..., expert_wi_0, ..., shared_wi_0, ...),
+    # groups (attention, mlp, experts, shared_experts) and transformers' module names
+    # as PEFT takes them (q_a_proj, kv_b_proj, gate_proj, ..., all-linear).
+    # lora_alpha is PEFT's: default 8, scale lora_alpha / lora_rank. The routing
+    # biases stay frozen under LoRA (every base tensor unchanged, so an adapter alone
+    # reproduces the run) unless lora_update_routing_bias.
     lora_rank: int = key(0, "LoRA adapter rank (0: off, every parameter trained)")
-    lora_alpha: float = key(16.0, "LoRA scale numerator: adapters add lora_alpha / lora_rank x A B")
+    lora_alpha: float = key(
+        8.0, "LoRA scale numerator (PEFT's lora_alpha): adapters add lora_alpha / lora_rank x A B"
+    )
     lora_targets: str = key(
         "attention", "LoRA: adapted projections, names or groups (docs/finetune.md#lora)"
+    )
+    lora_update_routing_bias: bool = key(
+        False, "LoRA: keep updating the routing biases (routed_bias_update_rate); off: frozen"
     )
 
     @property

@@ -93,6 +93,9 @@ class ParallelismConfig:
         }
 
 
+LR_SCHEDULERS = ("cosine", "linear", "constant")  # transformers' lr_scheduler_type names
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainingConfig:
     """The optimizer, its schedule, the step count and the seed."""
@@ -100,6 +103,16 @@ class TrainingConfig:
     steps: int = key(10, "optimizer steps")
     learning_rate: float = key(3e-3, "peak learning rate")
     warmup_steps_fraction: float = key(0.1, "share of steps in linear warmup")
+    # transformers' TrainingArguments names: warmup_steps wins over the fraction when
+    # set; lr_scheduler_type after the warmup (step/optimizer.py).
+    warmup_steps: int = key(-1, "linear warmup steps (-1: warmup_steps_fraction x steps)")
+    # transformers' num_train_epochs for text and SFT data: steps follow the row count.
+    num_epochs: int = key(
+        0, "passes over the packed rows: steps = ceil(num_epochs x rows / global batch) (0: steps)"
+    )
+    lr_scheduler_type: str = key(
+        "cosine", "after the warmup: cosine (to cosine_final_lr_fraction), linear (to 0), constant"
+    )
     cosine_final_lr_fraction: float = key(0.1, "final learning rate / peak (cosine decay)")
     adam_b1: float = key(0.9, "AdamW beta1")
     adam_b2: float = key(0.95, "AdamW beta2")
@@ -200,6 +213,8 @@ class DataConfig:
     sft_train_on_completion_only: bool = key(
         True, "use_sft: count only the assistant's tokens / labels not -100 (false: every token)"
     )
+    # TRL's SFTConfig.packing (its default is false; the trainer packs by default).
+    packing: bool = key(True, "use_sft: several examples per row (false: one example a row)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,6 +22,7 @@ from trainer.config.layer_loop import SCAN_SCHEDULES
 from trainer.config.mesh_shape import mesh_shape
 from trainer.config.model_keys import ModelConfig
 from trainer.config.run_keys import (
+    LR_SCHEDULERS,
     AccumulationConfig,
     DataConfig,
     EvaluationConfig,
@@ -112,6 +113,21 @@ def _check_training(config: Config) -> None:
     _require(
         0 <= config.warmup_steps_fraction <= 1,
         f"warmup_steps_fraction={config.warmup_steps_fraction} must be in [0, 1]",
+    )
+    _require(
+        -1 <= config.warmup_steps <= config.steps,
+        f"warmup_steps={config.warmup_steps} must be <= steps={config.steps} (-1: the fraction)",
+    )
+    _require(
+        config.num_epochs >= 0 and not (config.num_epochs and config.dataset_type == "synthetic"),
+        f"num_epochs={config.num_epochs} must be >= 0 and needs data of known size "
+        "(dataset_type text or hf), not synthetic batches",
+    )
+    _require(
+        config.lr_scheduler_type in LR_SCHEDULERS,
+        f"lr_scheduler_type={config.lr_scheduler_type!r} is not one of cosine, linear, constant "
+        "(transformers' names; constant keeps the warmup, as its constant_with_warmup; "
+        "cosine ends at cosine_final_lr_fraction, 0 for transformers' cosine)",
     )
     _require(config.log_period >= 1, f"log_period={config.log_period} must be >= 1")
     # make_config parses these; a Config edited with dataclasses.replace is checked here.

@@ -156,6 +156,16 @@ def _environment():
     return environment
 
 
+def special_tokens(directory: str, key: str) -> dict[str, str]:
+    """The special tokens of `directory`'s tokenizer_config.json (bos_token, eos_token,
+    ...: the template's variables), {} without the file."""
+    return {
+        name: token
+        for name, value in _read_config(directory, key).items()
+        if name.endswith("_token") and (token := _token_text(value)) is not None
+    }
+
+
 def load(directory: str, key: str) -> ChatTemplate:
     """The chat template of checkpoint `directory` (named by config key `key`), compiled,
     with its special tokens; ConfigError naming `key` when there is none or it does not
@@ -168,9 +178,4 @@ def load(directory: str, key: str) -> ChatTemplate:
         template = _environment().from_string(text)
     except jinja2.TemplateError as error:
         raise ConfigError(f"{key}: the chat template in {source} does not parse: {error}") from None
-    tokens = {
-        name: token
-        for name, value in config.items()
-        if name.endswith("_token") and (token := _token_text(value)) is not None
-    }
-    return ChatTemplate(template, tokens, source)
+    return ChatTemplate(template, special_tokens(directory, key), source)

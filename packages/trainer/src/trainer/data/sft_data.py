@@ -12,7 +12,9 @@ Each row (a jsonl line, a parquet row) is one example, either
   `text`), rendered with the checkpoint's chat template (chat_template.py) and
   tokenized with its tokenizer.json without adding special tokens (the template writes
   them), as transformers' `apply_chat_template` does. The checkpoint is
-  `tokenizer_path`'s directory, which `hf_model_path` fills in.
+  `tokenizer_path`'s directory, which `hf_model_path` fills in;
+- or one of TRL's other forms (sft_rows.py): `prompt` + `completion`, `text`, or
+  `input_ids` with `assistant_masks` / `completion_mask`.
 
 With `sft_train_on_completion_only` (the default) only the assistant's tokens count:
 every token overlapping an assistant message's text (the reply and whatever the
@@ -53,18 +55,19 @@ from trainer.config import (
     EvaluationConfig,
     ModelConfig,
 )
-from trainer.data import chat_template, eval_schedule, hf_data, text_data
+from trainer.data import chat_template, eval_schedule, hf_data, sft_rows, text_data
 from trainer.data.text_data import IGNORE
 
 SUFFIXES = (".jsonl", ".parquet")
 MESSAGES = "messages"  # the conversation column unless train_data_columns names another
-ROLES = ("system", "developer", "user", "assistant", "tool")
-OPTIONAL_COLUMNS = ("input_ids", "labels", "attention_mask")
+OPTIONAL_COLUMNS = (
+    "input_ids", "labels", "attention_mask", *sft_rows.MASKS, "prompt", "completion", "text"
+)  # fmt: skip
 
 
 # the data keys read here: hf's, and sft_train_on_completion_only (set without use_sft:
 # refused, as a key another format reads)
-READS = (*hf_data.READS, "sft_train_on_completion_only")
+READS = (*hf_data.READS, "sft_train_on_completion_only", "packing")
 NEEDS = "use_sft=true reads hf_train_files (.jsonl or .parquet)"  # when dataset_type is not hf
 
 
@@ -106,10 +109,10 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
 def _parquet_rows(path: Path, column: str, key: str) -> Iterator[tuple[str, Any]]:
     parquet = hf_data.open_parquet(path, key)
     names = parquet.schema_arrow.names
-    if column not in names and "input_ids" not in names:
+    if not {column, "input_ids", "prompt", "text"} & set(names):
         raise ConfigError(
-            f"{path} has neither a {column!r} column (conversations) nor 'input_ids' "
-            f"(pretokenized); its columns: {', '.join(names)}"
+            f"{path} has none of the columns {column!r} (conversations), 'prompt' + "
+            f"'completion', 'text' or 'input_ids' (pretokenized); its columns: {', '.join(names)}"
         )
     wanted = [name for name in (column, *OPTIONAL_COLUMNS) if name in names]
     index = 0
@@ -130,24 +133,6 @@ def _int_list(value: Any, name: str, where: str) -> np.ndarray:
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise ConfigError(f"{where}: {name} holds something other than integers")
     return np.asarray(value, np.int64)
-
-
-def _check_messages(messages: Any, where: str, column: str) -> list[dict]:
-    if not isinstance(messages, list) or not messages:
-        raise ConfigError(f"{where}: {column!r} is not a non-empty list of messages")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or "role" not in message or "content" not in message:
-            raise ConfigError(f"{where}: message {i} is not an object with role and content")
-        if message["role"] not in ROLES:
-            raise ConfigError(
-                f"{where}: message {i} has role {message['role']!r}, not one of {', '.join(ROLES)}"
-            )
-        if not isinstance(message["content"], str):
-            kind = type(message["content"]).__name__
-            raise ConfigError(f"{where}: message {i}'s content is a {kind}, not a string")
-    if not any(message["role"] == "assistant" for message in messages):
-        raise ConfigError(f"{where}: no assistant message (nothing to learn from)")
-    return messages
 
 
 def checkpoint_key(model: ModelConfig, data: DataConfig) -> tuple[str, str]:
@@ -171,16 +156,20 @@ class Encoder:
         self.completion_only = data.sft_train_on_completion_only
         self.key, self.directory = checkpoint_key(model, data)
         self.tokenizer_path = data.tokenizer_path or os.path.join(self.directory, "tokenizer.json")
-        self.tokenizer: Any = None  # tokenizers.Tokenizer, once a conversation is read
+        self.tokenizer: Any = None  # tokenizers.Tokenizer, once a row needs it
+        self.special_tokens: dict[str, str] = {}  # tokenizer_config.json's
         self.template: chat_template.ChatTemplate | None = None
-        self.conversations = self.pretokenized = 0
+        self.conversations = self.pretokenized = self.other = 0
 
-    def _open(self, where: str) -> None:
-        """Load the tokenizer.json and the chat template of the checkpoint."""
+    def need_tokenizer(self, where: str):
+        """The checkpoint's tokenizer (opened on the first row that needs it)."""
+        if self.tokenizer is not None:
+            return self.tokenizer
         if not self.key:
             raise ConfigError(
-                f"{where} is a conversation: use_sft needs the checkpoint's tokenizer and chat "
-                "template; set hf_model_path=DIR (or tokenizer_path=DIR/tokenizer.json)"
+                f"{where} needs the checkpoint's tokenizer (and, for messages, its chat "
+                "template) under use_sft; set hf_model_path=DIR (or "
+                "tokenizer_path=DIR/tokenizer.json)"
             )
         if not os.path.isfile(self.tokenizer_path):
             raise ConfigError(
@@ -201,7 +190,28 @@ class Encoder:
                 f"vocab_size={self.vocab_size} is smaller than the {size} ids of "
                 f"{self.tokenizer_path}; set vocab_size={size} or more"
             )
-        self.template = chat_template.load(self.directory, self.key)
+        self.special_tokens = chat_template.special_tokens(self.directory, self.key)
+        return self.tokenizer
+
+    def need_template(self, where: str) -> chat_template.ChatTemplate:
+        """The checkpoint's chat template (and tokenizer), opened on first use."""
+        self.need_tokenizer(where)
+        if self.template is None:
+            self.template = chat_template.load(self.directory, self.key)
+        return self.template
+
+    def rendered(self, render, where: str, *args):
+        """`render(*args)`, a template's refusal (or a type it cannot render) one line."""
+        import jinja2  # here: only conversations render a template
+
+        try:
+            return render(*args)
+        except chat_template.TemplateBreaksPrefix as error:
+            raise ConfigError(f"{where}: {error}") from None
+        except (jinja2.TemplateError, TypeError) as error:
+            raise ConfigError(
+                f"{where}: the chat template ({self.template.source}) refused it: {error}"
+            ) from None
 
     def encode(self, row: Any, where: str) -> tuple[np.ndarray, np.ndarray]:
         """(ids, labels) of one row, int32, labels IGNORE where not counted."""
@@ -210,12 +220,20 @@ class Encoder:
         if row.get("input_ids") is not None:
             self.pretokenized += 1
             return self._pretokenized(row, where)
+        if row.get("prompt") is not None and row.get("completion") is not None:
+            self.other += 1
+            return sft_rows.prompt_completion(self, row, where)
         if row.get(self.column) is not None:
             self.conversations += 1
-            return self._conversation(_check_messages(row[self.column], where, self.column), where)
+            messages = sft_rows.check_messages(row[self.column], where, self.column)
+            return self._conversation(messages, where)
+        if row.get("text") is not None:
+            self.other += 1
+            return sft_rows.text(self, row, where)
         raise ConfigError(
-            f"{where} has neither {self.column!r} (a conversation) nor 'input_ids' "
-            f"(pretokenized); it has {', '.join(sorted(map(str, row))) or 'nothing'}"
+            f"{where} has none of {self.column!r} (a conversation), 'prompt' + 'completion', "
+            f"'text' or 'input_ids' (pretokenized); it has "
+            f"{', '.join(sorted(map(str, row))) or 'nothing'}"
         )
 
     def _pretokenized(self, row: dict, where: str) -> tuple[np.ndarray, np.ndarray]:
@@ -232,10 +250,15 @@ class Encoder:
                 "padding is added where a row is not full)"
             )
         if row.get("labels") is None:
+            mask = next((name for name in sft_rows.MASKS if row.get(name) is not None), None)
+            if mask and self.completion_only:
+                labels = sft_rows.mask_labels(ids, row[mask], mask, where)
+                return ids.astype(np.int32), labels.astype(np.int32)
             if self.completion_only:
                 raise ConfigError(
-                    f"{where} has input_ids but no labels (-100 where not counted); add them, "
-                    "or set sft_train_on_completion_only=false to count every token"
+                    f"{where} has input_ids but no labels (-100 where not counted) nor "
+                    "assistant_masks / completion_mask; add them, or set "
+                    "sft_train_on_completion_only=false to count every token"
                 )
             return ids.astype(np.int32), ids.astype(np.int32)
         labels = _int_list(row["labels"], "labels", where)
@@ -255,21 +278,11 @@ class Encoder:
         return ids.astype(np.int32), labels.astype(np.int32)
 
     def _conversation(self, messages: list[dict], where: str) -> tuple[np.ndarray, np.ndarray]:
-        import jinja2  # here: only conversations render a template
-
-        if self.template is None:
-            self._open(where)
-        try:
-            if self.completion_only:
-                text, spans = self.template.assistant_spans(messages)
-            else:
-                text, spans = self.template.render(messages), []
-        except chat_template.TemplateBreaksPrefix as error:
-            raise ConfigError(f"{where}: {error}") from None
-        except jinja2.TemplateError as error:
-            raise ConfigError(
-                f"{where}: the chat template ({self.template.source}) refused it: {error}"
-            ) from None
+        template = self.need_template(where)
+        if self.completion_only:
+            text, spans = self.rendered(template.assistant_spans, where, messages)
+        else:
+            text, spans = self.rendered(template.render, where, messages), []
         encoding = self.tokenizer.encode(text, add_special_tokens=False)
         ids = np.asarray(encoding.ids, np.int32)
         if not self.completion_only:
@@ -282,12 +295,14 @@ class Encoder:
         return ids, np.where(counted, ids, IGNORE).astype(np.int32)
 
     def as_tokenizer(self) -> text_data.Tokenizer | None:
-        """The tokenizer conversations were encoded with (None: every row was pretokenized),
+        """The tokenizer rows were encoded with (None: every row was pretokenized),
         named for the startup line."""
-        if self.template is None:
+        if self.tokenizer is None:
             return None
         tok = self.tokenizer
-        name = f"tokenizer.json ({self.tokenizer_path}) + chat template ({self.template.source})"
+        name = f"tokenizer.json ({self.tokenizer_path})"
+        if self.template is not None:
+            name += f" + chat template ({self.template.source})"
         return text_data.Tokenizer(
             name, self.vocab_size, None, lambda text: tok.encode(text, add_special_tokens=False).ids
         )
@@ -311,11 +326,11 @@ def load_packed(
     where = f"{files_key}={getattr(data, files_key)!r}"
     if not ids:
         raise ConfigError(f"{where}: {len(files)} files hold no rows")
-    packed = text_data.pack(ids, length, labels)
+    packed = text_data.pack(ids, length, labels, packing=data.packing)
     if not len(packed) or not packed.counted_targets():
         raise ConfigError(f"{where}: no token is counted in any row (nothing to learn from)")
     tokenizer = encoder.as_tokenizer()
-    unit = "conversations" if not encoder.pretokenized else "examples"
+    unit = "examples" if encoder.pretokenized or encoder.other else "conversations"
     return text_data.PackedText(packed, tokenizer, files, len(ids), unit, truncated)
 
 

@@ -201,12 +201,16 @@ class PackedRows:
 
 
 def pack(
-    documents: Sequence[np.ndarray], length: int, labels: Sequence[np.ndarray] | None = None
+    documents: Sequence[np.ndarray],
+    length: int,
+    labels: Sequence[np.ndarray] | None = None,
+    packing: bool = True,
 ) -> PackedRows:
     """Cut each document into pieces of <= `length` pairs and pack them in order (next fit).
 
     `labels` (SFT): per document, its labels aligned with its tokens (IGNORE: not
-    counted); they travel with the tokens, so every packed pair keeps its own label."""
+    counted); they travel with the tokens, so every packed pair keeps its own label.
+    `packing=False`: each document starts a row of its own (the rest is padding)."""
     keep = [i for i, d in enumerate(documents) if len(d) >= 2]
     docs = [np.asarray(documents[i], np.int32) for i in keep]
     offsets = np.cumsum([0] + [len(d) for d in docs])
@@ -221,7 +225,7 @@ def pack(
         pairs = len(doc) - 1
         for cut in range(0, pairs, length):
             n = min(length, pairs - cut)
-            if used + n > length:
+            if used + n > length or (not packing and used and cut == 0):
                 row_start.append(len(piece_start))
                 used = 0
             piece_start.append(offset + cut)
@@ -254,6 +258,7 @@ class TextSource:
     documents: int
     kind: str = "text"  # the startup line's name for where the documents came from
     text: PackedText | None = None  # what the rows were packed from (the startup line)
+    note: str = ""  # appended to the startup line (run.start: num_epochs' steps)
 
     def rows(self, step: int, start: int, stop: int) -> dict[str, np.ndarray]:
         base = step * self.global_batch
@@ -269,7 +274,14 @@ class TextSource:
 
     def describe(self) -> str:
         text = self.text or PackedText(self.packed, self.tokenizer, self.files, self.documents)
-        return f"data: {self.kind}, {text.describe()}"
+        line = f"data: {self.kind}, {text.describe()}{self.note}"
+        if len(self.packed) < self.global_batch:
+            # Said, not silent: the repeated rows weigh twice in the step's mean.
+            line += (
+                f"; only {len(self.packed)} rows for a global batch of {self.global_batch}: "
+                "every step repeats rows"
+            )
+        return line
 
 
 def process_row_range(global_batch: int, process_index: int, process_count: int) -> tuple[int, int]:

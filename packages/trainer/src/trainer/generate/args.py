@@ -12,7 +12,7 @@ import difflib
 import os
 
 from trainer.config import DTYPES, ConfigError
-from trainer.generate.sampling import GREEDY, Sampling
+from trainer.generate.sampling import STRATEGIES
 
 # key -> its one-line meaning (docs/finetune.md's table is this, in words).
 KEYS = {
@@ -23,10 +23,14 @@ KEYS = {
     "prompts_file": "a text file: one prompt per non-empty line",
     "prompt_ids": "a prompt as token ids, 1,2,3 (repeatable: a row each)",
     "max_new_tokens": "tokens generated per prompt at most (default 32)",
-    "decode_sampling_strategy": "greedy (default), weighted, topk, nucleus or composite",
-    "decode_sampling_temperature": "logits are divided by it before a draw (default 1.0)",
-    "decode_sampling_top_k": "topk, composite: draw among the k largest logits",
-    "decode_sampling_nucleus_p": "nucleus, composite: draw among the top tokens of mass p",
+    "decode_sampling_strategy": f"{', '.join(STRATEGIES)} (default: generation_config.json's "
+    "do_sample: composite, else greedy)",
+    "decode_sampling_temperature": "logits are divided by it first (default: the checkpoint's, "
+    "else 1.0)",
+    "decode_sampling_top_k": "topk, composite: then the k largest (default: the checkpoint's, "
+    "else 50)",
+    "decode_sampling_nucleus_p": "nucleus, composite: then the top tokens of mass p (default: "
+    "the checkpoint's top_p, else 1.0)",
     "seed": "seed of the draws (default 0)",
     "eos_token_id": "a row ends at this id (default: generation_config.json's; -1: none)",
     "tokenizer_path": "a tokenizer.json (default: the checkpoint's)",
@@ -47,7 +51,9 @@ class Arguments:
     texts: tuple[str, ...] = ()  # prompt= then prompts_file lines
     id_rows: tuple[tuple[int, ...], ...] = ()  # prompt_ids=
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    sampling: Sampling = GREEDY
+    # The decode_sampling_* keys given, parsed (strategy, temperature, top_k,
+    # nucleus_p); the rest come from the checkpoint (sampling.choose_sampling).
+    sampling_given: tuple[tuple[str, object], ...] = ()
     seed: int = 0
     eos_token_id: int | None = None  # None: the checkpoint's; -1: never end early
     tokenizer_path: str = ""
@@ -114,16 +120,16 @@ def _source(values: dict[str, list[str]], files: bool) -> tuple[str, str, int | 
     return hf_path, run_dir, step
 
 
-def _sampling(values: dict[str, list[str]]) -> Sampling:
-    one = {key: vals[0] for key, vals in values.items()}
-    return Sampling(
-        strategy=one.get("decode_sampling_strategy", Sampling.strategy),
-        temperature=_number("decode_sampling_temperature", one.get(
-            "decode_sampling_temperature", str(Sampling.temperature)), float),
-        top_k=_number("decode_sampling_top_k", one.get("decode_sampling_top_k", "0"), int),
-        nucleus_p=_number("decode_sampling_nucleus_p", one.get(
-            "decode_sampling_nucleus_p", str(Sampling.nucleus_p)), float),
-    )  # fmt: skip
+def _sampling(values: dict[str, list[str]]) -> tuple[tuple[str, object], ...]:
+    """The sampling keys given, parsed: (name, value) with sampling.Sampling's names."""
+    out: list[tuple[str, object]] = []
+    if "decode_sampling_strategy" in values:
+        out.append(("strategy", values["decode_sampling_strategy"][0]))
+    for name, kind in (("temperature", float), ("top_k", int), ("nucleus_p", float)):
+        key = f"decode_sampling_{name}"
+        if key in values:
+            out.append((name, _number(key, values[key][0], kind)))
+    return tuple(out)
 
 
 def parse(argv: list[str], *, files: bool = True) -> Arguments:
@@ -163,7 +169,7 @@ def parse(argv: list[str], *, files: bool = True) -> Arguments:
         texts=tuple(texts),
         id_rows=tuple(id_rows),
         max_new_tokens=max_new,
-        sampling=_sampling(values),
+        sampling_given=_sampling(values),
         seed=_number("seed", values.get("seed", ["0"])[0], int),
         eos_token_id=eos_id,
         tokenizer_path=values.get("tokenizer_path", [""])[0],

@@ -53,10 +53,10 @@ def prompt_rows(arguments: args_lib.Arguments, source: source_lib.Source) -> lis
     return rows
 
 
-def _describe(arguments, source, rows) -> list[str]:
+def _describe(arguments, source, rows, sampling) -> list[str]:
     c = source.config
-    s = arguments.sampling
-    how = s.strategy if s.strategy == "greedy" else f"{s.strategy} (seed {arguments.seed})"
+    how = sampling_lib.describe(sampling)
+    how += "" if sampling.strategy == "greedy" else f", seed {arguments.seed}"
     eos = ",".join(map(str, source.eos_ids)) or "none"
     shortest, longest = min(map(len, rows)), max(map(len, rows))
     batch = f"{len(rows)} prompts" if len(rows) > 1 else "1 prompt"
@@ -91,12 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         arguments = args_lib.parse(argv)
         source = source_lib.choose_source(arguments)
-        notes = sampling_lib.check(arguments.sampling, source.config.vocab_size)
+        given = dict(arguments.sampling_given)
+        sampling = sampling_lib.choose_sampling(given, dict(source.generation))
+        notes = sampling_lib.check(sampling, source.config.vocab_size, tuple(given))
         rows = prompt_rows(arguments, source)
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
-    for line in [*(f"note: {n}" for n in notes), *_describe(arguments, source, rows)]:
+    for line in [*(f"note: {n}" for n in notes), *_describe(arguments, source, rows, sampling)]:
         print(line, flush=True)
     from trainer.generate.runner import generate  # the model code loads here
 
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         source.load(),
         rows,
         max_new_tokens=arguments.max_new_tokens,
-        sampling=arguments.sampling,
+        sampling=sampling,
         seed=arguments.seed,
         eos_ids=source.eos_ids,
     )

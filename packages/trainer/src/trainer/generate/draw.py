@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from trainer.generate.sampling import Sampling
+from trainer.generate.sampling import USES, Sampling
 
 
 def _nucleus_mask(sorted_logits_BxK: jax.Array, p: float) -> jax.Array:
@@ -21,22 +21,26 @@ def _nucleus_mask(sorted_logits_BxK: jax.Array, p: float) -> jax.Array:
     return jnp.arange(sorted_logits_BxK.shape[-1]) <= cutoff_Bx1
 
 
-def sample(logits_BxV: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
-    """Token ids [B] (int32) from f32 logits [B, V]."""
+def warp(logits_BxV: jax.Array, sampling: Sampling) -> jax.Array:
+    """The logits a draw is made from, as transformers' processors leave them: divided
+    by the temperature, then -inf outside the top-k (ties with the k-th kept), then
+    -inf outside the top-p nucleus of what is left (sampling.py's strategies)."""
     s = sampling
-    if s.strategy == "greedy":
-        return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
-    if s.strategy == "weighted":
-        return jax.random.categorical(key, logits_BxV / s.temperature).astype(jnp.int32)
-    if s.strategy == "nucleus":
-        sorted_BxV = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
-        # Keep every logit at least the cutoff's (ties with it stay in, as MaxText).
+    uses = USES[s.strategy]
+    x_BxV = logits_BxV / s.temperature
+    if "top_k" in uses and s.top_k < x_BxV.shape[-1]:
+        kth_Bx1 = jax.lax.top_k(x_BxV, s.top_k)[0][:, -1:]
+        x_BxV = jnp.where(x_BxV < kth_Bx1, -jnp.inf, x_BxV)
+    if "nucleus_p" in uses and s.nucleus_p < 1.0:
+        sorted_BxV = jnp.sort(x_BxV, axis=-1)[:, ::-1]
         keep_BxV = _nucleus_mask(sorted_BxV, s.nucleus_p)
         cutoff_Bx1 = jnp.min(jnp.where(keep_BxV, sorted_BxV, jnp.inf), axis=-1, keepdims=True)
-        kept_BxV = jnp.where(logits_BxV >= cutoff_Bx1, logits_BxV, -jnp.inf)
-        return jax.random.categorical(key, kept_BxV / s.temperature).astype(jnp.int32)
-    top_BxK, ids_BxK = jax.lax.top_k(logits_BxV, s.top_k)  # topk and composite
-    if s.strategy == "composite":
-        top_BxK = jnp.where(_nucleus_mask(top_BxK, s.nucleus_p), top_BxK, -jnp.inf)
-    pick_B = jax.random.categorical(key, top_BxK / s.temperature)
-    return jnp.take_along_axis(ids_BxK, pick_B[:, None], axis=-1)[:, 0].astype(jnp.int32)
+        x_BxV = jnp.where(x_BxV >= cutoff_Bx1, x_BxV, -jnp.inf)
+    return x_BxV
+
+
+def sample(logits_BxV: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
+    """Token ids [B] (int32) from f32 logits [B, V]."""
+    if sampling.strategy == "greedy":
+        return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, warp(logits_BxV, sampling)).astype(jnp.int32)

@@ -60,8 +60,11 @@ def generate(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     # No capacity cap: each token is routed as the full forward routes it, never
-    # dropped for sharing a batch. Where the weights came from compiles nothing.
-    model_config = dataclasses.replace(config.model, capacity_factor=0.0, hf_model_path="")
+    # dropped for sharing a batch. Where the weights came from compiles nothing, and
+    # a LoRA run's weights arrive merged (W + alpha / r A B): no adapters to run.
+    model_config = dataclasses.replace(
+        config.model, capacity_factor=0.0, hf_model_path="", lora_rank=0
+    )
     mesh = _mesh_of(params)
     tokens_BxP, start_B = _left_padded(prompts)
     shapes = decode.Shapes(len(prompts), tokens_BxP.shape[1], max_new_tokens)

@@ -1,15 +1,20 @@
-"""The next token from the last position's logits, under MaxText's decode keys.
+"""The next token from the last position's logits: MaxText's decode keys, computed in
+transformers' order and with its defaults.
 
-`decode_sampling_strategy` (MaxText's values and meanings, inference_utils.sampling):
+`decode_sampling_strategy` names which filters run; each runs as transformers' logits
+processor of the same job, in the order `generate` builds them: the temperature
+(TemperatureLogitsWarper), then top-k (TopKLogitsWarper: the k largest, ties with
+the k-th kept), then top-p (TopPLogitsWarper: the largest tokens whose probability
+after the filters before it first reaches p, the token crossing it included):
 
 - greedy: the argmax (temperature, top_k and nucleus_p unused);
 - weighted: a draw from softmax(logits / temperature);
-- topk: a draw among the `decode_sampling_top_k` largest logits, / temperature;
-- nucleus: a draw among the largest logits whose probabilities (softmax of the
-  logits before the temperature, as MaxText) first reach `decode_sampling_nucleus_p`,
-  the token crossing it included, / temperature;
-- composite: top-k, then the nucleus among those k (their own softmax), then the
-  temperature.
+- topk: temperature, then top-k;
+- nucleus: temperature, then top-p (`decode_sampling_nucleus_p`);
+- composite: temperature, then top-k, then top-p (transformers' do_sample).
+
+Defaults are the checkpoint's generation_config.json (`do_sample`: composite, else
+greedy; its `temperature`, `top_k`, `top_p`), else transformers' (1.0, 50, 1.0).
 
 This module holds the settings and their checks (no jax.numpy: the command line checks
 them before any backend starts); draw.py draws.
@@ -35,6 +40,10 @@ KEY_OF = {
     "top_k": "decode_sampling_top_k",
     "nucleus_p": "decode_sampling_nucleus_p",
 }
+# generation_config.json's name of each number, and transformers' default for it
+# (GenerationConfig leaves them unset; generate then samples with these).
+HF_KEY = {"temperature": "temperature", "top_k": "top_k", "nucleus_p": "top_p"}
+HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "nucleus_p": 1.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,17 +51,42 @@ class Sampling:
     """How the next token is picked (hashable: the decode loop compiles per value)."""
 
     strategy: str = "greedy"
-    temperature: float = 1.0
-    top_k: int = 0
-    nucleus_p: float = -1.0
+    temperature: float = HF_DEFAULTS["temperature"]
+    top_k: int = HF_DEFAULTS["top_k"]
+    nucleus_p: float = HF_DEFAULTS["nucleus_p"]
 
 
-GREEDY = Sampling()  # MaxText's default
+GREEDY = Sampling()  # transformers' default (do_sample false)
 
 
-def check(sampling: Sampling, vocab_size: int) -> list[str]:
+def choose_sampling(given: dict, generation: dict) -> Sampling:
+    """The Sampling of the keys `given` (strategy, temperature, top_k, nucleus_p, as
+    parsed), the rest from `generation` (a checkpoint's generation_config.json: its
+    do_sample picks composite over greedy; its temperature, top_k, top_p), the rest
+    transformers' defaults."""
+    numbers = {}
+    for name, hf_key in HF_KEY.items():
+        if name in given:
+            numbers[name] = given[name]
+        elif generation.get(hf_key) is not None:
+            numbers[name] = generation[hf_key]
+        else:
+            numbers[name] = HF_DEFAULTS[name]
+    sampled = "composite" if generation.get("do_sample") else "greedy"
+    return Sampling(given.get("strategy", sampled), **numbers)
+
+
+def describe(s: Sampling) -> str:
+    """The strategy and the numbers it uses, for the startup line."""
+    used = USES.get(s.strategy, ())
+    numbers = ", ".join(f"{HF_KEY[name]} {getattr(s, name):g}" for name in used)
+    return f"{s.strategy} ({numbers})" if numbers else s.strategy
+
+
+def check(sampling: Sampling, vocab_size: int, given: tuple[str, ...] | None = None) -> list[str]:
     """ConfigError naming the key whose value the strategy cannot use; returns notes
-    for keys set away from their defaults that the strategy ignores."""
+    for keys `given` on the command line (None: those away from their defaults) that
+    the strategy ignores."""
     s = sampling
     if s.strategy not in STRATEGIES:
         raise ConfigError(
@@ -75,9 +109,11 @@ def check(sampling: Sampling, vocab_size: int) -> list[str]:
             f"decode_sampling_strategy={s.strategy}"
         )
     default = Sampling()
+    if given is None:
+        given = tuple(n for n in KEY_OF if getattr(s, n) != getattr(default, n))
     return [
         f"{KEY_OF[name]}={getattr(s, name)} has no effect with "
         f"decode_sampling_strategy={s.strategy}"
         for name in KEY_OF
-        if name not in used and getattr(s, name) != getattr(default, name)
+        if name not in used and name in given
     ]

@@ -11,6 +11,7 @@ Everything but the weights is read first, so every check runs before any loading
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 from trainer.config import Config, ConfigError
@@ -29,18 +30,25 @@ class Source:
     eos_ids: tuple[int, ...]
     hf_model_path: str = ""
     checkpoint: str = ""  # run_dir/checkpoints/N
+    # generation_config.json's sampling keys (do_sample, temperature, top_k, top_p).
+    generation: tuple[tuple[str, object], ...] = ()
+    # The run's initial-weight paths (saved_run_config): a LoRA run's base.
+    base_paths: tuple[tuple[str, str], ...] = ()
 
     def load(self) -> dict[str, dict]:
         """{"params", "router"} on one device (trainer.hf.default_ctx)."""
         # deferred: the arguments are checked before JAX and the model code load
         from trainer import hf
         from trainer import model as model_lib
-        from trainer.io.initial_weights import restore_parameters
+        from trainer.io.initial_weights import restore_run_weights
 
         ctx = hf.default_ctx(self.config)
         if self.hf_model_path:
             return hf.import_params(self.hf_model_path, self.config, ctx, progress=False)
-        return restore_parameters(self.checkpoint, ctx, model_lib.define(self.config.model, ctx))
+        model = model_lib.define(self.config.model, ctx)
+        # A LoRA run's checkpoint holds adapters: its base is loaded as the run loaded it.
+        paths = dict(self.base_paths)
+        return restore_run_weights(self.checkpoint, self.config, paths, ctx, model)
 
 
 def _checkpoint(run_dir: str, step: int | None) -> tuple[str, int]:
@@ -66,11 +74,32 @@ def _eos(args: Arguments, declared: tuple[int, ...] | None, tokenizer) -> tuple[
     return () if tokenizer is None or tokenizer.eos_id is None else (tokenizer.eos_id,)
 
 
+def _generation(directory: str) -> tuple[tuple[str, object], ...]:
+    """The sampling keys of `directory`'s generation_config.json (() without one)."""
+    path = os.path.join(directory, "generation_config.json") if directory else ""
+    if not path or not os.path.isfile(path):
+        return ()
+    try:
+        with open(path) as f:
+            values = json.load(f)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{path}: not JSON ({error})") from None
+    keys = ("do_sample", "temperature", "top_k", "top_p")
+    return tuple((k, values[k]) for k in keys if isinstance(values, dict) and k in values)
+
+
 def _from_hf(args: Arguments, overrides: dict) -> Source:
     # deferred: the arguments are checked before JAX and the model code load
     from trainer import hf
+    from trainer.hf import export_config
 
     path = args.hf_model_path
+    # The checkpoint's dtype unless told otherwise (transformers' from_pretrained
+    # dtype="auto"): float32 files compute in float32, bfloat16 and fp8 in bfloat16.
+    source_config = export_config.read_source(path)
+    if source_config is not None:
+        dtype = export_config.source_dtype(source_config, path)
+        overrides = {"dtype": dtype, "weight_dtype": dtype, **overrides}
     config = hf.config_from_hf(path, **overrides)
     tokenizer_file = args.tokenizer_path or os.path.join(path, "tokenizer.json")
     tokenizer = None
@@ -78,7 +107,8 @@ def _from_hf(args: Arguments, overrides: dict) -> Source:
         key = "tokenizer_path" if args.tokenizer_path else "hf_model_path's tokenizer.json"
         tokenizer = codec.from_file(tokenizer_file, key=key)
     eos = _eos(args, codec.checkpoint_eos(path), tokenizer)
-    return Source(config, f"Hugging Face directory {path}", tokenizer, eos, hf_model_path=path)
+    where = f"Hugging Face directory {path}"
+    return Source(config, where, tokenizer, eos, generation=_generation(path), hf_model_path=path)
 
 
 def _run_tokenizer(args: Arguments, config: Config) -> tuple[codec.Codec | None, str]:
@@ -95,12 +125,22 @@ def _run_tokenizer(args: Arguments, config: Config) -> tuple[codec.Codec | None,
 
 def _from_run(args: Arguments, overrides: dict) -> Source:
     checkpoints, step = _checkpoint(args.run_dir, args.step)
-    config, _ = saved_run_config(checkpoints, step, overrides)
+    config, paths = saved_run_config(checkpoints, step, overrides)
     tokenizer, tokenizer_dir = _run_tokenizer(args, config)
     declared = codec.checkpoint_eos(tokenizer_dir) if tokenizer_dir else None
     eos = _eos(args, declared, tokenizer)
     path = os.path.join(checkpoints, str(step))
-    return Source(config, f"checkpoint {path}", tokenizer, eos, checkpoint=path)
+    base = tuple(paths.items()) if config.lora_rank else ()
+    generation = _generation(tokenizer_dir)
+    return Source(
+        config,
+        f"checkpoint {path}",
+        tokenizer,
+        eos,
+        generation=generation,
+        checkpoint=path,
+        base_paths=base,
+    )
 
 
 def choose_source(args: Arguments) -> Source:

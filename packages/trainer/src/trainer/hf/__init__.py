@@ -25,11 +25,19 @@ import numpy as np
 from trainer import model as model_lib
 from trainer.config import Config, ConfigError, hf_map, make_config, mesh_shape
 from trainer.hf import export_config, keys, notes, safetensors, stream
+from trainer.hf import peft as peft  # the PEFT adapter format (hf.peft.save_adapter)
 from trainer.sharding import ShardCtx, logical_rules, make_mesh
 
 # Shards above this size get split (transformers' default max_shard_size is 5 GB).
 MAX_SHARD_BYTES = 5 * 1024**3
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# transformers 5 writes the chat template to chat_template.jinja (not into
+# tokenizer_config.json): copied in whichever file the source holds it.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
 FILE_DTYPE = {"float32": "F32", "bfloat16": "BF16"}  # export dtype -> safetensors name
 
 
@@ -115,7 +123,7 @@ def save(
     progress: bool = True,
     dtype: str | None = None,
     source: str | None = None,
-) -> None:
+) -> list[str]:
     """Write `params` ({"params", "router"}) as a HF directory transformers loads:
     config.json, generation_config.json when token ids are known, and safetensors,
     sharded with an index above `max_shard_bytes`.
@@ -124,7 +132,8 @@ def save(
     the trainer did not change, its generation_config.json and its dtype are kept
     (hf.export_config). `dtype` (float32 or bfloat16) is every tensor's but the
     routing biases' (float32); default: the source's, else each parameter's own
-    (weight_dtype), so an f32 round trip is bitwise."""
+    (weight_dtype), so an f32 round trip is bitwise. Returns the config.json keys
+    written otherwise than the source's, one phrase each (export_config.changes)."""
     source_hf = export_config.read_source(source)
     if source and source_hf is None:
         raise ConfigError(f"{source}/config.json: not found (source= is the imported directory)")
@@ -167,6 +176,7 @@ def save(
     if generation is not None:
         export_config.write_json(os.path.join(path, export_config.GENERATION_CONFIG), generation)
     export_config.write_json(os.path.join(path, "config.json"), hf)
+    return export_config.changes(source_hf, hf)
 
 
 def _leaf_array(trees: dict, leaf: keys.Leaf):

@@ -98,6 +98,34 @@ def merge(computed: dict, source: dict | None, config: Config) -> dict:
     return out
 
 
+# Why a source key changes, where the reason is not just "the run's config says so".
+CHANGE_REASONS = {
+    "num_nextn_predict_layers": "no multi-token-prediction layers written: mtp_num_layers=0",
+    "quantization_config": "nothing is written in fp8",
+    "torch_dtype": "the tensors' dtype",
+    "dtype": "the tensors' dtype",
+}
+_ABSENT = object()
+
+
+def changes(source: dict | None, written: dict) -> list[str]:
+    """One phrase per config.json key an export wrote otherwise than the source held
+    (`key old -> new (why)`; removed keys say `removed`), in key order; [] without a
+    source. What a user reads to know the export is not the source's config verbatim."""
+    if source is None:
+        return []
+    out = []
+    for key in sorted(set(source) | set(written)):
+        old, new = source.get(key, _ABSENT), written.get(key, _ABSENT)
+        if old == new:
+            continue
+        old_text = "(absent)" if old is _ABSENT else json.dumps(old)
+        new_text = "removed" if new is _ABSENT else json.dumps(new)
+        why = CHANGE_REASONS.get(key, "the run's config")
+        out.append(f"{key} {old_text} -> {new_text} ({why})")
+    return out
+
+
 def set_dtype(hf: dict, dtype: str) -> dict:
     """`hf` declaring `dtype`, under the key the source used (torch_dtype otherwise)."""
     key = next((k for k in DTYPE_KEYS if k in hf), "torch_dtype")

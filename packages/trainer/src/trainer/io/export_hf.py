@@ -1,9 +1,13 @@
-"""`export-hf run_dir=RUN output=DIR [step=N] [export_dtype=float32|bfloat16]`: a run's
-checkpoint as a Hugging Face directory.
+"""`export-hf run_dir=RUN output=DIR [step=N] [export_dtype=float32|bfloat16] [adapter=true]`:
+a run's checkpoint as a Hugging Face directory (adapter=true: a LoRA run's adapters
+alone, as a PEFT adapter directory, hf/peft.py).
 
 Reads the run's config from the checkpoint, restores the parameters and routing
 biases of step N (default: the newest), writes them with `trainer.hf.save` and
-copies the run's tokenizer (tokenizer_path, as tokenizer.json) beside them. A run
+copies the run's tokenizer (tokenizer_path, as tokenizer.json) beside them, with
+the tokenizer_config.json, special_tokens_map.json and chat_template.jinja that lie
+beside it (the chat template stays in the file it came in). Each source config.json
+key written otherwise is printed, `config.json: KEY OLD -> NEW (why)`. A run
 started from `hf_model_path` exports over that directory's config.json (the keys
 training did not change kept as they were), its generation_config.json and, unless
 export_dtype says otherwise, its dtype (bfloat16 for fp8 files). A LoRA run's
@@ -14,18 +18,21 @@ W + lora_alpha / lora_rank x A @ B are written.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import sys
 
 from trainer import _host, hf
 from trainer import model as model_lib
-from trainer.config import Config, ConfigError, hf_map, parse_overrides
-from trainer.io import initial_weights
-from trainer.io.initial_weights import restore_parameters, saved_run_config, step_directory
+from trainer.config import ConfigError, hf_map, parse_overrides
+from trainer.io.initial_weights import (
+    restore_parameters,
+    restore_run_weights,
+    saved_run_config,
+    step_directory,
+)
 
-KEYS = ("run_dir", "output", "step", "export_dtype")
+KEYS = ("run_dir", "output", "step", "export_dtype", "adapter")
 
 
 def _arguments(argv: list[str]) -> dict[str, str]:
@@ -39,25 +46,33 @@ def _arguments(argv: list[str]) -> dict[str, str]:
     return args
 
 
-def _lora_trees(step_path: str, config: Config, paths: dict, ctx, model) -> dict:
-    """{"params": the merged weights, "router"} of a LoRA run's checkpoint."""
+def _adapter(step_path: str, output: str, config, ctx, model, source: str | None) -> list[str]:
+    """A LoRA run's adapters as a PEFT adapter directory (hf.peft); the lines to print."""
+    if not model.lora:
+        raise ConfigError("export-hf: adapter=true needs a LoRA run (this run has lora_rank=0)")
+    saved = restore_parameters(step_path, ctx, model, adapters=True)
+    params, _ = model_lib.abstract_state(model, ctx)
+    base = os.path.abspath(source) if source else None
+    hf.peft.save_adapter(output, config, saved["params"], params, base)
+    if base:
+        return [f"adapter: PEFT LoRA over {base} (PeftModel.from_pretrained(base, output))"]
+    return [
+        "adapter: the run's base is not a Hugging Face directory (load_parameters_path or "
+        "seed): export that base with export-hf and load the adapter over it"
+    ]
 
-    saved = initial_weights.restore_parameters(step_path, ctx, model, adapters=True)
-    with_paths = dataclasses.replace(config, **paths)
-    try:
-        source = initial_weights.source(with_paths.model, with_paths.checkpointing)
-    except ConfigError as error:
-        raise ConfigError(f"export-hf: the LoRA run's frozen base: {error}") from None
-    if source is None:
-        base, _ = model_lib.init(ctx, model, config.seed)
-    else:
-        base, _ = source.load(with_paths, ctx, model)
-    return {"params": model_lib.merged(model, base, saved["params"]), "router": saved["router"]}
 
-
-def export(run_dir: str, output: str, step: int | None = None, dtype: str | None = None) -> str:
+def export(
+    run_dir: str,
+    output: str,
+    step: int | None = None,
+    dtype: str | None = None,
+    adapter: bool = False,
+) -> tuple[str, list[str]]:
     """Write step `step` (newest: None) of the run in `run_dir` to `output` in `dtype`
-    (None: the source's, see the module doc); returns the checkpoint directory read."""
+    (None: the source's, see the module doc); `adapter`: a LoRA run's adapters alone,
+    in PEFT's format. Returns the checkpoint directory read and lines to print (the
+    source config.json keys written otherwise, hf.export_config.changes)."""
 
     if dtype is not None and dtype not in hf.export_config.EXPORT_DTYPES:
         raise ConfigError(f"export_dtype={dtype!r} is not one of {hf.export_config.EXPORT_DTYPES}")
@@ -77,15 +92,16 @@ def export(run_dir: str, output: str, step: int | None = None, dtype: str | None
     ctx = hf.default_ctx(config)
     model = model_lib.define(config.model, ctx)
     step_path = os.path.join(directory, str(step))
-    if model.lora:
-        trees = _lora_trees(step_path, config, paths, ctx, model)
+    if adapter:
+        lines = _adapter(step_path, output, config, ctx, model, paths["hf_model_path"] or None)
     else:
-        trees = restore_parameters(step_path, ctx, model)
-    hf.save(output, config, trees, dtype=dtype, source=source)
+        trees = restore_run_weights(step_path, config, paths, ctx, model)
+        changed = hf.save(output, config, trees, dtype=dtype, source=source)
+        lines = [f"config.json: {line}" for line in changed]
     if config.tokenizer_path and os.path.isfile(config.tokenizer_path):
         shutil.copyfile(config.tokenizer_path, os.path.join(output, "tokenizer.json"))
         hf.copy_tokenizer(os.path.dirname(config.tokenizer_path), output)
-    return os.path.join(directory, str(step))
+    return os.path.join(directory, str(step)), lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,11 +113,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = _arguments(argv)
         step = int(args["step"]) if args.get("step") else None
-        source = export(args["run_dir"], args["output"], step, args.get("export_dtype"))
+        adapter = args.get("adapter", "false")
+        if adapter not in ("true", "false"):
+            raise ConfigError(f"export-hf: adapter={adapter!r} is not true or false")
+        source, lines = export(
+            args["run_dir"], args["output"], step, args.get("export_dtype"), adapter == "true"
+        )
     except (ConfigError, ValueError) as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
     print(f"exported {source} -> {args['output']}")
+    for line in lines:
+        print(line)
     return 0
 
 

@@ -107,6 +107,33 @@ def restore_parameters(path: str, ctx, model, adapters: bool = False) -> dict[st
     return manager.restore(step, args=ocp.args.Composite(state=restore)).state
 
 
+def lora_base(config: Config, paths: dict[str, str], ctx, model) -> tuple[dict, dict]:
+    """(params, router) of a LoRA run's frozen base, loaded again as the run loaded
+    it: `paths` (saved_run_config's hf_model_path / load_parameters_path), else drawn
+    from the run's seed. ConfigError naming the key whose directory is gone."""
+    with_paths = dataclasses.replace(config, **paths)
+    try:
+        origin = source(with_paths.model, with_paths.checkpointing)
+    except ConfigError as error:
+        raise ConfigError(f"the LoRA run's frozen base: {error}") from None
+    if origin is None:
+        return model_lib.init(ctx, model, config.seed)
+    return origin.load(with_paths, ctx, model)
+
+
+def restore_run_weights(
+    step_path: str, config: Config, paths: dict[str, str], ctx, model
+) -> dict[str, dict]:
+    """{"params", "router"} a run's checkpoint `step_path` computes with: its
+    parameters, or for a LoRA run the base with the adapters merged in (W + alpha /
+    r A B; the base loaded by `lora_base`). What export-hf writes and generate runs."""
+    if not model.lora:
+        return restore_parameters(step_path, ctx, model)
+    saved = restore_parameters(step_path, ctx, model, adapters=True)
+    base, _ = lora_base(config, paths, ctx, model)
+    return {"params": model_lib.merged(model, base, saved["params"]), "router": saved["router"]}
+
+
 def saved_meta(manager, step: int) -> dict:
     """The JSON metadata saved with checkpoint `step` (the run's config keys among it)."""
     import orbax.checkpoint as ocp

@@ -22,6 +22,8 @@ Target names (`lora_targets`, a comma list of names and groups):
     mlp             mlp_wi_0, mlp_wi_1, mlp_wo     the dense layers' MLP
     experts         expert_wi_0, expert_wi_1, expert_wo   routed experts
     shared_experts  shared_wi_0, shared_wi_1, shared_wo   shared experts
+and transformers' module names (q_a_proj, kv_b_proj, gate_proj, ..., all-linear:
+config/lora_targets.py). The factors' scale is PEFT's lora_alpha / r.
 Every block that has the projection gets an adapter (the MTP blocks' too).
 """
 

@@ -173,7 +173,10 @@ def main(argv: list[str]) -> int:
             profiler.after(step)
             profiler.before(step + 1)
             if step % config.log_period == 0 or step == config.steps:
-                print(run_lib.step_line(step, metrics, counted=config.use_sft), flush=True)
+                line = run_lib.step_line(
+                    step, metrics, counted=config.use_sft, aux=run_lib.has_aux_terms(config.model)
+                )
+                print(line, flush=True)
             writer.write(metrics)
 
         def on_eval(step: int, result: dict) -> None:

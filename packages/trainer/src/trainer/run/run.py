@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 import accum
 from trainer import data
 from trainer import model as model_lib
-from trainer.config import Config, ParallelismConfig
+from trainer.config import Config, ConfigError, ParallelismConfig
 from trainer.data import eval_data, eval_schedule, input_pipeline, sft_data
 from trainer.io import checkpoint, initial_weights, stop_signals
 from trainer.io import metrics as metrics_lib
@@ -75,6 +75,22 @@ def start(spec: RunSpec) -> Run:
     config = spec.config
     # Inputs and the output directory, before building or compiling anything.
     source = input_pipeline.make_source(config, spec.batch_size)
+    if config.num_epochs:
+        # The step count follows the rows (transformers' num_train_epochs): fixed here,
+        # before the schedule is built and the config saved with the checkpoints.
+        if getattr(source, "packed", None) is None:
+            raise ConfigError(
+                f"num_epochs={config.num_epochs} needs a data set of known size (text, hf or "
+                "use_sft rows); this source streams without end: set steps="
+            )
+        rows = len(source.packed)
+        steps = math.ceil(config.num_epochs * rows / spec.batch_size)
+        config = dataclasses.replace(config, steps=steps)
+        spec = dataclasses.replace(spec, config=config)
+        source.note = (
+            f"; num_epochs={config.num_epochs}: {rows} rows / {spec.batch_size} a step "
+            f"-> steps={steps}"
+        )
     eval_set = eval_data.make_eval_set(config, len(spec.devices), spec.mesh_shape)
     checkpoints = checkpoint.open_checkpointer(config, spec.batch_size)
     # A run with checkpoints of its own resumes from them: never from its initial weights,
@@ -332,17 +348,29 @@ def moe_figures(m: dict) -> str:
     return text
 
 
-def step_line(step: int, m: dict, counted: bool = False) -> str:
+def has_aux_terms(model) -> bool:
+    """Whether the loss adds anything to the cross-entropy: a balance loss, a router
+    z-loss (MoE layers) or multi-token prediction."""
+    moe = model.num_moe_layers > 0
+    return bool(
+        (moe and (model.load_balance_loss_weight or model.moe_z_loss_coeff)) or model.mtp_num_layers
+    )
+
+
+def step_line(step: int, m: dict, counted: bool = False, aux: bool = False) -> str:
     """The console line of one step; `counted` (use_sft) adds the step's counted tokens,
-    the loss's denominator."""
+    the loss's denominator; `aux` (has_aux_terms) the loss's parts: the cross-entropy
+    and the auxiliary terms added to it (loss - ce: balance, z-loss, MTP)."""
     mfu = f"  mfu {m['mfu'] * 100:5.1f}%" if "mfu" in m else ""
     if counted:
         mfu += f"  counted {m['tokens']:,.0f}"
-    # With MTP on: the main cross-entropy, then each depth's (the loss adds them, scaled).
     depths = metrics_lib.mtp_losses(m)
     mtp = ""
+    if (aux or depths) and "ce_loss" in m:
+        mtp = f"  ce {m['ce_loss']:.4f}  aux {m['loss'] - m['ce_loss']:.4f}"
     if depths:
-        mtp = f"  ce {m['ce_loss']:.4f}  mtp " + " ".join(f"{loss:.4f}" for _, loss in depths)
+        # Each depth's cross-entropy (the loss adds them, scaled: part of aux).
+        mtp += "  mtp " + " ".join(f"{loss:.4f}" for _, loss in depths)
     return (
         f"step {step:5d}  loss {m['loss']:.4f}{mtp}{moe_figures(m)}  "
         f"grad_norm {m['grad_norm']:.3f}  "

@@ -7,9 +7,25 @@ import optax
 from trainer.config import TrainingConfig
 
 
+def warmup_steps(training: TrainingConfig) -> int:
+    """The linear warmup's steps: warmup_steps when set (>= 0), else the fraction."""
+    if training.warmup_steps >= 0:
+        return training.warmup_steps
+    return int(round(training.warmup_steps_fraction * training.steps))
+
+
 def learning_rate_schedule(training: TrainingConfig) -> optax.Schedule:
-    """0 -> learning_rate over the warmup steps, then cosine down to the final fraction."""
-    warmup = int(round(training.warmup_steps_fraction * training.steps))
+    """0 -> learning_rate over the warmup steps, then lr_scheduler_type's decay: cosine
+    down to the final fraction, linear down to 0 at the last step (transformers'
+    get_linear_schedule_with_warmup), or constant (its constant_with_warmup)."""
+    warmup = warmup_steps(training)
+    peak = training.learning_rate
+    if training.lr_scheduler_type in ("linear", "constant"):
+        end = 0.0 if training.lr_scheduler_type == "linear" else peak
+        after = optax.linear_schedule(peak, end, max(training.steps - warmup, 1))
+        if warmup == 0:
+            return after
+        return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
     end_value = training.learning_rate * training.cosine_final_lr_fraction
     if warmup == 0:
         return optax.cosine_decay_schedule(

@@ -166,6 +166,10 @@ def _update_router(
 ) -> dict:
     if not router or model.routed_bias_update_rate == 0:
         return router
+    if model.lora_rank and not model.lora_update_routing_bias:
+        # LoRA leaves every base tensor as it was, the routing biases too: the
+        # adapters alone then reproduce the run (a PEFT adapter holds nothing else).
+        return router
     update = jax.vmap(
         lambda b, t: moe_kernels.update_routing_bias(b, t, rate=model.routed_bias_update_rate)
     )
