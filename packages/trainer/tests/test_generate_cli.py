@@ -19,7 +19,7 @@ import pytest
 from trainer.config import ConfigError
 from trainer.generate import args as args_lib
 from trainer.generate import cli, draw
-from trainer.generate.sampling import Sampling, check, resolve
+from trainer.generate.sampling import Sampling, check, choose_sampling
 from trainer.generate.source import choose_source
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -150,12 +150,12 @@ def test_defaults_are_the_checkpoint_s_then_transformers():
     assert SAMPLING_REFERENCE["defaults"] == dict.fromkeys(
         ("do_sample", "temperature", "top_k", "top_p")
     )
-    assert resolve({}, {}) == Sampling("greedy", 1.0, 50, 1.0)
+    assert choose_sampling({}, {}) == Sampling("greedy", 1.0, 50, 1.0)
     # DeepSeek-V3's published generation_config.json: do_sample, temperature 0.6, top_p 0.95.
     published = {"do_sample": True, "temperature": 0.6, "top_p": 0.95}
-    assert resolve({}, published) == Sampling("composite", 0.6, 50, 0.95)
-    assert resolve({"strategy": "greedy"}, published).strategy == "greedy"
-    assert resolve({"nucleus_p": 0.5}, published) == Sampling("composite", 0.6, 50, 0.5)
+    assert choose_sampling({}, published) == Sampling("composite", 0.6, 50, 0.95)
+    assert choose_sampling({"strategy": "greedy"}, published).strategy == "greedy"
+    assert choose_sampling({"nucleus_p": 0.5}, published) == Sampling("composite", 0.6, 50, 0.5)
 
 
 def test_an_hf_checkpoint_computes_in_its_own_dtype():
