@@ -275,3 +275,39 @@ def test_cudnn_attention_custom_calls():
     assert ht.estimate_step([fwd], roofline).total_ms == pytest.approx(
         (1e-6 + forward / 0.5e15) * 1e3
     )
+
+
+MOSAIC = """HloModule g
+
+ENTRY %main (s: s32[4], x: bf16[512,256], w: bf16[4,256,128], g: bf16[512,128]) -> bf16[2] {
+  %s = s32[4]{0} parameter(0)
+  %x = bf16[512,256]{1,0} parameter(1)
+  %w = bf16[4,256,128]{2,1,0} parameter(2)
+  %g = bf16[512,128]{1,0} parameter(3)
+  %fwd = bf16[512,128]{1,0} custom-call(%s, %x, %w), MOSAIC
+  %dx = bf16[512,256]{1,0} custom-call(%s, %g, %w), MOSAIC
+  %dw = bf16[4,256,128]{2,1,0} custom-call(%s, %s, %x, %g), MOSAIC
+  %odd = bf16[512,512]{1,0} custom-call(%x, %x), MOSAIC
+  ROOT %z = bf16[2]{0} constant({0, 0})
+}
+""".replace("MOSAIC", 'custom_call_target="mosaic_gpu_v2"')
+
+
+def test_mosaic_grouped_matmuls_count_their_flops():
+    """moe_kernels' grouped GEMM (Pallas Mosaic-GPU custom calls): the forward, the
+    input gradient (weights used transposed) and the weight gradient (per-group
+    products of two row-ragged operands) are matmuls of 2 x 512 x 256 x 128 FLOPs
+    each; a Mosaic kernel of other shapes is not called a matmul."""
+    names = ("fwd", "dx", "dw", "odd")
+    sequence = "".join(
+        f"{i:03d}: kCustomCall [source | sink] {n}\n" for i, n in enumerate(names, 1)
+    )
+    metadata = "".join(
+        f'thunk_metadata {{\n  thunk_info {{\n    profile_annotation: "{n}"\n'
+        f"    thunk_id: {i}\n  }}\n}}\n"
+        for i, n in enumerate(names, 1)
+    )
+    kernels = {k.name: k for k in ht.launched_kernels(sequence, metadata, MOSAIC)}
+    for name in ("fwd", "dx", "dw"):
+        assert (kernels[name].category, kernels[name].flops) == ("matmul", 2 * 512 * 256 * 128)
+    assert kernels["odd"].flops == 0 and kernels["odd"].category != "matmul"

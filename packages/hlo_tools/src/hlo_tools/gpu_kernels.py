@@ -15,7 +15,10 @@ annotation), giving a Kernel per launching thunk:
   byte is an HBM byte.
 * **flops**: 2 x result elements x contracted size of every dot in it (a Triton
   GEMM fusion's dot, cuBLAS's ``__cublas$gemm`` custom call); cuDNN's attention
-  custom calls (``__cudnn$fmha*``) as the XLA attention they replace; 0 for the rest.
+  custom calls (``__cudnn$fmha*``) as the XLA attention they replace; a Pallas
+  Mosaic-GPU kernel (``mosaic_gpu*``) whose shapes are a grouped matmul's
+  (`grouped_matmul_flops`: moe_kernels' grouped GEMM) as that matmul, and it is a
+  "matmul" kernel; 0 for the rest.
 * **category**: read from the kernel's name as a profiler shows it (XLA names a
   fusion after its hero: ``loop_broadcast_fusion``, ``input_reduce_fusion``),
   in the order benchmarks/gpu_profile.py reads a device trace
@@ -126,6 +129,7 @@ _PARTIAL_READS = {"dynamic-slice", "slice", "gather"}
 _IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}
 _DIMS = re.compile(r"\{([\d,\s]*)\}")
 _SITE = ("site-packages", "dist-packages", "<frozen")
+MOSAIC_GPU = "mosaic_gpu"  # Pallas Mosaic-GPU kernels' custom calls (mosaic_gpu_v2, ...)
 CUDNN_ATTENTION = "__cudnn$fmha"  # XLA's cuDNN attention custom calls (forward, backward)
 
 
@@ -280,6 +284,8 @@ def _category(kind: str, name: str, module: HloModule, instr: Instruction | None
         return "attention"
     if "gemm" in target:
         return "matmul"
+    if target.startswith(MOSAIC_GPU) and _is_grouped_matmul(module, root):
+        return "matmul"
     return "elementwise" if root.opcode in _ELEMENTWISE else "other"
 
 
@@ -350,6 +356,8 @@ def instruction_flops(module: HloModule, instr: Instruction, comp: Computation) 
         target = instr.attributes.get("custom_call_target", "").strip('"')
         if target.startswith(CUDNN_ATTENTION):
             return _cudnn_attention_flops(comp, instr, "Backward" in target)
+        if target.startswith(MOSAIC_GPU):
+            return grouped_matmul_flops(comp, instr)
         if "gemm" not in target.lower() and "matmul" not in target.lower():
             return 0
         try:
@@ -383,6 +391,34 @@ def _cudnn_attention_flops(comp: Computation, instr: Instruction, backward: bool
     (b, s, h, d), t, dv = shapes[0], shapes[1][1], shapes[2][3]
     forward = 2 * b * h * s * t * (d + dv)
     return 2 * forward if backward else forward
+
+
+def grouped_matmul_flops(comp: Computation, instr: Instruction) -> int:
+    """A Mosaic-GPU kernel's FLOPs where its shapes are a grouped matmul's; else 0.
+
+    A kernel's custom call says nothing of what it computes, so the shapes decide,
+    as for moe_kernels/gemm_mgpu.py's two kernels: rows (M, K) times one of G
+    weights (G, K, N) or (G, N, K) into (M, N), each row through one group:
+    2 x M x K x N; or two row-ragged (R, M) and (R, N) into per-group products
+    (G, M, N): 2 x R x M x N (each row counted in one group)."""
+    operands = [comp.by_name.get(name) for name in instr.operands]
+    dims = [leaf_arrays(o.type)[0].dims for o in operands if o is not None]
+    out = leaf_arrays(instr.type)[0].dims
+    rows, weights = [d for d in dims if len(d) == 2], [d for d in dims if len(d) == 3]
+    if len(out) == 2:
+        for m, k in rows:
+            if m == out[0] and any(sorted(w[1:]) == sorted((k, out[1])) for w in weights):
+                return 2 * m * k * out[1]
+    if len(out) == 3:
+        for r, m in rows:
+            if m == out[1] and any(d == (r, out[2]) for d in map(tuple, rows)):
+                return 2 * r * m * out[2]
+    return 0
+
+
+def _is_grouped_matmul(module: HloModule, instr: Instruction) -> bool:
+    found = _instructions(module).get(instr.name)
+    return found is not None and grouped_matmul_flops(found[1], instr) > 0
 
 
 def _dot_flops(comp: Computation, instr: Instruction, contracting: str) -> int:
