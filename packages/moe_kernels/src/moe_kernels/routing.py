@@ -126,11 +126,7 @@ def route(
     if config.n_groups > 1 and config.topk_groups < config.n_groups:
         select_xE = jnp.where(_group_mask(select_xE, config), select_xE, -jnp.inf)
     _, ids_xZ = top_k(select_xE, k)
-    # The chosen experts' scores by a one-hot product over the E experts, not
-    # take_along_axis: that gather's gradient is a scatter-add (a kernel of its own
-    # on a GPU); this one's is a product that fuses with its neighbours.
-    chosen_xZxE = ids_xZ[..., None] == jnp.arange(e, dtype=ids_xZ.dtype)
-    weights_xZ = jnp.sum(jnp.where(chosen_xZxE, scores_xE[..., None, :], 0.0), axis=-1)
+    weights_xZ = _chosen(scores_xE, ids_xZ)
     if config.norm_topk_prob:
         weights_xZ = weights_xZ / (weights_xZ.sum(-1, keepdims=True) + 1e-20)
     weights_xZ = weights_xZ * config.routed_scaling_factor
@@ -162,6 +158,29 @@ def _sequence_balance_loss(scores_xE: jax.Array, ids_xZ: jax.Array, config: MoEC
     normalized = scores_BxSxE / (scores_BxSxE.sum(-1, keepdims=True) + 1e-20)
     p_BxE = normalized.mean(axis=1)
     return (f_BxE * p_BxE).sum(-1).mean()
+
+
+@jax.custom_vjp
+def _chosen(scores_xE: jax.Array, ids_xZ: jax.Array) -> jax.Array:
+    """The chosen experts' scores: a gather forward. Its gradient is a one-hot
+    select-and-sum over the K picks, not take_along_axis's transpose (a scatter-add,
+    a kernel of its own on a GPU). A select-and-sum in the forward as well made
+    XLA:TPU's peak of live buffers exceed its reported total (tests/test_aot.py)."""
+    return jnp.take_along_axis(scores_xE, ids_xZ, axis=-1)
+
+
+def _chosen_fwd(scores_xE, ids_xZ):
+    return _chosen(scores_xE, ids_xZ), (scores_xE, ids_xZ)
+
+
+def _chosen_bwd(res, g_xZ):
+    scores_xE, ids_xZ = res
+    chosen_xZxE = ids_xZ[..., None] == jnp.arange(scores_xE.shape[-1], dtype=ids_xZ.dtype)
+    g_xE = jnp.sum(jnp.where(chosen_xZxE, g_xZ[..., None], 0.0), axis=-2)
+    return g_xE.astype(scores_xE.dtype), None
+
+
+_chosen.defvjp(_chosen_fwd, _chosen_bwd)
 
 
 def _one_hot_counts(ids_BxA: jax.Array, num_experts: int) -> jax.Array:
