@@ -245,3 +245,29 @@ def test_cudnn_attention_lowers_causal_packed_without_a_dense_mask(monkeypatch):
         assert f"{b}x{cudnn_attention.MAX_DOCUMENTS + 1}xi32" in line  # document offsets
         assert f"{b}x{s}x{h}x64xbf16" in line  # v at its own head dim, not padded to 96
     assert "stablehlo.case" in text or "stablehlo.if" in text  # the masked call: a branch
+
+
+def _while_carries(text: str, dtype: str, dims: str) -> int:
+    """How many elements of the microbatch loop's carried tuple are dtype[dims]."""
+    (carried,) = re.findall(r"\n  %while[.\d]* = \((.*?)\) while\(", text)
+    return len(re.findall(rf"\b{dtype}\[{dims}\]", carried))
+
+
+def test_unrolled_layers_carry_stacked_weights_in_bf16_through_the_microbatch_loop(tmp_path):
+    """Weights are cast to bf16 once per step, before the microbatch loop (step/
+    train_step.py): the loop carries each routed-expert stack (2 MoE layers, 16
+    experts, 1024 x 512) in bf16, plus its f32 gradient accumulator, and no f32 copy
+    of the weight (cast at use, every microbatch re-read and re-cast the f32 stack)."""
+    result = _compile(
+        tmp_path,
+        compile_topology="h100-1",
+        base_num_decoder_layers="3",
+        per_device_batch_size="1",
+        gradient_accumulation_steps="2",
+        max_target_length="128",
+    )
+    with open(result.hlo_path) as f:
+        text = f.read()
+    # wi_0 and wi_1: the weights in bf16, their accumulators in f32.
+    assert _while_carries(text, "bf16", "2,16,1024,512") == 2
+    assert _while_carries(text, "f32", "2,16,1024,512") == 2

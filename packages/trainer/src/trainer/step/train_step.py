@@ -214,6 +214,19 @@ def make_step(
         # layer stack's custom backward would differentiate the frozen base too.
         schedule = "plain"
     trained = model_lib.trained_view(model_def)
+    # Unrolled layers slice each stacked weight in every microbatch; cast at use, each
+    # slice re-read the f32 stack and wrote bf16 (GPUs' default layout; issue 53: the
+    # deviceless H200 estimate, benchmarks/results/gpu_estimate.md). Cast before the
+    # loop the slices move half the bytes. One microbatch gains nothing and would hold
+    # the bf16 copy through the step; ZeRO-1 casts in its gather (below); weights
+    # stored in the compute dtype need no cast.
+    casts = (
+        model.scan_layers is False
+        and steps > 1
+        and zero1 is None
+        and compute_dtype != jnp.dtype(trained.weight_dtype)
+    )
+    cast_once = cast_once_per_step(trained, plan) if casts else None
 
     def step(state: dict, batch: dict) -> tuple[dict, dict]:
         grad_shardings, params = None, state["params"]
@@ -229,6 +242,15 @@ def make_step(
                 cast=trained.param_cast_at_use,
                 mode=ctx.mode,
             )
+        elif cast_once is not None:
+            # Weights the model casts at use, cast here instead: once per step, not
+            # in every microbatch (each of which re-read the f32 stack). The loop
+            # differentiates the compute-dtype copy, whose cotangent is the one the
+            # cast at use carried; accum tags the copy reduced as it tags a
+            # parameter, so the accumulator (accum_dtype) is reduced once per step.
+            params = jax.tree.map(
+                lambda p, c: p.astype(compute_dtype) if c else p, params, cast_once
+            )
         mtp_scale_D = mtp_loss_scales(model, batch, ctx) if model.mtp_num_layers else None
         loss, aux, grads = accum.accumulate_gradients(
             make_loss_fn(model, model_def, state["router"], mtp_scale_D, state.get("frozen")),
@@ -243,6 +265,21 @@ def make_step(
         return apply_gradients(model, training, tx, state, loss, aux, grads)
 
     return StepFns(init_opt_state=tx.init, step=step)
+
+
+def cast_once_per_step(trained: model_lib.ModelDef, plan: accum.ReductionPlan) -> Any:
+    """Per trained leaf, whether the step casts it to the compute dtype once before
+    the microbatch loop (None: no leaf is). A leaf qualifies when the model casts it
+    at use (params.CAST_AT_USE) and no batch axis reduces its gradient inside the
+    loop (accum.PER_MICROBATCH or SCATTER): there the reduction would carry the
+    compute dtype instead of the f32 cotangent of the cast, so those leaves keep
+    their cast at use. Same numbers either way."""
+
+    def once(leaf: accum.LeafPlan, cast: bool) -> bool:
+        return bool(cast) and not leaf.axes(accum.PER_MICROBATCH, accum.SCATTER)
+
+    marks = plan.map(once, trained.param_cast_at_use)
+    return marks if any(jax.tree.leaves(marks)) else None
 
 
 def apply_gradients(
