@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_kernels import MoEConfig, route, update_routing_bias
+from moe_kernels import MoEConfig, route, routing, update_routing_bias
 
 
 def _logits(shape, seed=0):
@@ -127,3 +127,26 @@ def test_route_shape_errors():
         route(jnp.zeros((4, 6)), config=cfg)
     with pytest.raises(ValueError, match=r"\(num_experts=8,\)"):
         route(jnp.zeros((4, 8)), config=cfg, bias=jnp.zeros(6))
+
+
+@pytest.mark.parametrize("shape,k", [((6, 16), 2), ((3, 5, 4), 2), ((7, 32), 8), ((4, 9), 1)])
+def test_top_k_ranks_match_lax_top_k_with_ties_and_inf(shape, k):
+    # Few distinct values force ties (the lower index first) and rows of -inf
+    # must still give k distinct picks, as lax.top_k does.
+    rng = np.random.default_rng(k)
+    x = rng.integers(-2, 2, size=shape).astype(np.float32)
+    x.reshape(-1, shape[-1])[0] = -np.inf
+    x.reshape(-1)[shape[-1] + 1 : shape[-1] + 4] = -np.inf
+    for values in (x, rng.normal(size=shape).astype(np.float32)):
+        got = jax.jit(routing.top_k, static_argnums=1)(jnp.asarray(values), k)
+        want = jax.lax.top_k(jnp.asarray(values), k)
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+
+
+def test_top_k_launches_no_sort_on_few_experts():
+    # The ranking path is reductions only: no sort (lax.top_k's lowering) in its HLO.
+    text = jax.jit(routing.top_k, static_argnums=1).lower(jnp.zeros((8, 16)), 2).as_text()
+    assert "sort" not in text and "top_k" not in text.replace("jit_top_k", "")
+    wide = jax.jit(routing.top_k, static_argnums=1).lower(jnp.zeros((8, 128)), 2).as_text()
+    assert "top_k" in wide.replace("jit_top_k", "")

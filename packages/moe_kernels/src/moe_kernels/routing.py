@@ -9,34 +9,39 @@ from jax import lax
 
 from moe_kernels.config import MoEConfig
 
-# Up to this many picks, `top_k` takes k rounds of reductions instead of lax.top_k.
+# Up to this many picks from up to RANK_N entries, `top_k` ranks every entry in one
+# reduction instead of calling lax.top_k.
 SMALL_K = 8
+# The ranking compares every pair of entries (N^2 per row, inside one fusion): cheap
+# for a router's 16-64 experts or a handful of groups, not for hundreds.
+RANK_N = 64
 
 
 def top_k(x_xN: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """(values, int32 indices) of the k largest along the last axis, largest first,
     ties to the lower index: what `lax.top_k` returns.
 
-    For k <= SMALL_K, k rounds of a max and an argmax over what is not yet taken:
-    reductions that XLA fuses with the routing around them, where lax.top_k is a
-    sort on a GPU (three sorts per MoE layer for grouped routing). An entry that is
-    taken never wins again, even when everything left is -inf.
+    For k <= SMALL_K and N <= RANK_N, each entry's rank (how many entries beat it:
+    larger, or equal at a lower index) is one reduction over the pairs, and the
+    picks are read off the ranks 0..k-1 by a second, with their values in the same
+    kernel. On a GPU lax.top_k is a sort (three per MoE layer for grouped routing);
+    k rounds of a max and an argmax launched about four small kernels per round
+    (issue 53: the deviceless H200 estimate). Ranks are distinct, so an entry is
+    picked once, even when everything left is -inf.
     """
-    if k > SMALL_K:
-        return lax.top_k(x_xN, k)
     n = x_xN.shape[-1]
+    if k > SMALL_K or n > RANK_N:
+        return lax.top_k(x_xN, k)
     iota_N = jnp.arange(n, dtype=jnp.int32)
-    taken_xN = jnp.zeros(x_xN.shape, bool)
-    values, indices = [], []
-    for _ in range(k):
-        best_x = jnp.max(jnp.where(taken_xN, -jnp.inf, x_xN), axis=-1)
-        # The first entry not yet taken that holds the best value.
-        hit_xN = ~taken_xN & (x_xN == best_x[..., None])
-        index_x = jnp.argmax(hit_xN, axis=-1).astype(jnp.int32)
-        taken_xN = taken_xN | (iota_N == index_x[..., None])
-        values.append(best_x)
-        indices.append(index_x)
-    return jnp.stack(values, axis=-1), jnp.stack(indices, axis=-1)
+    x_i, x_j = x_xN[..., :, None], x_xN[..., None, :]
+    lower_NxN = iota_N[None, :] < iota_N[:, None]  # [i, j]: j comes before i
+    beats_xNxN = (x_j > x_i) | ((x_j == x_i) & lower_NxN)
+    rank_xN = jnp.sum(beats_xNxN, axis=-1, dtype=jnp.int32)
+    pick_xKxN = rank_xN[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]
+    indices = jnp.sum(jnp.where(pick_xKxN, iota_N, 0), axis=-1, dtype=jnp.int32)
+    # Exactly one entry per pick: the sum is that entry's value (-inf included).
+    values = jnp.sum(jnp.where(pick_xKxN, x_xN[..., None, :], 0), axis=-1)
+    return values.astype(x_xN.dtype), indices
 
 
 def _group_mask(select_xE: jax.Array, config: MoEConfig) -> jax.Array:
@@ -132,32 +137,31 @@ def route(
     weights_xZ = weights_xZ * config.routed_scaling_factor
 
     # Counts as sums of a one-hot (a reduction XLA fuses with its neighbours), not
-    # jnp.bincount: that is a scatter-add, a kernel of its own on a GPU.
-    counts_E = _one_hot_counts(ids_xZ.reshape(1, -1), e)[0]
-    stats = {
-        "tokens_per_expert": counts_E,
-        "balance_loss": _sequence_balance_loss(scores_xE, ids_xZ, config),
-    }
-    return weights_xZ, ids_xZ, stats
-
-
-def _sequence_balance_loss(scores_xE: jax.Array, ids_xZ: jax.Array, config: MoEConfig):
-    """DeepSeek-V3 sequence-wise balance loss, `mean_seq sum_i f_i P_i`.
-
-    f_i = E / (K S) * (assignments to expert i in the sequence), P_i = mean over
-    the sequence of the scores normalized over all experts.
-    """
-    e, k = config.num_experts, config.num_experts_per_tok
+    # jnp.bincount: that is a scatter-add, a kernel of its own on a GPU. One count
+    # per sequence serves the balance loss and, summed, the step's load statistics.
     if scores_xE.ndim == 1:
         scores_xE, ids_xZ = scores_xE[None], ids_xZ[None]
     s = scores_xE.shape[-2]
-    scores_BxSxE = scores_xE.reshape(-1, s, e)
-    ids_BxA = ids_xZ.reshape(scores_BxSxE.shape[0], s * k)
-    counts_BxE = _one_hot_counts(ids_BxA, e)
-    f_BxE = counts_BxE.astype(jnp.float32) * (e / (k * s))
+    counts_BxE = _one_hot_counts(ids_xZ.reshape(-1, s * k), e)
+    stats = {
+        "tokens_per_expert": counts_BxE.sum(0),
+        "balance_loss": _sequence_balance_loss(scores_xE.reshape(-1, s, e), counts_BxE, config),
+    }
+    return weights_xZ, ids_xZ.reshape(*logits.shape[:-1], k), stats
+
+
+def _sequence_balance_loss(scores_BxSxE: jax.Array, counts_BxE: jax.Array, config: MoEConfig):
+    """DeepSeek-V3 sequence-wise balance loss, `mean_seq sum_i f_i P_i`.
+
+    f_i = E / (K S) * (assignments to expert i in the sequence, `counts_BxE`), P_i
+    = mean over the sequence of the scores normalized over all experts.
+    """
+    b, s, e = scores_BxSxE.shape
+    k = config.num_experts_per_tok
     normalized = scores_BxSxE / (scores_BxSxE.sum(-1, keepdims=True) + 1e-20)
-    p_BxE = normalized.mean(axis=1)
-    return (f_BxE * p_BxE).sum(-1).mean()
+    # One reduction to the scalar: the means over S and B folded into the constant.
+    f_BxE = counts_BxE.astype(jnp.float32) * (e / (k * s * s * b))
+    return jnp.sum(f_BxE[:, None, :] * normalized)
 
 
 @jax.custom_vjp
