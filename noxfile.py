@@ -29,10 +29,15 @@ nox.options.sessions = ["lint", "cpu", "aot", "device_check", "wheels_newest"]
 # JAX compiles on one thread). `loadfile` keeps a file's tests, and the compiled
 # runs their fixtures cache, on one worker.
 PARALLEL = ["-n", "2", "--dist", "loadfile"]
+# The slowest tests of a tier, printed at its end, so CI's log says where its minutes go.
+DURATIONS = ["--durations=15"]
 
 # On a CPU host the tests simulate a mesh of 8 devices; JAX_PLATFORMS=cpu keeps
 # libtpu (installed by the `tpu` extra) from probing for chips that are not there.
 CPU_ENV = {"JAX_PLATFORMS": "cpu"}
+# libtpu lets one process at a time load it (its lockfile); compiling for a topology
+# touches no chip, so the aot tier's two workers may both load it.
+AOT_ENV = {**CPU_ENV, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 
 # The cpu and slow tiers compile far more than they run (a few tiny steps per
 # compile), and most of a compile is LLVM optimising the CPU kernels: unoptimised
@@ -72,6 +77,7 @@ def cpu(session: nox.Session) -> None:
     session.run(
         "pytest",
         *PARALLEL,
+        *DURATIONS,
         "-m",
         "not aot and not integration and not slow",
         *session.posargs,
@@ -99,7 +105,9 @@ def aot(session: nox.Session) -> None:
     extra, jax's CUDA plugin and ptxas from the `gpu` extra)."""
     _sync(session, "tpu", "gpu")
     # The full AOT matrix is also marked slow: `-s slow_aot` (or pytest -m "aot and slow").
-    session.run("pytest", "-m", "aot and not slow", *session.posargs, env=CPU_ENV)
+    session.run(
+        "pytest", *PARALLEL, *DURATIONS, "-m", "aot and not slow", *session.posargs, env=AOT_ENV
+    )
 
 
 @nox.session
@@ -114,7 +122,7 @@ def device_check(session: nox.Session) -> None:
 def slow_aot(session: nox.Session) -> None:
     """The slow AOT tests: the whole parallelism matrix on v5e-8 and v5p-16."""
     _sync(session, "tpu")
-    session.run("pytest", "-m", "aot and slow", *session.posargs, env=CPU_ENV)
+    session.run("pytest", *PARALLEL, "-m", "aot and slow", *session.posargs, env=AOT_ENV)
 
 
 @nox.session
