@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 
+from accum.partition_meta import annotated_axes, auto_batch_axes, unboxed
 from accum.plan import ReductionPlan, make_plan, mesh_shape_of
 from pspec_tags import MODES, entry_axes, mesh_axes_used, partitions, spec_of
 
@@ -104,6 +105,8 @@ def plan_for(
     >>> accum.plan_for({"w": w}, batch, policy="per_microbatch").summary()
     "per microbatch over ('data',) (policy per_microbatch)"
     """
+    model_axes = annotated_axes(params)  # read before linen's boxes come off
+    params = unboxed(params)[0]  # the tree accumulate_gradients differentiates
     leaves = jax.tree.leaves(params)
     mode = resolve_mode(mode, params)
     sizes = mesh_shape_of(leaves)
@@ -112,7 +115,10 @@ def plan_for(
         sizes = sizes or dict(jax.sharding.get_abstract_mesh().shape)
     if mode == "auto" and path != "tags":
         # Auto mode cannot defer with tags: the local path does.
-        axes = axes if batch_axes is not None else tuple(a for a, n in sizes.items() if n > 1)
+        # The batch's shardings are not in its traced type: a 'model' axis the
+        # parameters are annotated over is never taken for a batch axis.
+        if batch_axes is None:
+            axes = auto_batch_axes(batch, sizes, model_axes)
         path = "auto" if axes and policy == "deferred" else "tags"
     plan = make_plan(
         params,
