@@ -172,8 +172,8 @@ def accumulate_gradients(
     `accum.compile_checked` (the trainer does) to get `TagLostError` exactly
     then (one line naming the parameters by path and written shape; its
     `.report` lists each reduction; `on_tag_lost="warn"` warns, `"ignore"`
-    skips the checks). Traced inside your own `jax.jit`, only the trace-time analysis runs: it warns
-    where it suspects a drop, never raises.
+    skips the checks). Traced inside your own `jax.jit`, only the trace-time
+    analysis runs: it warns where it suspects a drop, never raises.
 
     Auto mode: same numerics, no tags; XLA places the reductions.
     Gradients come back in `accum_dtype` (None: each parameter's dtype).
