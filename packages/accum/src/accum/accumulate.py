@@ -194,7 +194,9 @@ def accumulate_gradients(
         plan = plan_for(params, batch)  # reads linen's boxes' annotations
     # linen's boxes off (their unboxing constrains to axes the local path makes
     # manual); the gradients get them back (accum.partition_meta).
-    params, rebox = unboxed(params)
+    raw, rebox = unboxed(params)
+    if raw is not params:  # the same leaves in the same order: only the tree differs
+        params, plan = raw, dataclasses.replace(plan, treedef=jax.tree.structure(raw))
     loss, aux, grads = _accumulate(
         loss_fn,
         user_fn,

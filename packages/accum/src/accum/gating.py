@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 
-from accum.partition_meta import annotated_axes, auto_batch_axes, unboxed
+from accum.partition_meta import annotated_axes, auto_batch_axes
 from accum.plan import ReductionPlan, make_plan, mesh_shape_of
 from pspec_tags import MODES, entry_axes, mesh_axes_used, partitions, spec_of
 
@@ -105,8 +105,7 @@ def plan_for(
     >>> accum.plan_for({"w": w}, batch, policy="per_microbatch").summary()
     "per microbatch over ('data',) (policy per_microbatch)"
     """
-    model_axes = annotated_axes(params)  # read before linen's boxes come off
-    params = unboxed(params)[0]  # the tree accumulate_gradients differentiates
+    model_axes = annotated_axes(params)  # linen's boxes and nnx's metadata
     leaves = jax.tree.leaves(params)
     mode = resolve_mode(mode, params)
     sizes = mesh_shape_of(leaves)
