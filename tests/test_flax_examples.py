@@ -103,8 +103,11 @@ def test_batchnorm_statistics_per_device_rows_and_running_averages(mesh_name):
         new, _, grads = compiled(state, batch)
     state, batch = jax.device_get((state, batch))
     loss_fn = example.make_loss(state.apply_fn, state.batch_stats)
-    # 8 batch devices on both meshes (on an auto mesh every axis is a batch axis).
-    groups = [jax.tree.map(lambda x, g=g: x[g], batch) for g in _device_microbatch_groups(64)]
+    # The batch devices: those of "data", the axis the batch is placed over (on
+    # the auto mesh too: compile_checked reads the placed batch's shardings).
+    devices = mesh.shape["data"]
+    groups = _device_microbatch_groups(64, devices=devices)
+    groups = [jax.tree.map(lambda x, g=g: x[g], batch) for g in groups]
     per_group = [jax.grad(lambda p, b=b: loss_fn(p, b)[0])(state.params) for b in groups]
     ref = jax.tree.map(lambda *g: sum(g) / 64, *per_group)
     stats = [loss_fn(state.params, b)[1]["batch_stats"] for b in groups]

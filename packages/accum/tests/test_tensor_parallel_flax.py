@@ -1,8 +1,9 @@
 """Tensor parallelism with stock Flax layers (issue #54, deliverable 4).
 
 A linen MLP whose first `nn.Dense` is column parallel by `nn.with_partitioning`
-(its boxes kept, as Flax's guide does), and the same MLP in nnx by
-`nnx.with_partitioning`, on data=4 x model=2, explicit and auto: the default
+(its boxes kept, as Flax's guide does; or taken off, the arrays placed by hand:
+"placed"), and the same MLP in nnx by `nnx.with_partitioning`, on data=4 x
+model=2, explicit and auto: the default
 batch axes are the ones that shard the batch (('data',), never 'model'), the
 gradients are the full batch's `jax.grad` (f32), the gradient reductions over
 'data' run once per step after the loop, and the training step
@@ -72,6 +73,19 @@ def _linen(mesh, x):
     return params, logits
 
 
+def _linen_placed(mesh, x):
+    """The linen MLP's parameters placed by hand: plain arrays, no annotation."""
+    params, logits = _linen(mesh, x)
+    unboxed = jax.tree.map(
+        lambda b: b.value if _is_partitioned(b) else b, params, is_leaf=_is_partitioned
+    )
+    return unboxed, logits
+
+
+def _is_partitioned(x):
+    return isinstance(x, nn.Partitioned)
+
+
 def _nnx(mesh, x):
     with jax.set_mesh(mesh):  # nnx.with_partitioning places each parameter
         graphdef, params = nnx.split(NnxMLP(nnx.Rngs(0)))
@@ -92,7 +106,7 @@ def _case(kind, mesh_kind):
     mesh = _mesh(mesh_kind)
     x = jax.random.normal(jax.random.key(1), (ROWS, 8))
     y = jax.random.randint(jax.random.key(2), (ROWS,), 0, 3)
-    params, logits = (_linen if kind == "linen" else _nnx)(mesh, x)
+    params, logits = {"linen": _linen, "placed": _linen_placed, "nnx": _nnx}[kind](mesh, x)
     batch = jax.device_put({"x": x, "y": y}, NamedSharding(mesh, P("data")))
 
     def loss_fn(p, mb):
@@ -102,7 +116,10 @@ def _case(kind, mesh_kind):
     return mesh, loss_fn, params, batch
 
 
-@pytest.fixture(scope="module", params=["linen-explicit", "linen-auto", "nnx-explicit", "nnx-auto"])
+CASES = ["linen-explicit", "linen-auto", "placed-auto", "nnx-explicit", "nnx-auto"]
+
+
+@pytest.fixture(scope="module", params=CASES)
 def case(request):
     kind, mesh_kind = request.param.split("-")
     mesh, loss_fn, params, batch = _case(kind, mesh_kind)
@@ -136,6 +153,8 @@ def test_gradients_are_the_full_batch_grad(case):
 def test_data_reductions_once_per_step_and_model_stays_sharded(case):
     mesh, _, params, _, compiled, grads = case
     text = compiled.as_text()
+    # The plan traced inside the step deferred 'data' alone (the loop's mark).
+    assert "accum_microbatch_loop[data|data=4,model=2]" in text
     assert not accum.in_loop_reductions(text)
     # In the loop only tensor parallelism's own all-reduce over 'model' of the head's
     # partial output (f32[4,3]: 4 rows a device x 3 classes, 12 elements); every

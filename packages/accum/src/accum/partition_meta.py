@@ -18,7 +18,9 @@ explicit mesh); the gradients get the boxes back.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -62,23 +64,62 @@ def _concrete_spec(x: Any) -> tuple:
     return tuple(partitions(spec)) if spec is not None else ()
 
 
+_PLACED = threading.local()
+
+
+@contextlib.contextmanager
+def placed(args: Any) -> Iterator[None]:
+    """While `compile_checked` traces: the shardings of its placed arguments, by
+    (shape, dtype), so a traced leaf on an auto mesh can be matched to the array
+    it stands for (`_placed_spec`)."""
+    table: dict[tuple, set[tuple]] = {}
+    for leaf in jax.tree.leaves(args):
+        spec = _concrete_spec(leaf)
+        if spec and hasattr(leaf, "shape"):
+            table.setdefault(_key(leaf), set()).add(spec)
+    previous, _PLACED.table = getattr(_PLACED, "table", None), table
+    try:
+        yield
+    finally:
+        _PLACED.table = previous
+
+
+def _key(x: Any) -> tuple:
+    return tuple(x.shape), str(x.dtype)
+
+
+def _placed_spec(x: Any) -> tuple:
+    """The partitions of the one placed argument of `x`'s shape and dtype (under
+    `placed`); () where none, or several laid out differently, match."""
+    table = getattr(_PLACED, "table", None) or {}
+    specs = table.get(_key(x), set()) if hasattr(x, "shape") else set()
+    return next(iter(specs)) if len(specs) == 1 else ()
+
+
+def _spec(x: Any) -> tuple:
+    """Where `x` lives: its own sharding if placed, else its match under `placed`."""
+    return _concrete_spec(x) or _placed_spec(x)
+
+
 def annotated_axes(params: Any) -> frozenset[str]:
     """Mesh axes some parameter is annotated (or, when placed, sharded) over."""
     leaves = jax.tree.leaves(params, is_leaf=lambda x: is_box(x) or _is_variable(x))
     axes = set()
     for leaf in leaves:
-        for entry in _names(leaf) or _concrete_spec(leaf):
+        value = leaf.get_value() if _is_variable(leaf) else getattr(leaf, "value", leaf)
+        for entry in _names(leaf) or _spec(value):
             axes.update(entry_axes(entry))
     return frozenset(axes)
 
 
 def auto_batch_axes(batch: Any, sizes: Mapping[str, int], model_axes: frozenset[str]) -> tuple:
     """An auto mesh's default batch axes: those sharding the batch's leading
-    dimension where the batch is placed (not traced); else every axis of size
-    > 1 no parameter is annotated over (`annotated_axes`)."""
+    dimension where the batch is placed (not traced, or matched under
+    `placed`); else every axis of size > 1 no parameter is annotated over
+    (`annotated_axes`)."""
     read = []
     for leaf in jax.tree.leaves(batch):
-        for axis in entry_axes((_concrete_spec(leaf) or (None,))[0]):
+        for axis in entry_axes((_spec(leaf) or (None,))[0]):
             if sizes.get(axis, 1) > 1 and axis not in read:
                 read.append(axis)
     if read:

@@ -37,6 +37,7 @@ import jax
 
 import hlo_tools
 from accum.blame import LIBRARY_DIRS, MAX_ELEMENTS, blame, blamed, by_plan, carried, display
+from accum.partition_meta import placed
 from accum.plan import PER_STEP
 from accum.step_outputs import pinned
 from accum.trace_record import (  # noqa: F401 - recording, active_record: re-exported
@@ -421,7 +422,9 @@ def compile_checked(
     # A plain `fn` on an auto mesh: its outputs that mirror inputs keep their
     # layout, so the executable takes them back next step (accum.step_outputs).
     jitted = fn if hasattr(fn, "lower") else jax.jit(pinned(fn, args))
-    with recording() as record:
+    # `placed`: on an auto mesh the traced types hold no shardings; these
+    # arguments' do (the batch axes default to the batch's: accum.partition_meta).
+    with recording() as record, placed((args, kwargs)):
         lowered = jitted.lower(*args, **kwargs)
     compiled = lowered.compile(compiler_options=compiler_options)
     check_compiled(compiled.as_text(), on_tag_lost, record)
