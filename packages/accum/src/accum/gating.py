@@ -94,8 +94,11 @@ def plan_for(
     `path`: 'auto' (default: `accumulate_gradients` tries the tags and falls
     back to the local path when the model does not trace under them; auto
     meshes take the local path), 'tags' or 'local' (accum.paths). On an auto
-    mesh, whose types hold no shardings, the batch axes default to every mesh
-    axis of size > 1 (pass `batch_axes` to keep some for the model).
+    mesh, whose traced types hold no shardings, the batch axes default to the
+    ones sharding a placed batch's leading dimension (under `compile_checked`:
+    its arguments', matched by shape and dtype), else to every axis of size > 1
+    that no parameter is annotated over (`nn.with_partitioning`,
+    `nnx.with_partitioning`: accum.partition_meta); `batch_axes` overrides.
     `accumulate_gradients` and `start` call it when given no plan.
 
     Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
