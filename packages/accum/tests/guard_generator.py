@@ -562,7 +562,7 @@ def _compiled_verdict(fn: Callable, *args) -> tuple[object, bool, str]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         compiled = accum.compile_checked(fn, *args, on_tag_lost="warn")
-    found = [str(w.message) for w in caught if str(w.message).startswith("the compiled step")]
+    found = [str(w.message) for w in caught if "the compiled step" in str(w.message)]
     return compiled, bool(found), found[0] if found else ""
 
 

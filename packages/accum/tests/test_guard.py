@@ -36,10 +36,11 @@ def test_dropped_tag_raises_naming_the_parameter(toy, get_setup, mesh, name):
     setup = get_setup(mesh)
     with pytest.raises(TagLostError) as info:
         _compile(setup, _dropping(toy, setup, name))
-    message = str(info.value)
+    message, report = str(info.value), info.value.report
     path = "['layers']['w1']" if name == "w1" else "['head']"
-    blamed = [line for line in message.splitlines() if "gradient of:" in line]
-    assert blamed and all(path in line for line in blamed), message  # no other parameter
+    assert "\n" not in message and message.startswith(f"the gradient of {path} ("), message
+    blamed = [line for line in report.splitlines() if "gradient of:" in line]
+    assert blamed and all(path in line for line in blamed), report  # no other parameter
     assert "toy_model.py:" in message  # the model's source line XLA kept
 
 

@@ -17,6 +17,7 @@ from accum.guard import find_dropped_tags, report_dropped_tags
 from accum.local import local_accumulate
 from accum.local_mapped import batch_devices
 from accum.microbatch import split_microbatches
+from accum.partition_meta import unboxed
 from accum.paths import choose_path
 from accum.plan import ReductionPlan
 from accum.schedule import OVERLAPPED, Schedule, check_schedule, fuses_in_scan
@@ -137,14 +138,20 @@ def accumulate_gradients(
     contract, and what each layer sees"). A loss or weight reduced over a
     batch axis inside `loss_fn` (`lax.pmean(loss, "data")`) is refused, one
     line (accum.batch_collectives). Zero total weight gives zero loss and
-    grads. With `rng`, microbatch i gets `fold_in(rng, i)`.
+    grads. With `rng`, microbatch i gets `fold_in(rng, i)` (on the local path
+    each device's rows `fold_in(fold_in(rng, i), d)`): dropout masks other
+    than a full-batch step's, the same in distribution. linen's
+    `nn.Partitioned` boxes are taken off `params` before `loss_fn` sees them
+    and put back on the gradients (accum.partition_meta).
 
     Call it inside `jax.jit`. The microbatch loop is one `lax.scan` over a
     strided, communication-free split of every leaf's leading dimension.
 
     `plan` (a `ReductionPlan`) decides every gradient reduction; None: the
     default one, `accum.plan_for(params, batch)` (deferred: every batch axis
-    that shards `batch` and no parameter is reduced once per step). Build
+    that shards `batch` and no parameter is reduced once per step; on an auto
+    mesh, whose traced types hold no shardings, the axes no parameter is
+    annotated over: `plan_for`). Build
     another with `accum.plan_for(params, batch, policy=..., ...)` or
     `accum.make_plan`. In explicit mode the parameters are resharded to
     `reduced` over the plan's per-step axes, the scan carry holds `unreduced`
@@ -163,9 +170,10 @@ def accumulate_gradients(
     Whether a tag dropped inside `loss_fn` moved a reduction back into the loop
     is a fact of the compiled program: compile the step with
     `accum.compile_checked` (the trainer does) to get `TagLostError` exactly
-    then (`on_tag_lost="warn"` warns, `"ignore"` skips the checks). Traced
-    inside your own `jax.jit`, only the trace-time analysis runs: it warns
-    where it suspects a drop, never raises.
+    then (one line naming the parameters by path and written shape; its
+    `.report` lists each reduction; `on_tag_lost="warn"` warns, `"ignore"`
+    skips the checks). Traced inside your own `jax.jit`, only the trace-time
+    analysis runs: it warns where it suspects a drop, never raises.
 
     Auto mode: same numerics, no tags; XLA places the reductions.
     Gradients come back in `accum_dtype` (None: each parameter's dtype).
@@ -183,7 +191,33 @@ def accumulate_gradients(
     check_batch(batch)  # a non-array leaf named before any tracing
     user_fn, loss_fn = loss_fn, checked(loss_fn)  # its results checked (accum.contract)
     if plan is None:
-        plan = plan_for(params, batch)
+        plan = plan_for(params, batch)  # reads linen's boxes' annotations
+    # linen's boxes off (their unboxing constrains to axes the local path makes
+    # manual); the gradients get them back (accum.partition_meta).
+    raw, rebox = unboxed(params)
+    if raw is not params:  # the same leaves in the same order: only the tree differs
+        params, plan = raw, dataclasses.replace(plan, treedef=jax.tree.structure(raw))
+    loss, aux, grads = _accumulate(
+        loss_fn,
+        user_fn,
+        params,
+        batch,
+        num_microbatches,
+        plan,
+        schedule,
+        grad_shardings,
+        rng,
+        on_tag_lost,
+        accum_dtype,
+    )
+    return loss, aux, rebox(grads)
+
+
+def _accumulate(
+    loss_fn, user_fn, params, batch, num_microbatches, plan, schedule, grad_shardings,
+    rng, on_tag_lost, accum_dtype,
+) -> tuple[jax.Array, dict, Any]:  # fmt: skip
+    """`accumulate_gradients` after its checks: the path chosen, then run."""
     check_schedule(schedule, plan)  # an unknown schedule is named before any tracing
     if schedule != "plain" and plan.path == "auto" and plan.mode != "explicit":
         # The fused and overlapped schedules are the tags path's; on an auto mesh

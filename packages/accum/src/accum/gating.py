@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 
+from accum.partition_meta import annotated_axes, auto_batch_axes
 from accum.plan import ReductionPlan, make_plan, mesh_shape_of
 from pspec_tags import MODES, entry_axes, mesh_axes_used, partitions, spec_of
 
@@ -93,8 +94,11 @@ def plan_for(
     `path`: 'auto' (default: `accumulate_gradients` tries the tags and falls
     back to the local path when the model does not trace under them; auto
     meshes take the local path), 'tags' or 'local' (accum.paths). On an auto
-    mesh, whose types hold no shardings, the batch axes default to every mesh
-    axis of size > 1 (pass `batch_axes` to keep some for the model).
+    mesh, whose traced types hold no shardings, the batch axes default to the
+    ones sharding a placed batch's leading dimension (under `compile_checked`:
+    its arguments', matched by shape and dtype), else to every axis of size > 1
+    that no parameter is annotated over (`nn.with_partitioning`,
+    `nnx.with_partitioning`: accum.partition_meta); `batch_axes` overrides.
     `accumulate_gradients` and `start` call it when given no plan.
 
     Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
@@ -104,6 +108,7 @@ def plan_for(
     >>> accum.plan_for({"w": w}, batch, policy="per_microbatch").summary()
     "per microbatch over ('data',) (policy per_microbatch)"
     """
+    model_axes = annotated_axes(params)  # linen's boxes and nnx's metadata
     leaves = jax.tree.leaves(params)
     mode = resolve_mode(mode, params)
     sizes = mesh_shape_of(leaves)
@@ -112,7 +117,10 @@ def plan_for(
         sizes = sizes or dict(jax.sharding.get_abstract_mesh().shape)
     if mode == "auto" and path != "tags":
         # Auto mode cannot defer with tags: the local path does.
-        axes = axes if batch_axes is not None else tuple(a for a, n in sizes.items() if n > 1)
+        # The batch's shardings are not in its traced type: a 'model' axis the
+        # parameters are annotated over is never taken for a batch axis.
+        if batch_axes is None:
+            axes = auto_batch_axes(batch, sizes, model_axes)
         path = "auto" if axes and policy == "deferred" else "tags"
     plan = make_plan(
         params,

@@ -37,6 +37,9 @@ class TraceRecord:
     the reduction plans the step used (by trace number)."""
 
     shapes: dict[str, set[tuple[int, ...]]] = dataclasses.field(default_factory=dict)
+    # Each parameter as the user wrote it (dtype and global shape, e.g. "float32[8,16]"):
+    # the one-line TagLostError names it so, not by the reduced array's (maybe transposed) type.
+    written: dict[str, str] = dataclasses.field(default_factory=dict)
     suspects: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     dropped: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # forward tag drops
     # (source lines, primitive) of each backward equation a gradient flows through;
@@ -127,6 +130,7 @@ def merged(records: list[TraceRecord]) -> TraceRecord | None:
         return unique[0]
     out = TraceRecord()
     for r in unique:
+        out.written.update(r.written)
         for name in ("shapes", "lines"):
             for k, v in getattr(r, name).items():
                 getattr(out, name).setdefault(k, set()).update(v)
@@ -150,4 +154,6 @@ def record_params(params: Any) -> None:
             local = tuple(sharding.shard_shape(aval.shape))
         except (AttributeError, TypeError, ValueError):
             local = tuple(aval.shape)
-        record.shapes[jax.tree_util.keystr(path)] = {local, tuple(aval.shape)}
+        name = jax.tree_util.keystr(path)
+        record.shapes[name] = {local, tuple(aval.shape)}
+        record.written[name] = f"{aval.dtype.name}[{','.join(map(str, aval.shape))}]"

@@ -36,8 +36,10 @@ from typing import Any
 import jax
 
 import hlo_tools
-from accum.blame import LIBRARY_DIRS, MAX_ELEMENTS, blame, by_plan, carried
+from accum.blame import LIBRARY_DIRS, MAX_ELEMENTS, blame, blamed, by_plan, carried, display
+from accum.partition_meta import placed
 from accum.plan import PER_STEP
+from accum.step_outputs import pinned
 from accum.trace_record import (  # noqa: F401 - recording, active_record: re-exported
     TraceRecord,
     active_record,
@@ -287,7 +289,8 @@ def _size(n: int) -> str:
 
 
 def message(findings: list[Finding], record: TraceRecord | None) -> str:
-    """The TagLostError text: each reduction, what it carries, where it came from."""
+    """The full TagLostError report (`TagLostError.report`): each reduction, what
+    it carries, where it came from."""
     total = sum(f.bytes_per_step for f in findings)
     axes = sorted({a for f in findings for a in f.axes})
     lines = [
@@ -306,12 +309,39 @@ def message(findings: list[Finding], record: TraceRecord | None) -> str:
             f"    source: {user_frames(f.frames)}",
             f"    op_name: {c.op_name or '<none>'}",
         ]
-    lines.append(
-        "Keep each parameter's reduced tag up to its use: reshard onto "
-        "carry_reduced_axes(spec, param) instead of a spec rebuilt from logical rules; use "
-        "broadcast_param for elementwise use, and shard_map in_specs that carry the tag."
-    )
+    lines.append(_FIX)
     return "\n".join(lines)
+
+
+_FIX = (
+    "Keep each parameter's reduced tag up to its use: reshard onto "
+    "carry_reduced_axes(spec, param) instead of a spec rebuilt from logical rules; use "
+    "broadcast_param for elementwise use, and shard_map in_specs that carry the tag."
+)
+
+
+def _written(name: str, record: TraceRecord | None) -> str:
+    """A parameter as the user wrote it: its path (nnx's `.value` left off) and
+    its dtype and global shape."""
+    shown = display(name.removesuffix(".value"))
+    shape = None if record is None else record.written.get(name)
+    return f"{shown} ({shape})" if shape else shown
+
+
+def summary(findings: list[Finding], record: TraceRecord | None) -> str:
+    """The TagLostError itself: one line naming the parameters (path, written
+    shape), the axes, the cost and the user's source line; `message` the rest."""
+    names = sorted({n for f in findings for n in blamed(f, record)[0]})
+    what = ", ".join(_written(n, record) for n in names) or "a value computed from the parameters"
+    axes = sorted({a for f in findings for a in f.axes})
+    where = {"per accum.add call" if f.where == "add" else "per microbatch" for f in findings}
+    total = _size(sum(f.bytes_per_step for f in findings))
+    return (
+        f"the gradient of {what} is reduced over {axes} {' and '.join(sorted(where))} "
+        f"instead of once per step ({len(findings)} reduction(s), {total} per step; "
+        f"source: {user_frames(findings[0].frames, depth=1)}): keep its reduced tag up to "
+        "its use (carry_reduced_axes, broadcast_param); the error's .report has the details"
+    )
 
 
 def check_compiled(text: str, on_tag_lost: str = "raise", record: TraceRecord | None = None):
@@ -335,7 +365,7 @@ def check_compiled(text: str, on_tag_lost: str = "raise", record: TraceRecord | 
     >>> accum.check_compiled(text)
     Traceback (most recent call last):
     ...
-    pspec_tags.guards.TagLostError: the compiled step reduces deferred axis/axes ['data'] ...
+    pspec_tags.guards.TagLostError: the gradient of ... over ['data'] per microbatch ...
     """
     check_option(on_tag_lost)
     if on_tag_lost == "ignore":
@@ -347,11 +377,13 @@ def check_compiled(text: str, on_tag_lost: str = "raise", record: TraceRecord | 
     # An axis only some gradients defer: judged per parameter against the plan.
     findings = [f for f in findings if f.strict or not by_plan(f, record)]
     if findings:
-        text = message(findings, record)
-        if on_tag_lost == "warn":
-            warnings.warn(text, RuntimeWarning, stacklevel=3)
+        line, report = summary(findings, record), message(findings, record)
+        if on_tag_lost == "warn":  # asked to go on: the whole report, once
+            warnings.warn(f"{line}\n{report}", RuntimeWarning, stacklevel=3)
         else:
-            raise TagLostError(text)
+            error = TagLostError(line)  # one line; the report on request
+            error.report = report
+            raise error
     return findings
 
 
@@ -370,7 +402,10 @@ def compile_checked(
     compiled program runs a gradient's reduction over a deferred axis inside the
     microbatch loop (`check_compiled`). Call the returned executable: it is the
     program that was checked (no second compile), with the dynamic arguments
-    only (static ones are compiled in). The trace-time analysis runs
+    only (static ones are compiled in). A plain `fn` on an auto mesh gets each
+    output that mirrors the argument of its position (`(params, state, ...)`)
+    laid out like it, so the executable runs step after step on its own
+    outputs; a `jax.jit`-ed `fn` keeps its own `out_shardings`. The trace-time analysis runs
     during lowering only to name the parameters in the message.
 
     Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
@@ -384,8 +419,12 @@ def compile_checked(
     8.0
     """
     check_option(on_tag_lost)
-    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-    with recording() as record:
+    # A plain `fn` on an auto mesh: its outputs that mirror inputs keep their
+    # layout, so the executable takes them back next step (accum.step_outputs).
+    jitted = fn if hasattr(fn, "lower") else jax.jit(pinned(fn, args))
+    # `placed`: on an auto mesh the traced types hold no shardings; these
+    # arguments' do (the batch axes default to the batch's: accum.partition_meta).
+    with recording() as record, placed((args, kwargs)):
         lowered = jitted.lower(*args, **kwargs)
     compiled = lowered.compile(compiler_options=compiler_options)
     check_compiled(compiled.as_text(), on_tag_lost, record)
