@@ -182,10 +182,7 @@ def declared_minimums() -> dict[str, str]:
 
 
 def _wheels_session(
-    session: nox.Session,
-    constraints: dict[str, str],
-    extra_tests: tuple[str, ...] = (),
-    caps: tuple[str, ...] = (),
+    session: nox.Session, constraints: dict[str, str], extra_tests: tuple[str, ...] = ()
 ) -> None:
     """Build the five wheels, pip-install them into this fresh venv, test, train 2 steps.
 
@@ -206,7 +203,6 @@ def _wheels_session(
         pins = tmp / "constraints.txt"
         pins.write_text("".join(f"{n}=={v}\n" for n, v in sorted(constraints.items())))
         args += ["--constraint", str(pins)]
-    args += list(caps)  # upper bounds pip honours beside the wheels' own requirements
     session.install("pip")  # the venv is uv's; pip, not uv, resolves the wheels below
     session.run("python", "-m", "pip", "install", "--quiet", *args)
     session.run("python", "-m", "pip", "list", "--format=freeze")
@@ -250,12 +246,7 @@ def _wheels_session(
 @nox.session(python="3.12", venv_backend="uv", reuse_venv=False)
 def wheels_newest(session: nox.Session) -> None:
     """The five wheels on Python 3.12 with the newest releases pip picks (JAX 0.12.x)."""
-    # JAX 0.12.1, newer than the 0.12.0.1 of the last green run, changes two compiled-
-    # program facts that four tests assert: accum test_fused's plain-path gradient
-    # buffer (XLA no longer carries it) and the op_name of hlo_tools'
-    # test_programs_cpu gradient all-reduce (no 'reshard'). All four pass on
-    # 0.12.0.1; capped until the tests are brought up to 0.12.1 (docs/testing.md).
-    _wheels_session(session, {}, caps=("jax<0.12.1", "jaxlib<0.12.1"))
+    _wheels_session(session, {})
 
 
 @nox.session(python="3.11", venv_backend="uv", reuse_venv=False)

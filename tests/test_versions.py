@@ -36,6 +36,7 @@ DISTRIBUTION = {
     "pspec_tags": "pspec-tags",
     "pyarrow": "pyarrow",
     "tensorboardX": "tensorboardx",
+    "tensorstore": "tensorstore",
     "tokenizers": "tokenizers",
 }
 WORKSPACE = {"accum", "hlo-tools", "moe-kernels", "pspec-tags", "tagtrain"}

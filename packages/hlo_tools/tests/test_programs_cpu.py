@@ -12,6 +12,19 @@ def _all_reduce_lines(text):
     return [ln for ln in text.splitlines() if re.search(r"\sall-reduce(-start)?\(", ln)]
 
 
+def _loop_result_reduced(module, name):
+    """The while loop whose result the ENTRY instruction `name` reduces, through the
+    layout changes (bitcast, copy, reshape) and the tuple element between them."""
+    entry = module.entry
+    operand = entry.by_name[entry.by_name[name].operands[0]]
+    while operand.opcode in ("bitcast", "copy", "reshape"):
+        operand = entry.by_name[operand.operands[0]]
+    assert operand.opcode == "get-tuple-element", operand.line
+    loop = entry.by_name[operand.operands[0]]
+    assert loop.opcode == "while", loop.line
+    return ht.call_graph(module).loop(entry, loop)
+
+
 def test_tagged_has_one_gradient_all_reduce_outside_both_loops(cpu_tagged, programs):
     p = programs
     records = ht.collectives(cpu_tagged)
@@ -23,7 +36,14 @@ def test_tagged_has_one_gradient_all_reduce_outside_both_loops(cpu_tagged, progr
     assert c.elements == p.LAYERS * p.WIDTH * p.WIDTH
     assert c.bytes == 4 * c.elements
     assert c.group_size == 8 and c.multiplier == 1
-    assert "reshard" in c.op_name
+    # What it reduces and where it goes, not its op_name (JAX 0.10.2 names it after
+    # the reshard, 0.12.1 after the reduce_sum its unreduced-to-replicated reshard
+    # lowers to): the gradient the microbatch loop accumulated, output as the step's
+    # result.
+    module = ht.parse(cpu_tagged)
+    assert c.computation == module.entry.name
+    assert _loop_result_reduced(module, c.name).trip_count == p.MICROBATCHES
+    assert ht.reaches_root(module, c.computation, c.name, target=c.computation)
     outside = ht.assert_reduced_once_per_step(cpu_tagged)
     assert [o.name for o in outside] == [c.name]
 

@@ -4,8 +4,8 @@ JAX's import prints where no CUDA driver is.
 - `cpu_only()`: a command that computes nothing on a device (`export-hf`) pins JAX to
   its CPU platform before any backend starts. JAX then loads no accelerator runtime:
   libtpu, whose lockfile lets one process at a time hold the chips, stays free for a
-  run or compile beside it. (orbax still starts the CPU backend: it asks JAX for the
-  process index; a CPU backend takes no lock.)
+  run or compile beside it. (export-hf reads a run's checkpoint with no backend at all,
+  io/checkpoint_host.py; the pin covers a LoRA run's merge, which computes.)
 - `quiet_jax_import()`: with the `gpu` extra installed on a host without a CUDA driver,
   jaxlib's GPU kernel modules and the CUDA plugin each log "Could not find cuda
   drivers on your machine, GPU will not be used." at import (three or four lines,

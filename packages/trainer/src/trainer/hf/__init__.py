@@ -106,8 +106,9 @@ def _check_empty(path: str) -> None:
 def _check_exportable(config: Config, params: dict[str, dict], model_type: str) -> None:
     if model_type != "deepseek_v2" or not config.num_moe_layers:
         return
-    bias = params["router"]["moe_layers"]["ffn"]["bias"]
-    if bool(jnp.any(bias != 0)):
+    # numpy, not jnp: the arrays may be host arrays read with no backend (export-hf)
+    bias = np.asarray(params["router"]["moe_layers"]["ffn"]["bias"])
+    if bool(np.any(bias != 0)):
         raise ConfigError(
             "the routing biases are nonzero, and deepseek_v2 (softmax routing) has no "
             "e_score_correction_bias to hold them: set routed_bias_update_rate=0 for V2"

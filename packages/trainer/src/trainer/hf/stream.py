@@ -277,18 +277,20 @@ def export_tensors(
     leaves: list[Leaf], trees: dict[str, dict], dtype_of: Callable[[Leaf], np.dtype]
 ) -> Iterator[tuple[str, Callable[[], np.ndarray], tuple[int, ...], np.dtype]]:
     """(HF name, producer of its host array, shape, dtype) for every HF tensor, in
-    file order; a producer gathers only that tensor from the addressable shards."""
+    file order; a producer gathers only that tensor from the addressable shards (or
+    indexes it, for a numpy array: export-hf reads the checkpoint on the host)."""
     for leaf in leaves:
         array = trees[leaf.tree]
         for key in leaf.path:
             array = array[key]
-        if not array.is_fully_addressable:
+        if isinstance(array, jax.Array) and not array.is_fully_addressable:
             raise ValueError(f"{'/'.join(leaf.path)}: export reads arrays one process holds")
         dtype = dtype_of(leaf)
         for lead, name in leaf.names():
 
             def produce(array=array, lead=lead, leaf=leaf, dtype=dtype):
-                return np.ascontiguousarray(leaf.to_hf(_host_tensor(array, lead)).astype(dtype))
+                host = _host_tensor(array, lead) if isinstance(array, jax.Array) else array[lead]
+                return np.ascontiguousarray(leaf.to_hf(host).astype(dtype))
 
             yield name, produce, leaf.hf_shape, dtype
 

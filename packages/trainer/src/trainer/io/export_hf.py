@@ -25,6 +25,7 @@ import sys
 from trainer import _host, hf
 from trainer import model as model_lib
 from trainer.config import ConfigError, hf_map, parse_overrides
+from trainer.io import checkpoint_host
 from trainer.io.initial_weights import (
     restore_parameters,
     restore_run_weights,
@@ -46,8 +47,10 @@ def _arguments(argv: list[str]) -> dict[str, str]:
     return args
 
 
-def _adapter(step_path: str, output: str, config, ctx, model, source: str | None) -> list[str]:
+def _adapter(step_path: str, output: str, config, source: str | None) -> list[str]:
     """A LoRA run's adapters as a PEFT adapter directory (hf.peft); the lines to print."""
+    ctx = hf.default_ctx(config)
+    model = model_lib.define(config.model, ctx)
     if not model.lora:
         raise ConfigError("export-hf: adapter=true needs a LoRA run (this run has lora_rank=0)")
     saved = restore_parameters(step_path, ctx, model, adapters=True)
@@ -89,26 +92,36 @@ def export(
     if source and hf.export_config.read_source(source) is None:
         print(f"export-hf: {source}/config.json is gone: config.json from the run's keys alone")
         source = None
-    ctx = hf.default_ctx(config)
-    model = model_lib.define(config.model, ctx)
     step_path = os.path.join(directory, str(step))
     if adapter:
-        lines = _adapter(step_path, output, config, ctx, model, paths["hf_model_path"] or None)
+        lines = _adapter(step_path, output, config, paths["hf_model_path"] or None)
     else:
-        trees = restore_run_weights(step_path, config, paths, ctx, model)
+        trees = _weights(step_path, config, paths)
         changed = hf.save(output, config, trees, dtype=dtype, source=source)
         lines = [f"config.json: {line}" for line in changed]
     if config.tokenizer_path and os.path.isfile(config.tokenizer_path):
         shutil.copyfile(config.tokenizer_path, os.path.join(output, "tokenizer.json"))
         hf.copy_tokenizer(os.path.dirname(config.tokenizer_path), output)
-    return os.path.join(directory, str(step)), lines
+    return step_path, lines
+
+
+def _weights(step_path: str, config, paths: dict[str, str]) -> dict[str, dict]:
+    """{"params", "router"} to write: the saved arrays, read on the host (no JAX
+    backend starts, so no libtpu lockfile is taken); for a LoRA run the base with the
+    adapters merged, which computes (on JAX's CPU platform: main pins it)."""
+    if not config.model.lora_rank:
+        return checkpoint_host.read_arrays(step_path, "state", ("params", "router"))
+    ctx = hf.default_ctx(config)
+    return restore_run_weights(step_path, config, paths, ctx, model_lib.define(config.model, ctx))
 
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point."""
     argv = sys.argv[1:] if argv is None else argv
-    # It computes nothing on a device: no accelerator runtime starts, so no libtpu
-    # lockfile stops a TPU run or compile beside it.
+    # It computes nothing on a device: a run's weights are read on the host with no
+    # backend at all; a LoRA run's merge computes on the CPU platform, pinned here. No
+    # accelerator runtime starts, so no libtpu lockfile stops a TPU run or compile
+    # beside it.
     _host.cpu_only()
     try:
         args = _arguments(argv)

@@ -22,6 +22,7 @@ from trainer.config import (
     ModelConfig,
     make_config,
 )
+from trainer.io import checkpoint_host
 
 # The keys naming where a run's first weights came from: not read again for a whole
 # model, but a LoRA run's base (export-hf).
@@ -148,12 +149,8 @@ def saved_run_config(
     `checkpoints`, `overrides` winning. Rebuilt from the saved keys alone: the run's
     initial-weight paths are not read again (they may be gone), keys of another
     trainer version are left out."""
-    import orbax.checkpoint as ocp
-
-    manager = ocp.CheckpointManager(
-        checkpoints, options=ocp.CheckpointManagerOptions(read_only=True)
-    )
-    keys = saved_meta(manager, step)["config"]
+    # The JSON file itself, not orbax's restore: no JAX backend starts (export-hf).
+    keys = checkpoint_host.read_json_item(os.path.join(checkpoints, str(step)), "meta")["config"]
     saved = {k: v for k, v in keys.items() if k in FIELDS and k not in INITIAL_WEIGHTS}
     paths = {k: keys.get(k, "") for k in INITIAL_WEIGHTS}
     return make_config({**saved, **(overrides or {})}), paths
