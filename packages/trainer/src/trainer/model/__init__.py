@@ -27,6 +27,8 @@ from trainer.sharding import ShardCtx
 
 # Top-level parameter groups stacked on a leading 'layers' axis (the MTP depths too).
 STACKS = ("dense_layers", "moe_layers", "mtp")
+# The stack whose layer axis is the pipeline's ('stage_layers': split over 'stage').
+PIPELINED = "moe_layers"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +65,10 @@ def _logical_tree(state: nnx.State, read=logical_axes_of) -> dict:
         node = out
         for key in path[:-1]:
             node = node.setdefault(key, {})
-        node[path[-1]] = read(variable, stacked)
+        value = read(variable, stacked)
+        if read is logical_axes_of and path[0] == PIPELINED:
+            value = ("stage_layers", *value[1:])
+        node[path[-1]] = value
     return out
 
 
