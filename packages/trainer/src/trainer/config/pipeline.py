@@ -76,11 +76,6 @@ def check_pipeline(config: Config, sizes: dict[str, int]) -> None:
         f"num_pipeline_microbatches={m} must equal gradient_accumulation_steps={ga}: "
         "the pipeline's microbatches are the accumulation's (or leave it -1)",
     )
-    _require(
-        config.shard_mode == "explicit",
-        f"shard_mode={config.shard_mode} with {p} pipeline stages: stages run in "
-        "shard_mode=explicit only",
-    )
     for axis in LAYER_AXES:
         key = f"{'dcn_fsdp' if axis == 'dcn_fsdp' else 'ici_' + axis}_parallelism"
         _require(

@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 import accum
 import pspec_tags as pt
 from trainer.config import STAGE_AXIS
+from trainer.model.params import logical_axes_of
 from trainer.sharding import ShardCtx
 
 # MoE statistics the pipeline returns: per layer and token shard, summed over the
@@ -66,14 +67,10 @@ def _spec(value: jax.Array, logical: tuple, ctx: ShardCtx) -> P:
     return ctx.spec(logical, value.shape)
 
 
-def _stacked_spec(leaf: jax.Array, ctx: ShardCtx) -> P:
-    """A stacked layer parameter's spec: its own (explicit mode, tags included)."""
-    spec = pt.spec_of(leaf)
-    if spec is None:
-        raise NotImplementedError("pipeline stages run in shard_mode=explicit only")
-    # TAG: the parameter's spec as it is, `reduced` included: shard_map refuses any
-    # other, and without it the cotangent would be psummed over 'data' per use.
-    return spec
+def _stacked_spec(variable: nnx.Variable, ctx: ShardCtx) -> P:
+    """A stacked layer variable's spec: its own (explicit mode, tags included), or in
+    auto mode its logical axes' ('stage_layers' first, as model.define lays it out)."""
+    return _spec(variable[...], ("stage_layers", *logical_axes_of(variable)), ctx)
 
 
 def _varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
@@ -120,7 +117,9 @@ def run_pipeline(
     x_spec = _spec(inputs["x"], (None, "activation_batch", "activation_length", None), ctx)
     row_spec = _spec(inputs["positions"], (None, "activation_batch", "activation_length"), ctx)
     in_row_specs = {"x": x_spec, "positions": row_spec, "segments": row_spec}
-    state_specs = jax.tree.map(lambda leaf: _stacked_spec(leaf, ctx), state)
+    state_specs = jax.tree.map(
+        lambda v: _stacked_spec(v, ctx), state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
     # Per-layer stats, (layers, token shards, ...): the layer dim over 'stage', the
     # shard dim over the token axes (each device's own rows).
     token_axes = pt.entry_from_axes(ctx.token_axes)
@@ -204,7 +203,6 @@ def run_pipeline(
     def stats_spec(leaf_ndim: int) -> P:
         return P(STAGE_AXIS, token_axes, *(None,) * (leaf_ndim - 2))
 
-    rows = inputs
     out_stats_specs = {
         k: stats_spec(3 if k == "tokens_per_expert_by_shard" else 2)
         for k in (*SUMMED_STATS, *MEAN_STATS)
@@ -215,5 +213,5 @@ def run_pipeline(
         in_specs=(state_specs, in_row_specs),
         out_specs=(x_spec, out_stats_specs),
     )
-    outputs, stats = mapped(state, rows)
+    outputs, stats = mapped(state, inputs)
     return _merge_microbatches(outputs, pt.spec_of(x_BxSxD)), stats

@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = config_of(args)
         # deferred: the keys are checked before JAX and the model code load
+        from trainer.run import report
         from trainer.step import reduction_choice
 
         choice, ctx, _ = choice_for(config)
@@ -105,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         + f", mesh {mesh}, GA={config.gradient_accumulation_steps}, "
         f"per_device_batch_size={config.per_device_batch_size:g}"
     )
+    for line in report.pipeline_lines(config, dict(ctx.mesh.shape)):
+        print(line)
     for line in reduction_choice.startup_lines(choice):
         print(line)
     if not compile_too:
