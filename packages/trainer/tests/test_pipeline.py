@@ -113,3 +113,19 @@ def test_same_numbers_and_one_reduction_after_the_loop(runner, grads_runner, lay
     in_loop = [c for c in ht.collectives(module) if c.multiplier > 1]
     assert {c.kind for c in in_loop} == {"collective-permute"}
     assert {c.multiplier for c in in_loop} == {trips}
+
+
+def test_plan_reduction_shows_the_stage_axis(capsys):
+    from trainer.run import plan_reduction
+
+    args = [
+        "compile_topology=v5e-8",
+        "ici_pipeline_parallelism=2",
+        *(f"{k}={v}" for k, v in MODEL.items()),
+    ]
+    assert plan_reduction.main(args) == 0
+    out = capsys.readouterr().out
+    assert "mesh stage=2, data=4" in out
+    # The bubble of 2 stages and 4 microbatches, and auto's one policy with stages.
+    assert "5 iterations: bubble (p-1)/(m x repeats+p-1) = 1/5 = 20.0%" in out
+    assert "gradient_reduction_policy=auto -> deferred (pipeline stages" in out
