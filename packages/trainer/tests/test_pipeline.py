@@ -8,6 +8,7 @@ import hlo_tools as ht
 from trainer.config import ConfigError, make_config, mesh_shape
 from trainer.config.pipeline import bubble_fraction
 from trainer.config.validate import validate
+from trainer.model.pipeline import circular_tables
 
 # 1 dense + 4 MoE layers (4 splits over 2 and 4 stages), one MTP depth, 4 microbatches.
 MODEL = {
@@ -19,6 +20,8 @@ STAGES = {
     "stage=2 x data=4": ("2", "4", "explicit"),
     "stage=4 x data=2": ("4", "2", "explicit"),
     "stage=2 x data=4, auto": ("2", "4", "auto"),
+    "stage=2 x data=4, circular (2 repeats)": ("2", "4", "explicit", "2"),
+    "stage=2 x data=4, ZeRO-1": ("2", "4", "explicit", "1", "true"),
 }
 
 BAD = [
@@ -34,8 +37,9 @@ BAD = [
         r"num_pipeline_repeats=1: the 3 MoE layers .* must split into 2 equal chunks$",
     ),
     (
-        {**MODEL, "ici_pipeline_parallelism": "2", "num_pipeline_repeats": "2"},
-        r"^num_pipeline_repeats=2 \(circular stages\) is not implemented yet",
+        {**MODEL, "ici_pipeline_parallelism": "2", "num_pipeline_repeats": "4"},
+        r"^ici_pipeline_parallelism=2 x dcn_pipeline_parallelism=1 = 2 stages x "
+        r"num_pipeline_repeats=4: the 4 MoE layers .* must split into 8 equal chunks$",
     ),
     (
         {**MODEL, "ici_pipeline_parallelism": "2", "num_pipeline_microbatches": "8"},
@@ -80,6 +84,24 @@ def test_stage_axis_outermost_and_across_slices():
     assert (sizes["stage"], sizes["dcn_data"], sizes["data"]) == (2, 1, 4)
 
 
+@pytest.mark.parametrize(("stages", "repeats"), [(2, 2), (4, 2), (2, 3), (4, 8), (3, 1)])
+def test_circular_relayout_delivers_every_chunk_once(stages, repeats):
+    # Chunk c is stored on stage c // repeats and run by stage c % stages as its
+    # repeat c // stages: the permute rounds must deliver each exactly there, once.
+    send, recv = circular_tables(stages, repeats)
+    got = {}
+    for d in range(stages):
+        for b in range(stages):
+            s = (b + d) % stages
+            for local, k in zip(send[d, b], recv[d, s], strict=True):
+                if k == repeats:  # padding
+                    continue
+                assert (s, int(k)) not in got
+                got[(s, int(k))] = b * repeats + int(local)
+    want = {(c % stages, c // stages): c for c in range(stages * repeats)}
+    assert got == want
+
+
 def test_bubble_fraction():
     assert bubble_fraction(4, 4) == pytest.approx(3 / 7)
     assert bubble_fraction(2, 8) == pytest.approx(1 / 9)
@@ -90,10 +112,12 @@ def test_bubble_fraction():
 @pytest.mark.slow  # a compile of the tiny model each (about a minute on 2 cores)
 @pytest.mark.parametrize("layout", list(STAGES))
 def test_same_numbers_and_one_reduction_after_the_loop(runner, grads_runner, layout):
-    stages, data, mode = STAGES[layout]
+    stages, data, mode, *extra = STAGES[layout]
+    repeats, zero1 = (extra + ["1", "false"][len(extra) :])[:2]
     want_history, _ = runner(1, **MODEL, ici_data_parallelism="8")
     keys = {**MODEL, "ici_pipeline_parallelism": stages, "ici_data_parallelism": data}
-    keys["shard_mode"] = mode
+    keys |= {"shard_mode": mode, "num_pipeline_repeats": repeats}
+    keys["shard_optimizer_over_data"] = zero1
     got_history, text = runner(1, **keys)
     for name in ("loss", "ce_loss", "mtp_loss_1", "grad_norm"):
         np.testing.assert_allclose(got_history[0][name], want_history[0][name], rtol=1e-5)
@@ -109,7 +133,7 @@ def test_same_numbers_and_one_reduction_after_the_loop(runner, grads_runner, lay
     assert judged["outside"] >= 1  # the gradients' one reduction, after the loop
     # The pipeline loop: m + p - 1 iterations, its only collectives the permutes that
     # move the microbatches between stages (forward and backward); no reduction at all.
-    trips = 4 + int(stages) - 1
+    trips = 4 * int(repeats) + int(stages) - 1
     in_loop = [c for c in ht.collectives(module) if c.multiplier > 1]
     assert {c.kind for c in in_loop} == {"collective-permute"}
     assert {c.multiplier for c in in_loop} == {trips}

@@ -55,10 +55,6 @@ def check_pipeline(config: Config, sizes: dict[str, int]) -> None:
     )
     if p == 1:
         return
-    _require(
-        r == 1,
-        f"num_pipeline_repeats={r} (circular stages) is not implemented yet: use 1 (GPipe)",
-    )
     layers = config.num_moe_layers
     _require(
         layers > 0 and layers % (p * r) == 0,

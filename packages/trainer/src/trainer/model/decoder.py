@@ -213,6 +213,7 @@ class Decoder(nnx.Module):
             segments_BxS,
             ctx=self.ctx,
             microbatches=self.ctx.pipeline_microbatches,
+            repeats=self.ctx.pipeline_repeats,
             remat=lambda body: _remat(body, c),
         )
 

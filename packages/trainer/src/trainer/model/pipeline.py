@@ -10,6 +10,13 @@ keeps it as that microbatch's output). Autodiff of the whole loop is the
 backward schedule: all forwards, then all backwards, the layers' parameter
 cotangents summed over microbatches inside the backward loop.
 
+Circular stages (`repeats` r > 1, MaxText's num_pipeline_repeats): the stack is
+p x r chunks and stage s runs chunks s, s + p, ... as its repeats, m x r + p - 1
+iterations; a microbatch's pass through the stages ends on stage 0, which keeps it
+until its next repeat starts (m >= p: it is back in time). The stored layout stays
+GPipe's (checkpoints do not depend on p or r): each stage's chunks are brought to it
+by permutes once per step, before the loop (`circular_tables`).
+
 The loop runs inside one `jax.shard_map` over every mesh axis (per device, the
 model's 'manual' ShardCtx, as the floor step: `run/floor.py`). JAX 0.10's
 `vmap` cannot map over a value tagged `reduced` and a partly manual shard_map
@@ -32,6 +39,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec as P
@@ -92,6 +100,62 @@ def _merge_microbatches(x: jax.Array, spec: P | None) -> jax.Array:
     return jnp.reshape(y, (m * rows, *x.shape[2:]), out_sharding=spec)
 
 
+def circular_tables(p: int, r: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where the circular layout's chunks come from, per permute round d (stage b sends
+    to stage b + d mod p): `send[d, b]` the local chunks b sends, `recv[d, s]` the
+    repeats they become on s (`r` pads: a slot thrown away). Chunk c of the layer
+    stack (layers c x lps ...) is stored on stage c // r (the contiguous sharding)
+    and run by stage c mod p as its repeat c // p."""
+    width = -(-r // p)  # the most chunks one stage sends another
+    send = np.zeros((p, p, width), np.int32)
+    recv = np.full((p, p, width), r, np.int32)
+    for d in range(p):
+        for b in range(p):
+            s = (b + d) % p
+            repeats = [k for k in range(r) if (k * p + s) // r == b]
+            for n, k in enumerate(repeats):
+                send[d, b, n], recv[d, s, n] = (k * p + s) % r, k
+    return send, recv
+
+
+def _circular_chunks(local_state: Any, stage, p: int, r: int, ctx: ShardCtx) -> Any:
+    """This stage's layers as (repeats, layers per chunk, ...), repeat k being the
+    stack's chunk k x p + stage: GPipe's own block (r = 1), or gathered from the
+    stages that store them by p - 1 rounds of permutes (once per step, outside the
+    pipeline loop; the backward sends the gradients home the same way)."""
+    if r == 1:
+        return jax.tree.map(lambda w: w[None], local_state)
+    send, recv = (jnp.asarray(a) for a in circular_tables(p, r))
+
+    def relayout(w):
+        stored = w.reshape(r, w.shape[0] // r, *w.shape[1:])
+        out = jnp.zeros((r + 1, *stored.shape[1:]), w.dtype)
+        out = _varying(out, (STAGE_AXIS, *ctx.token_axes))
+        for d in range(p):
+            piece = stored[send[d, stage]]
+            if d:
+                piece = lax.ppermute(piece, STAGE_AXIS, [(b, (b + d) % p) for b in range(p)])
+            out = out.at[recv[d, stage]].set(piece)
+        return out[:r]
+
+    return jax.tree.map(relayout, local_state)
+
+
+def _stored_order(stats: dict, stage, p: int, r: int) -> dict:
+    """Per-layer stats (repeats, layers per chunk, ...) of this stage's chunks, as the
+    layers this stage stores (its contiguous block of the stack)."""
+    if r == 1:
+        return {k: v.reshape(-1, *v.shape[2:]) for k, v in stats.items()}
+
+    def block(v):
+        every = lax.all_gather(v, STAGE_AXIS)  # (stages, repeats, lps, ...): small counts
+        by_chunk = jnp.swapaxes(every, 0, 1).reshape(r * p, *v.shape[1:])
+        mine = lax.dynamic_slice_in_dim(by_chunk, stage * r, r, 0)
+        return mine.reshape(-1, *v.shape[2:])
+
+    return {k: block(v) for k, v in stats.items()}
+
+
 def run_pipeline(
     graphdef: Any,
     state: Any,
@@ -101,6 +165,7 @@ def run_pipeline(
     *,
     ctx: ShardCtx,
     microbatches: int,
+    repeats: int = 1,
     remat,
 ) -> tuple[jax.Array, dict]:
     """The stacked layers `state` (layer dim sharded over 'stage') run as a GPipe
@@ -110,7 +175,7 @@ def run_pipeline(
     device); `remat`: the configured rematerialization applied to one layer.
     Returns (x_BxSxD, MoE stats stacked over the layers) like the unpipelined scan.
     """
-    m, p = microbatches, stages(ctx)
+    m, p, r = microbatches, stages(ctx), repeats
     inputs = accum.split_microbatches(
         {"x": x_BxSxD, "positions": positions_BxS, "segments": segments_BxS}, m
     )
@@ -149,46 +214,63 @@ def run_pipeline(
         rows = jax.tree.map(lambda r: _varying(r, (STAGE_AXIS,)), rows)
         stage = lax.axis_index(STAGE_AXIS)
         forward = [(i, (i + 1) % p) for i in range(p)]
-        first = jax.tree.map(lambda r: r[0], rows)
+        # (repeats, layers per chunk, ...): this stage's chunks in the order it runs them.
+        chunks = _circular_chunks(local_state, stage, p, r, ctx)
+        first = jax.tree.map(lambda r_: r_[0], rows)
         _, stats_shape = jax.eval_shape(
-            stage_layers, local_state, first["x"], first["positions"], first["segments"]
+            stage_layers,
+            jax.tree.map(lambda w: w[0], chunks),
+            first["x"],
+            first["positions"],
+            first["segments"],
         )
 
         def iteration(carry, t):
             held, outputs, stats_sum = carry
             # The one collective of an iteration: each stage's result moves to the
-            # next stage; stage 0 receives stage p-1's, a finished microbatch.
+            # next stage; stage 0 receives stage p-1's, a microbatch through one
+            # pass of the stages, and keeps it (`outputs`) until its next repeat.
             arrived = jax.tree.map(lambda v: lax.ppermute(v, STAGE_AXIS, forward), held)
-            done = t - p  # the microbatch stage p-1 finished last iteration
+            done = t - p  # the pass stage p-1 finished last iteration
             keep = jnp.logical_and(stage == 0, done >= 0)
-            slot = jnp.clip(done, 0, m - 1)
+            slot = jnp.clip(done, 0, m * r - 1) % m
             outputs = lax.dynamic_update_index_in_dim(
                 outputs,
                 jnp.where(keep, arrived["x"], lax.dynamic_index_in_dim(outputs, slot, 0, False)),
                 slot,
                 0,
             )
-            new = jax.tree.map(
-                lambda r: lax.dynamic_index_in_dim(r, jnp.minimum(t, m - 1), 0, False), rows
-            )
+            # Stage 0 starts pass t: microbatch t mod m, fresh in the first repeat,
+            # from its kept output after that (kept since m >= p iterations ago).
+            take = lambda v: lax.dynamic_index_in_dim(v, t % m, 0, False)  # noqa: E731
+            new = {k: take(v) for k, v in rows.items()}
+            new["x"] = jnp.where(t < m, new["x"], take(outputs))
             current = jax.tree.map(lambda n, a: jnp.where(stage == 0, n, a), new, arrived)
-            y, stats = stage_layers(
-                local_state, current["x"], current["positions"], current["segments"]
-            )
-            # This stage held microbatch t - stage: a real one, or the bubble.
-            real = jnp.logical_and(t - stage >= 0, t - stage < m)
+            # This stage holds pass t - stage: repeat (t - stage) // m, or the bubble.
+            repeat = jnp.clip((t - stage) // m, 0, r - 1)
+            chunk = jax.tree.map(lambda w: lax.dynamic_index_in_dim(w, repeat, 0, False), chunks)
+            y, stats = stage_layers(chunk, current["x"], current["positions"], current["segments"])
+            real = jnp.logical_and(t - stage >= 0, t - stage < m * r)
             stats_sum = jax.tree.map(
-                lambda s, v: s + jnp.where(real, v, jnp.zeros_like(v)), stats_sum, stats
+                lambda acc, v: lax.dynamic_update_index_in_dim(
+                    acc,
+                    lax.dynamic_index_in_dim(acc, repeat, 0, False) + jnp.where(real, v, 0),
+                    repeat,
+                    0,
+                ),
+                stats_sum,
+                stats,
             )
             return ({**current, "x": y}, outputs, stats_sum), None
 
-        held = jax.tree.map(lambda r: jnp.zeros_like(r[0]), rows)
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats_shape)
+        held = jax.tree.map(lambda r_: jnp.zeros_like(r_[0]), rows)
+        zeros = jax.tree.map(lambda s: jnp.zeros((r, *s.shape), s.dtype), stats_shape)
         carry = (held, jnp.zeros_like(rows["x"]), zeros)
         # Varying over 'stage' and the token axes from the start: each device's
         # carry is its own (its stage's layers, its own rows).
         carry = jax.tree.map(lambda v: _varying(v, (STAGE_AXIS, *ctx.token_axes)), carry)
-        (held, outputs, stats_sum), _ = lax.scan(iteration, carry, jnp.arange(m + p - 1))
+        iterations = jnp.arange(m * r + p - 1)
+        (held, outputs, stats_sum), _ = lax.scan(iteration, carry, iterations)
         # The last microbatch, still on stage p-1: one more permute brings it home.
         arrived = lax.ppermute(held["x"], STAGE_AXIS, forward)
         outputs = lax.dynamic_update_index_in_dim(
@@ -198,7 +280,7 @@ def run_pipeline(
         # one activation-sized reduction over 'stage' per step.
         outputs = lax.psum(jnp.where(stage == 0, outputs, jnp.zeros_like(outputs)), STAGE_AXIS)
         stats_sum = {k: v / m if k in MEAN_STATS else v for k, v in stats_sum.items()}
-        return outputs, stats_sum
+        return outputs, _stored_order(stats_sum, stage, p, r)
 
     def stats_spec(leaf_ndim: int) -> P:
         return P(STAGE_AXIS, token_axes, *(None,) * (leaf_ndim - 2))

@@ -94,6 +94,7 @@ def _decide(config: Config, devices: tuple, sizes: dict[str, int], mesh: Any) ->
         logical_rules(config.parallelism),
         config.shard_mode,
         pipeline_microbatches=pipeline_microbatches(config.parallelism, config.accumulation),
+        pipeline_repeats=config.num_pipeline_repeats,
     )
     model = model_lib.define(config.model, ctx)
     trained = trained_shapes(model, ctx)

@@ -102,6 +102,7 @@ class ShardCtx:
     # Microbatches through the pipeline per step (model/pipeline.py): used only
     # where the mesh has a 'stage' axis of size > 1.
     pipeline_microbatches: int = 1
+    pipeline_repeats: int = 1  # layer chunks per stage (> 1: circular stages)
 
     def __post_init__(self):
         if self.mode not in CTX_MODES:
