@@ -153,3 +153,35 @@ def test_plan_reduction_shows_the_stage_axis(capsys):
     # The bubble of 2 stages and 4 microbatches, and auto's one policy with stages.
     assert "5 iterations: bubble (p-1)/(m x repeats+p-1) = 1/5 = 20.0%" in out
     assert "gradient_reduction_policy=auto -> deferred (pipeline stages" in out
+
+
+@pytest.mark.slow  # four runs set up (initialised and placed) on 8 devices
+def test_a_checkpoint_resumes_across_a_change_of_stage_count(tmp_path):
+    # The stacked layers are stored as one array per parameter whatever the stages
+    # (GPipe's and the circular layout's alike): a checkpoint of stage=2 restores
+    # onto stage=4 and onto no stages, in those runs' shardings. No compile needed.
+    import jax
+
+    from trainer.run import run as run_lib
+
+    base = {
+        **MODEL,
+        "base_output_directory": str(tmp_path),
+        "run_name": "stages",
+        "async_checkpointing": "false",
+    }
+    first = run_lib.setup(make_config({**base, "ici_pipeline_parallelism": "2"}))
+    # Not the seed's initial values (every run draws those): a state only the save has.
+    saved = jax.tree.map(lambda x: x * 2 + 1, first.state["params"])
+    first.checkpoints.save(1, {**first.state, "params": saved})
+    first.checkpoints.wait()
+    for stages, repeats in (("4", "1"), ("1", "1"), ("2", "2")):
+        overrides = {"ici_pipeline_parallelism": stages, "num_pipeline_repeats": repeats}
+        resumed = run_lib.setup(make_config({**base, **overrides}))
+        assert resumed.start_step == 1
+        moe = resumed.state["params"]["moe_layers"]["ffn"]["wi_0"]
+        assert moe.sharding.spec[0] == ("stage" if stages != "1" else None)
+        for got, want in zip(
+            jax.tree.leaves(resumed.state["params"]), jax.tree.leaves(saved), strict=True
+        ):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
