@@ -33,10 +33,10 @@ from trainer.config.pipeline import bubble_fraction  # noqa: E402
 
 WARMUP = 2
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "10"))
-COMMAND = " ".join(
-    [f"BENCH_ROUNDS={os.environ['BENCH_ROUNDS']}"] * ("BENCH_ROUNDS" in os.environ)
-    + ["JAX_PLATFORMS=cpu uv run python benchmarks/bench_pipeline_cpu.py"]
-)
+# The page's command line: the environment that chose its rounds included.
+COMMAND = (
+    "BENCH_ROUNDS=" + os.environ["BENCH_ROUNDS"] + " " if "BENCH_ROUNDS" in os.environ else ""
+) + ("JAX_PLATFORMS=cpu uv run python benchmarks/bench_pipeline_cpu.py")
 MICROBATCHES = 4
 # tagtrain-tiny with 1 dense + 4 MoE layers (they split over 2 and 4 stages, and into
 # 2 x 2 circular chunks), f32, one sequence x 32 tokens per device per microbatch.

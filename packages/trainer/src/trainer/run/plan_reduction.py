@@ -70,17 +70,23 @@ def compiled_lines(config: Config, choice: Any, ctx: Any) -> list[str]:
         mesh = dict(result.run.ctx.mesh.shape)
         axes = result.run.plan.batch_axes
         inside, outside = reduction_bytes.counted(result.compiled.as_text(), mesh, axes)
-        predicted = choice.costs[policy]
+        # None with pipeline stages: auto takes deferred without the cost model.
+        predicted = choice.costs.get(policy)
         fits = "fits" if result.memory["total"] <= result.hbm_bytes else "DOES NOT FIT"
         lines.append(
             f"  {policy}: {result.memory['total'] / GIB:.3f} GiB per device ({fits}); "
             + "; ".join(
-                f"{a}: in loop {inside[a]:,} (predicted {predicted.bytes_in_loop[a]:,}), "
-                f"after {outside[a]:,} (predicted {predicted.bytes_outside[a]:,})"
+                f"{a}: in loop {inside[a]:,}{_predicted(predicted, 'bytes_in_loop', a)}, "
+                f"after {outside[a]:,}{_predicted(predicted, 'bytes_outside', a)}"
                 for a in axes
             )
         )
     return lines
+
+
+def _predicted(cost: Any, field: str, axis: str) -> str:
+    """' (predicted N)' from the cost model's figure, or nothing where it made none."""
+    return "" if cost is None else f" (predicted {getattr(cost, field)[axis]:,})"
 
 
 def main(argv: list[str] | None = None) -> int:
