@@ -416,7 +416,13 @@ def test_two_v5e8_slices_variants_bytes_equal_the_cost_model(tmp_path, variant):
 
 @pytest.mark.parametrize(
     "sizes",
-    [{"dcn_data": 2, "data": 8}, {"dcn_data": 2, "data": 2, "fsdp": 4}, {"dcn_fsdp": 2, "fsdp": 8}],
+    [
+        {"dcn_data": 2, "data": 8},
+        {"dcn_data": 2, "data": 2, "fsdp": 4},
+        {"dcn_fsdp": 2, "fsdp": 8},
+        # dcn_pipeline_parallelism=2: the stages cross the slices, one slice per stage.
+        {"stage": 2, "data": 8},
+    ],
     ids=lambda sizes: "x".join(f"{a}{n}" for a, n in sizes.items()),
 )
 def test_two_v5e8_slices_place_one_slice_per_dcn_block_laid_out_by_ici(sizes):
