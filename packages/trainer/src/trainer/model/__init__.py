@@ -58,7 +58,8 @@ class ModelDef:
 
 def _logical_tree(state: nnx.State, read=logical_axes_of) -> dict:
     """`read(variable, stacked)` of every variable, as a nested dict: by default its
-    logical axes (stacked layers get a leading 'layers' axis)."""
+    logical axes (stacked layers get a leading 'layers' axis; the MoE layers'
+    'stage_layers', which the pipeline's stages split: model/pipeline.py)."""
     out: dict = {}
     for path, variable in nnx.to_flat_state(state):
         stacked = path[0] in STACKS
@@ -67,6 +68,7 @@ def _logical_tree(state: nnx.State, read=logical_axes_of) -> dict:
             node = node.setdefault(key, {})
         value = read(variable, stacked)
         if read is logical_axes_of and path[0] == PIPELINED:
+            # Size one without stages: the same layout as 'layers' then.
             value = ("stage_layers", *value[1:])
         node[path[-1]] = value
     return out
