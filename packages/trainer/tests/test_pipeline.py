@@ -185,3 +185,28 @@ def test_a_checkpoint_resumes_across_a_change_of_stage_count(tmp_path):
             jax.tree.leaves(resumed.state["params"]), jax.tree.leaves(saved), strict=True
         ):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.aot  # XLA:TPU (libtpu, the `tpu` extra), compiled on this host, not run
+def test_v5e8_pipeline_compiles_with_no_reduction_in_its_loop(tmp_path):
+    from trainer.run import aot
+
+    config = make_config(
+        {
+            **MODEL,
+            "compile_topology": "v5e-8",
+            "ici_pipeline_parallelism": "2",
+            "per_device_batch_size": "1",
+            "base_output_directory": str(tmp_path),
+        }
+    )
+    result = aot.compile_for_topology(config)
+    text = result.compiled.as_text()
+    # Not even a scalar reduced inside a loop: the gradients, loss sums and token
+    # counts all after the pipeline loop.
+    assert ht.assert_reduced_once_per_step(text, max_in_loop_elements=0)
+    in_loop = [c for c in ht.collectives(ht.parse(text)) if c.multiplier > 1]
+    assert {c.kind for c in in_loop} == {"collective-permute"}
+    assert {c.multiplier for c in in_loop} == {4 + 2 - 1}  # m + p - 1 GPipe iterations
+    assert result.memory["total"] < result.hbm_bytes
+    assert any(line.startswith("pipeline: 2 stages") for line in aot.report_lines(result))
