@@ -416,7 +416,13 @@ def test_two_v5e8_slices_variants_bytes_equal_the_cost_model(tmp_path, variant):
 
 @pytest.mark.parametrize(
     "sizes",
-    [{"dcn_data": 2, "data": 8}, {"dcn_data": 2, "data": 2, "fsdp": 4}, {"dcn_fsdp": 2, "fsdp": 8}],
+    [
+        {"dcn_data": 2, "data": 8},
+        {"dcn_data": 2, "data": 2, "fsdp": 4},
+        {"dcn_fsdp": 2, "fsdp": 8},
+        # dcn_pipeline_parallelism=2: the stages cross the slices, one slice per stage.
+        {"stage": 2, "data": 8},
+    ],
     ids=lambda sizes: "x".join(f"{a}{n}" for a, n in sizes.items()),
 )
 def test_two_v5e8_slices_place_one_slice_per_dcn_block_laid_out_by_ici(sizes):
@@ -425,13 +431,14 @@ def test_two_v5e8_slices_place_one_slice_per_dcn_block_laid_out_by_ici(sizes):
     ring), not in id order."""
     from jax.experimental import topologies
 
-    from trainer.config import DCN_AXES, MESH_AXES
+    from trainer.config import DCN_AXES, MESH_AXES, STAGE_AXIS
     from trainer.sharding import make_mesh
 
     topo = aot.TOPOLOGIES["v5e-8"]
     mesh = make_mesh(sizes, "explicit", aot.devices_for(topo, 2))
-    ndcn = len(DCN_AXES)
-    assert MESH_AXES[:ndcn] == DCN_AXES  # the dcn_ axes lead
+    lead = (STAGE_AXIS, *DCN_AXES)  # the axes that may cross slices ('stage' of size 1 here)
+    ndcn = len(lead)
+    assert MESH_AXES[:ndcn] == lead  # they lead
     ici_shape = mesh.devices.shape[ndcn:]
     one_slice = topologies.get_topology_desc(topo.libtpu_name, "tpu").devices
     want = jax.make_mesh(ici_shape, MESH_AXES[ndcn:], devices=one_slice).devices

@@ -105,8 +105,9 @@ BAD = [
     ({"learning_rate": "-1"}, r"learning_rate=-1.0 must be > 0"),
     (
         {"dcn_tensor_parallelism": "2"},
-        r"^dcn_tensor_parallelism=2 is not supported: only dcn_data_parallelism and "
-        r"dcn_fsdp_parallelism cross slices here \(.*per-layer collectives on DCN\)",
+        r"^dcn_tensor_parallelism=2 is not supported: only dcn_data_parallelism, "
+        r"dcn_fsdp_parallelism and dcn_pipeline_parallelism cross slices here "
+        r"\(.*per-layer collectives on DCN\)",
     ),
     (
         {"accum_dtype": "float16"},
@@ -297,6 +298,7 @@ def test_mesh_fill():
     config = make_config({"ici_fsdp_parallelism": "2", "ici_tensor_parallelism": "2"})
     sizes = mesh_shape(config, 8)
     assert sizes == {
+        "stage": 1,
         "dcn_data": 1,
         "dcn_fsdp": 1,
         "data": 2,
@@ -326,18 +328,21 @@ MAXTEXT_DCN_KEYS = (
 )
 
 
-def test_every_maxtext_dcn_key_parses_and_only_data_and_fsdp_may_exceed_one():
+def test_every_maxtext_dcn_key_parses_and_only_data_fsdp_and_pipeline_may_exceed_one():
     # A MaxText command line with every dcn_ key at its default parses and validates.
     defaults = {key: "-1" if key == "dcn_data_parallelism" else "1" for key in MAXTEXT_DCN_KEYS}
     assert validate(make_config(parse_overrides([f"{k}={v}" for k, v in defaults.items()])), 8)
     assert set(OTHER_DCN_KEYS) == set(MAXTEXT_DCN_KEYS) - {
         "dcn_data_parallelism",
         "dcn_fsdp_parallelism",
+        "dcn_pipeline_parallelism",
     }
     for key in OTHER_DCN_KEYS:
         config = make_config({key: "2", "num_slices": "2", "dcn_data_parallelism": "1"})
         # One line naming the key, raised before any mesh is sized (so before compiling).
-        with pytest.raises(ConfigError, match=rf"^{key}=2 is not supported: only dcn_data") as e:
+        with pytest.raises(
+            ConfigError, match=rf"^{key}=2 is not supported: only dcn_data_parallelism, dcn_fsdp"
+        ) as e:
             validate(config, 8, 2)
         assert "\n" not in str(e.value)
         with pytest.raises(ConfigError, match=rf"^{key}=2 "):

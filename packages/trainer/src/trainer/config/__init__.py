@@ -24,6 +24,7 @@ from trainer.config.keys import (
     MESH_AXES,
     OTHER_DCN_KEYS,
     ROPE_TYPES,
+    STAGE_AXIS,
     ConfigError,
 )
 from trainer.config.make import REPLACED_KEYS, make_config, parse_overrides
@@ -47,6 +48,7 @@ __all__ = [
     "GROUPS",
     "ICI_AXES",
     "MESH_AXES",
+    "STAGE_AXIS",
     "OTHER_DCN_KEYS",
     "PRESETS",
     "REPLACED_KEYS",

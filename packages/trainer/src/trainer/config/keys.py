@@ -16,11 +16,17 @@ ICI_AXES = ("data", "fsdp", "tensor", "tensor_transpose", "context", "expert")
 # axis ("dcn_data" beside "data"), outermost, so one slice is a contiguous block of
 # the mesh and a gradient can be unreduced over the slices while sharded inside one.
 DCN_AXES = ("dcn_data", "dcn_fsdp")
-MESH_AXES = DCN_AXES + ICI_AXES
+# The pipeline's stages (ici_pipeline_parallelism x dcn_pipeline_parallelism, the
+# cross-slice part major): outermost, before the dcn_ axes, so consecutive stages of
+# one slice are neighbours and a stage boundary crosses slices only where the dcn
+# part says (model/pipeline.py).
+STAGE_AXIS = "stage"
+MESH_AXES = (STAGE_AXIS,) + DCN_AXES + ICI_AXES
 # MaxText's other cross-slice keys (configs/base.yml), accepted so a MaxText command
-# line parses, and held to 1: only the batch (dcn_data, dcn_fsdp) is split across
-# slices here; tensor, expert or context parallelism across slices would put
-# per-layer collectives on the slow DCN links.
+# line parses, and held to 1: only the batch (dcn_data, dcn_fsdp) and the pipeline's
+# stages (dcn_pipeline_parallelism) are split across slices here; tensor, expert or
+# context parallelism across slices would put per-layer collectives on the slow DCN
+# links.
 OTHER_DCN_KEYS = tuple(
     f"dcn_{axis}_parallelism"
     for axis in (
@@ -31,7 +37,6 @@ OTHER_DCN_KEYS = tuple(
         "tensor",
         "tensor_transpose",
         "tensor_sequence",
-        "pipeline",
         "expert",
         "autoregressive",
         "diloco",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from trainer.config.keys import OTHER_DCN_KEYS, ConfigError
+from trainer.config.keys import OTHER_DCN_KEYS, STAGE_AXIS, ConfigError
 from trainer.config.run_keys import ParallelismConfig
 
 
@@ -45,9 +45,10 @@ def _check_other_dcn_keys(parallelism: ParallelismConfig) -> None:
         value = getattr(parallelism, key)
         if value != 1:
             raise ConfigError(
-                f"{key}={value} is not supported: only dcn_data_parallelism and "
-                "dcn_fsdp_parallelism cross slices here (cross-slice tensor, expert or "
-                "context parallelism would put per-layer collectives on DCN); set it to 1"
+                f"{key}={value} is not supported: only dcn_data_parallelism, "
+                "dcn_fsdp_parallelism and dcn_pipeline_parallelism cross slices here "
+                "(cross-slice tensor, expert or context parallelism would put per-layer "
+                "collectives on DCN); set it to 1"
             )
 
 
@@ -65,4 +66,6 @@ def mesh_shape(
     dcn = _fill(parallelism.dcn_parallelism(), num_slices, "dcn_", "slices")
     per_slice = "devices" if num_slices == 1 else "devices per slice"
     ici = _fill(parallelism.ici_parallelism(), num_devices // num_slices, "ici_", per_slice)
-    return {**dcn, **ici}
+    # One 'stage' axis: its cross-slice part major (slices.device_array).
+    stage = dcn.pop("dcn_pipeline") * ici.pop("pipeline")
+    return {STAGE_AXIS: stage, **dcn, **ici}

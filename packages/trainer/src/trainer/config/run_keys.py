@@ -33,7 +33,9 @@ class ParallelismConfig:
     dcn_tensor_parallelism: int = key(1, "MaxText's; must be 1")
     dcn_tensor_transpose_parallelism: int = key(1, "MaxText's; must be 1")
     dcn_tensor_sequence_parallelism: int = key(1, "MaxText's; must be 1")
-    dcn_pipeline_parallelism: int = key(1, "MaxText's; must be 1")
+    dcn_pipeline_parallelism: int = key(
+        1, "pipeline stages across slices (the 'stage' axis' cross-slice part)"
+    )
     dcn_expert_parallelism: int = key(1, "MaxText's; must be 1")
     dcn_autoregressive_parallelism: int = key(1, "MaxText's; must be 1")
     dcn_diloco_parallelism: int = key(1, "MaxText's; must be 1")
@@ -43,6 +45,18 @@ class ParallelismConfig:
     ici_tensor_transpose_parallelism: int = key(1, "in-slice transposed tensor parallelism")
     ici_context_parallelism: int = key(1, "in-slice context (sequence) parallelism")
     ici_expert_parallelism: int = key(1, "in-slice expert parallelism")
+    # Pipeline parallelism (model/pipeline.py, docs/training.md "Pipeline parallelism"),
+    # MaxText's keys: the MoE layers split into ici x dcn pipeline stages on the
+    # 'stage' mesh axis. The pipeline's microbatches are the gradient accumulation's
+    # (-1: gradient_accumulation_steps of them); num_pipeline_repeats > 1: circular
+    # stages, each holding that many non-contiguous chunks of layers.
+    ici_pipeline_parallelism: int = key(1, "in-slice pipeline stages (the 'stage' axis)")
+    num_pipeline_microbatches: int = key(
+        -1, "microbatches through the pipeline per step (-1: gradient_accumulation_steps)"
+    )
+    num_pipeline_repeats: int = key(
+        1, "layer chunks per stage: 1 GPipe, > 1 circular (interleaved) stages"
+    )
     expert_shard_attention_option: Literal["fsdp", "context"] = key(
         "fsdp", "what the expert axis shards in attention layers"
     )
@@ -83,14 +97,18 @@ class ParallelismConfig:
     )
 
     def ici_parallelism(self) -> dict[str, int]:
-        """Requested size per in-slice mesh axis (before -1 is filled)."""
-        return {axis: getattr(self, f"ici_{axis}_parallelism") for axis in ICI_AXES}
+        """Requested size per in-slice mesh axis (before -1 is filled); 'pipeline':
+        the in-slice part of the 'stage' axis."""
+        sizes = {axis: getattr(self, f"ici_{axis}_parallelism") for axis in ICI_AXES}
+        return {"pipeline": self.ici_pipeline_parallelism, **sizes}
 
     def dcn_parallelism(self) -> dict[str, int]:
-        """Requested size per cross-slice mesh axis (before -1 is filled)."""
-        return {
+        """Requested size per cross-slice mesh axis (before -1 is filled);
+        'dcn_pipeline': the cross-slice part of the 'stage' axis."""
+        sizes = {
             axis: getattr(self, f"dcn_{axis.removeprefix('dcn_')}_parallelism") for axis in DCN_AXES
         }
+        return {"dcn_pipeline": self.dcn_pipeline_parallelism, **sizes}
 
 
 LR_SCHEDULERS = ("cosine", "linear", "constant")  # transformers' lr_scheduler_type names

@@ -21,6 +21,7 @@ from trainer.config.keys import DTYPES, ROPE_TYPES, ConfigError
 from trainer.config.layer_loop import SCAN_SCHEDULES
 from trainer.config.mesh_shape import mesh_shape
 from trainer.config.model_keys import ModelConfig
+from trainer.config.pipeline import check_pipeline, pipeline_microbatches
 from trainer.config.run_keys import (
     LR_SCHEDULERS,
     AccumulationConfig,
@@ -90,7 +91,11 @@ def validate(config: Config, num_devices: int, num_slices: int | None = None) ->
     model, parallelism, data = config.model, config.parallelism, config.data
     _check_parallelism(model, parallelism, data, sizes)
     _check_accumulation_schedule(model, config.accumulation)
+    check_pipeline(config, sizes)
     microbatch = microbatch_size(data, num_devices)
+    if config.gradient_accumulation_steps == 1:
+        # One accumulation microbatch that the pipeline splits further.
+        microbatch //= pipeline_microbatches(parallelism, config.accumulation)
     shards = batch_shard_count(parallelism, sizes)
     _require(
         microbatch % shards == 0,

@@ -27,6 +27,8 @@ from trainer.sharding import ShardCtx
 
 # Top-level parameter groups stacked on a leading 'layers' axis (the MTP depths too).
 STACKS = ("dense_layers", "moe_layers", "mtp")
+# The stack whose layer axis is the pipeline's ('stage_layers': split over 'stage').
+PIPELINED = "moe_layers"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,14 +58,19 @@ class ModelDef:
 
 def _logical_tree(state: nnx.State, read=logical_axes_of) -> dict:
     """`read(variable, stacked)` of every variable, as a nested dict: by default its
-    logical axes (stacked layers get a leading 'layers' axis)."""
+    logical axes (stacked layers get a leading 'layers' axis; the MoE layers'
+    'stage_layers', which the pipeline's stages split: model/pipeline.py)."""
     out: dict = {}
     for path, variable in nnx.to_flat_state(state):
         stacked = path[0] in STACKS
         node = out
         for key in path[:-1]:
             node = node.setdefault(key, {})
-        node[path[-1]] = read(variable, stacked)
+        value = read(variable, stacked)
+        if read is logical_axes_of and path[0] == PIPELINED:
+            # Size one without stages: the same layout as 'layers' then.
+            value = ("stage_layers", *value[1:])
+        node[path[-1]] = value
     return out
 
 

@@ -11,7 +11,7 @@ from flax import nnx
 import accum
 import pspec_tags as pt
 from trainer.config import ModelConfig
-from trainer.model import lora
+from trainer.model import lora, pipeline
 from trainer.model.attention import MLA
 from trainer.model.layers import BSE, MLP, RMSNorm
 from trainer.model.moe_block import moe_layer
@@ -190,9 +190,32 @@ class Decoder(nnx.Module):
         stats = {}
         if c.first_num_dense_layers:
             x_BxSxD, _ = _run_stack(self.dense_layers, x_BxSxD, positions_BxS, segments_BxS, c)
-        if c.num_moe_layers:
+        if c.num_moe_layers and pipeline.stages(self.ctx) > 1:
+            x_BxSxD, stats = self._run_pipelined(x_BxSxD, positions_BxS, segments_BxS)
+        elif c.num_moe_layers:
             x_BxSxD, stats = _run_stack(self.moe_layers, x_BxSxD, positions_BxS, segments_BxS, c)
         return x_BxSxD, stats
+
+    def _run_pipelined(self, x_BxSxD, positions_BxS, segments_BxS):
+        """The MoE layers as the pipeline's stages (model/pipeline.py)."""
+        c = self.config
+        # One layer built for per-device code (the pipeline is one manual shard_map):
+        # the same parameters, no constraints, the MoE layer's own shard_map off.
+        manual = dataclasses.replace(self.ctx, mode="manual")
+        layer = nnx.eval_shape(lambda: Block(c, manual, True, rngs=nnx.Rngs(0)))
+        graphdef = nnx.split(layer)[0]
+        _, state = nnx.split(self.moe_layers)
+        return pipeline.run_pipeline(
+            graphdef,
+            state,
+            x_BxSxD,
+            positions_BxS,
+            segments_BxS,
+            ctx=self.ctx,
+            microbatches=self.ctx.pipeline_microbatches,
+            repeats=self.ctx.pipeline_repeats,
+            remat=lambda body: _remat(body, c),
+        )
 
     def head(self, x_BxSxD):
         """The output head on normed states: logits_BxSxV in f32."""

@@ -248,6 +248,7 @@ def report_lines(result: AotResult) -> list[str]:
         report.params_line_of(config.model, run.state.get("frozen", run.state["params"])),
         *report.lora_lines(config.model, run.state),
         report.batch_line(config.accumulation, config.data, run.batch_size),
+        *report.pipeline_lines(config, dict(run.ctx.mesh.shape)),
         *(reduction_choice.startup_lines(run.reduction_choice) if run.reduction_choice else []),
         *report.plan_lines(config.accumulation, run.plan),
         "memory per device (compiled.memory_analysis()):",

@@ -70,17 +70,23 @@ def compiled_lines(config: Config, choice: Any, ctx: Any) -> list[str]:
         mesh = dict(result.run.ctx.mesh.shape)
         axes = result.run.plan.batch_axes
         inside, outside = reduction_bytes.counted(result.compiled.as_text(), mesh, axes)
-        predicted = choice.costs[policy]
+        # None with pipeline stages: auto takes deferred without the cost model.
+        predicted = choice.costs.get(policy)
         fits = "fits" if result.memory["total"] <= result.hbm_bytes else "DOES NOT FIT"
         lines.append(
             f"  {policy}: {result.memory['total'] / GIB:.3f} GiB per device ({fits}); "
             + "; ".join(
-                f"{a}: in loop {inside[a]:,} (predicted {predicted.bytes_in_loop[a]:,}), "
-                f"after {outside[a]:,} (predicted {predicted.bytes_outside[a]:,})"
+                f"{a}: in loop {inside[a]:,}{_predicted(predicted, 'bytes_in_loop', a)}, "
+                f"after {outside[a]:,}{_predicted(predicted, 'bytes_outside', a)}"
                 for a in axes
             )
         )
     return lines
+
+
+def _predicted(cost: Any, field: str, axis: str) -> str:
+    """' (predicted N)' from the cost model's figure, or nothing where it made none."""
+    return "" if cost is None else f" (predicted {getattr(cost, field)[axis]:,})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = config_of(args)
         # deferred: the keys are checked before JAX and the model code load
+        from trainer.run import report
         from trainer.step import reduction_choice
 
         choice, ctx, _ = choice_for(config)
@@ -105,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         + f", mesh {mesh}, GA={config.gradient_accumulation_steps}, "
         f"per_device_batch_size={config.per_device_batch_size:g}"
     )
+    for line in report.pipeline_lines(config, dict(ctx.mesh.shape)):
+        print(line)
     for line in reduction_choice.startup_lines(choice):
         print(line)
     if not compile_too:

@@ -7,8 +7,9 @@ import jax
 import accum
 import hlo_tools
 import moe_kernels
-from trainer.config import AccumulationConfig, DataConfig, ModelConfig, lora_targets
+from trainer.config import STAGE_AXIS, AccumulationConfig, DataConfig, ModelConfig, lora_targets
 from trainer.config.moe_map import moe_config
+from trainer.config.pipeline import bubble_fraction, pipeline_microbatches
 from trainer.model import flops
 
 MIB = 1024 * 1024
@@ -72,6 +73,27 @@ def batch_line(accumulation: AccumulationConfig, data: DataConfig, global_batch:
         f"tokens per step ({ga} microbatch{'es' if ga > 1 else ''} of {global_batch // ga}; "
         f"per_device_batch_size={data.per_device_batch_size:g} per microbatch)"
     )
+
+
+def pipeline_lines(config, sizes: dict[str, int]) -> list[str]:
+    """With pipeline stages: the schedule and its bubble, (p-1) / (m x repeats + p-1),
+    the share of stage-iterations that hold no microbatch (model/pipeline.py)."""
+    p = sizes.get(STAGE_AXIS, 1)
+    if p == 1:
+        return []
+    m = pipeline_microbatches(config.parallelism, config.accumulation)
+    r = config.num_pipeline_repeats
+    bubble = bubble_fraction(p, m, r)
+    schedule = "GPipe" if r == 1 else f"circular, {r} repeats"
+    return [
+        f"pipeline: {p} stages x {config.num_moe_layers // (p * r)} MoE layers per chunk "
+        f"({schedule}), {m} microbatches, {m * r + p - 1} iterations: bubble "
+        f"(p-1)/(m x repeats+p-1) = {p - 1}/{m * r + p - 1} = {bubble:.1%}; embedding, "
+        "dense layers, output layer and MTP run on every stage",
+        "  stage axis in the reduction plan: no gradient is reduced over 'stage' (the MoE "
+        "layers' gradients are sharded over it, each stage's reduced over the batch axes "
+        "after the pipeline loop; the other parameters' are computed alike on every stage)",
+    ]
 
 
 def plan_lines(accumulation: AccumulationConfig, plan: accum.ReductionPlan) -> list[str]:

@@ -388,6 +388,7 @@ def startup_lines(run: Run) -> list[str]:
         report.params_line_of(config.model, run.state.get("frozen", run.state["params"])),
         *report.lora_lines(config.model, run.state),
         report.batch_line(config.accumulation, config.data, run.batch_size),
+        *report.pipeline_lines(config, dict(run.ctx.mesh.shape)),
     ]
     if run.reduction_choice:
         lines += reduction_choice.startup_lines(run.reduction_choice)

@@ -23,6 +23,7 @@ import accum
 from trainer import model as model_lib
 from trainer.config import MESH_AXES, Config
 from trainer.config.layer_loop import decide_scan_layers
+from trainer.config.pipeline import pipeline_microbatches
 from trainer.config.validate import global_batch_size, validate
 from trainer.sharding import ShardCtx, logical_rules, make_mesh, reduction_plan, slices
 from trainer.step import reduction_choice
@@ -88,7 +89,13 @@ def _decide(config: Config, devices: tuple, sizes: dict[str, int], mesh: Any) ->
     # auto's policy ranking (which gradients a layer loop sums) both read it.
     config = decide_scan_layers(config, devices)
     batch = global_batch_size(config.accumulation, config.data, math.prod(sizes.values()))
-    ctx = ShardCtx(mesh, logical_rules(config.parallelism), config.shard_mode)
+    ctx = ShardCtx(
+        mesh,
+        logical_rules(config.parallelism),
+        config.shard_mode,
+        pipeline_microbatches=pipeline_microbatches(config.parallelism, config.accumulation),
+        pipeline_repeats=config.num_pipeline_repeats,
+    )
     model = model_lib.define(config.model, ctx)
     trained = trained_shapes(model, ctx)
     choice = None

@@ -23,6 +23,7 @@ import pspec_tags as pt
 from trainer.config import (
     DCN_AXES,
     MESH_AXES,
+    STAGE_AXIS,
     AccumulationConfig,
     ConfigError,
     ParallelismConfig,
@@ -76,6 +77,8 @@ def logical_rules(parallelism: ParallelismConfig) -> tuple[tuple[str, Any], ...]
         ("head_dim", None),
         ("norm", None),
         ("layers", None),
+        # The MoE layers' stack: its layer dim split into the pipeline's stages.
+        ("stage_layers", STAGE_AXIS),
     )
 
 
@@ -96,6 +99,10 @@ class ShardCtx:
     mesh: Mesh
     rules: tuple[tuple[str, Any], ...]
     mode: str
+    # Microbatches through the pipeline per step (model/pipeline.py): used only
+    # where the mesh has a 'stage' axis of size > 1.
+    pipeline_microbatches: int = 1
+    pipeline_repeats: int = 1  # layer chunks per stage (> 1: circular stages)
 
     def __post_init__(self):
         if self.mode not in CTX_MODES:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from jax.experimental import mesh_utils
 
-from trainer.config import DCN_AXES, MESH_AXES, ConfigError, ParallelismConfig
+from trainer.config import DCN_AXES, MESH_AXES, STAGE_AXIS, ConfigError, ParallelismConfig
 
 
 def detected_slices(devices: Sequence[Any]) -> int:
@@ -75,9 +75,15 @@ def device_array(sizes: dict[str, int], devices: Sequence[Any]) -> np.ndarray:
     (callers pass them `slice_major`).
     """
     shape = tuple(sizes.get(a, 1) for a in MESH_AXES)
-    dcn_shape = tuple(sizes.get(a, 1) if a in DCN_AXES else 1 for a in MESH_AXES)
-    ici_shape = tuple(1 if a in DCN_AXES else sizes.get(a, 1) for a in MESH_AXES)
     found = detected_slices(devices)
+    # The 'stage' axis' cross-slice part (dcn_pipeline_parallelism): the slices the
+    # dcn_ axes leave (mesh_shape made their product the slice count).
+    dcn_stage = max(found // math.prod(sizes.get(a, 1) for a in DCN_AXES), 1)
+    if sizes.get(STAGE_AXIS, 1) % dcn_stage:
+        dcn_stage = 1
+    dcn_sizes = {**{a: sizes.get(a, 1) for a in DCN_AXES}, STAGE_AXIS: dcn_stage}
+    dcn_shape = tuple(dcn_sizes.get(a, 1) for a in MESH_AXES)
+    ici_shape = tuple(s // d for s, d in zip(shape, dcn_shape, strict=True))
     if found > 1 and found == math.prod(dcn_shape):
         try:
             return mesh_utils.create_hybrid_device_mesh(

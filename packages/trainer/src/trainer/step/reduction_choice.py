@@ -29,6 +29,7 @@ from accum import cost as cost_lib
 from accum.hardware import HARDWARE, Hardware, HardwareError, hardware
 from trainer import model as model_lib
 from trainer.config import (
+    STAGE_AXIS,
     AccumulationConfig,
     Config,
     ConfigError,
@@ -158,7 +159,7 @@ def gradient_traits(model: Any, params: Any) -> GradientTraits:
     gate, in f32), which is what autodiff's per-microbatch reduction carries; and
     whether its use sums its copy's cotangent in a shard_map (params.SUMMED_IN_USE:
     the embedding table's lookup); and whether it is stacked per layer (its logical
-    axes lead with 'layers')."""
+    axes lead with 'layers', 'stage_layers' for the pipelined stack)."""
     backward = jax.tree.map(
         lambda cast, x: None if cast else x.dtype,
         model.param_cast_at_use,
@@ -171,7 +172,7 @@ def gradient_traits(model: Any, params: Any) -> GradientTraits:
         is_leaf=lambda x: x is None,
     )
     stacked = jax.tree.map(
-        lambda axes: axes[:1] == ("layers",),
+        lambda axes: axes[:1] in (("layers",), ("stage_layers",)),
         model.param_logical,
         is_leaf=lambda x: isinstance(x, tuple),
     )
@@ -312,6 +313,11 @@ def choose(config: Config, ctx: Any, model: Any, params: Any, devices: list | tu
         return Choice(
             ("deferred",), {}, None, "shard_mode=auto: XLA places every reduction", applies=False
         )
+    if dict(ctx.mesh.shape).get(STAGE_AXIS, 1) > 1:
+        # The pipeline loop is the accumulation loop: only a reduction after it keeps
+        # one reduction per step (config/pipeline.py refuses the others).
+        note = "pipeline stages: deferred (one reduction after the pipeline loop)"
+        return Choice(("deferred",), {}, None, note)
     parallelism, accumulation = config.parallelism, config.accumulation
     hw, note = hardware_for(parallelism, accumulation, list(devices))
     candidates = plans(parallelism, accumulation, ctx, params)

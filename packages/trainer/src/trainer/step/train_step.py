@@ -16,6 +16,7 @@ import pspec_tags as pt
 from trainer import model as model_lib
 from trainer.config import AccumulationConfig, ModelConfig, TrainingConfig
 from trainer.model import mtp as mtp_lib
+from trainer.model import pipeline
 from trainer.sharding import ShardCtx
 from trainer.step.loss import cross_entropy_sum, token_cross_entropy, weighted_sums
 from trainer.step.optimizer import learning_rate_schedule
@@ -205,6 +206,12 @@ def make_step(
     compute_dtype = jnp.dtype(model.dtype)
     schedule = accumulation.gradient_accumulation_schedule
     steps = accumulation.gradient_accumulation_steps
+    if pipeline.stages(ctx) > 1:
+        # The pipeline runs the microbatches (model/pipeline.py): accum sees the
+        # step's batch as one, and its one reduction per step follows the pipeline
+        # loop. fused has no layer scan to fuse into (the stages scan their own);
+        # config/pipeline.py refuses the overlapped schedules.
+        schedule, steps = "plain", 1
     if schedule == "fused" and (
         model_def.lora
         or not accum.fuses_in_scan(schedule, plan, steps, scans_layers=model.scan_layers)
@@ -256,7 +263,7 @@ def make_step(
             make_loss_fn(model, model_def, state["router"], mtp_scale_D, state.get("frozen")),
             params,
             batch,
-            num_microbatches=accumulation.gradient_accumulation_steps,
+            num_microbatches=steps,
             plan=plan,
             schedule=schedule,
             grad_shardings=grad_shardings,

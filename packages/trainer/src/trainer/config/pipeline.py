@@ -1,0 +1,103 @@
+"""Pipeline parallelism's keys checked against the rest of the config (before compiling).
+
+The stages are the 'stage' mesh axis (ici_pipeline_parallelism x
+dcn_pipeline_parallelism, `mesh_shape`); the MoE layers split over them
+(model/pipeline.py). What does not compose is refused here in one line naming the
+key and its value.
+"""
+
+from __future__ import annotations
+
+from trainer.config.config import Config
+from trainer.config.keys import STAGE_AXIS, ConfigError
+from trainer.config.run_keys import AccumulationConfig, ParallelismConfig
+
+# Mesh axes that shard a layer's weights or compute: the stages run their layers
+# per device in one manual shard_map (model/pipeline.py), which these would need
+# inside it.
+LAYER_AXES = ("fsdp", "dcn_fsdp", "tensor", "tensor_transpose", "context", "expert")
+# Reduction policies that reduce inside the loop by design (per microbatch, or
+# in-slice reduce-scatters per microbatch): inside the pipeline loop that would
+# be once per iteration.
+IN_LOOP_POLICIES = ("per_microbatch", "hierarchical")
+SCHEDULES = ("plain", "fused")  # fused runs as plain: the stages scan their own layers
+
+
+def pipeline_microbatches(parallelism: ParallelismConfig, accumulation: AccumulationConfig) -> int:
+    """Microbatches through the pipeline per step: num_pipeline_microbatches, or
+    (-1) the accumulation's, gradient_accumulation_steps."""
+    m = parallelism.num_pipeline_microbatches
+    return accumulation.gradient_accumulation_steps if m == -1 else m
+
+
+def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
+    """Share of stage-iterations idle: (p-1) / (m x repeats + p-1) (GPipe: repeats 1)."""
+    return (stages - 1) / (microbatches * repeats + stages - 1)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def check_pipeline(config: Config, sizes: dict[str, int]) -> None:
+    """ConfigError naming the key for a pipeline setting that cannot run (mesh `sizes`)."""
+    p, r = sizes.get(STAGE_AXIS, 1), config.num_pipeline_repeats
+    m = pipeline_microbatches(config.parallelism, config.accumulation)
+    ga = config.gradient_accumulation_steps
+    stage_keys = (
+        f"ici_pipeline_parallelism={config.ici_pipeline_parallelism} x "
+        f"dcn_pipeline_parallelism={config.dcn_pipeline_parallelism}"
+    )
+    _require(r >= 1, f"num_pipeline_repeats={r} must be >= 1 (1: GPipe)")
+    _require(
+        m >= 1, f"num_pipeline_microbatches={config.num_pipeline_microbatches} must be >= 1 or -1"
+    )
+    if p == 1:
+        return
+    layers = config.num_moe_layers
+    _require(
+        layers > 0 and layers % (p * r) == 0,
+        f"{stage_keys} = {p} stages x num_pipeline_repeats={r}: the {layers} MoE layers "
+        f"(base_num_decoder_layers={config.base_num_decoder_layers} - first_num_dense_layers="
+        f"{config.first_num_dense_layers}) must split into {p * r} equal chunks",
+    )
+    _require(
+        m >= p,
+        f"num_pipeline_microbatches={m} is fewer than the {p} stages ({stage_keys}): "
+        "some stage would never work",
+    )
+    _require(
+        ga == 1 or m == ga,
+        f"num_pipeline_microbatches={m} must equal gradient_accumulation_steps={ga}: "
+        "the pipeline's microbatches are the accumulation's (or leave it -1)",
+    )
+    for axis in LAYER_AXES:
+        key = f"{'dcn_fsdp' if axis == 'dcn_fsdp' else 'ici_' + axis}_parallelism"
+        _require(
+            sizes.get(axis, 1) == 1,
+            f"{key}={sizes.get(axis, 1)} with {p} pipeline stages is not supported: the "
+            "stages run their layers per device (data, dcn_data and ZeRO-1 compose)",
+        )
+    schedule = config.gradient_accumulation_schedule
+    _require(
+        schedule in SCHEDULES,
+        f"gradient_accumulation_schedule={schedule} with {p} pipeline stages: the pipeline "
+        "loop is the accumulation loop; use plain or fused (which runs as plain)",
+    )
+    policy = config.gradient_reduction_policy
+    _require(
+        policy not in IN_LOOP_POLICIES,
+        f"gradient_reduction_policy={policy} with {p} pipeline stages would reduce inside "
+        "the pipeline loop; use deferred or auto",
+    )
+    for key in ("load_balance_loss_weight", "moe_z_loss_coeff"):
+        _require(
+            not getattr(config, key),
+            f"{key}={getattr(config, key)} with {p} pipeline stages is not supported: "
+            "its per-microbatch terms do not leave the pipeline",
+        )
+    _require(
+        not config.lora_rank,
+        f"lora_rank={config.lora_rank} with {p} pipeline stages is not supported",
+    )

@@ -1,0 +1,299 @@
+"""Pipeline parallelism: the MoE layers split into stages on the 'stage' mesh axis.
+
+The stacked MoE layers (leading layer dim, `model/decoder.py`) are sharded over
+'stage' on that dim: stage s holds layers [s x L/p, (s+1) x L/p). The step's
+microbatches (the gradient accumulation's, `accum.split_microbatches`' rows) go
+through a GPipe schedule of m + p - 1 iterations: in each, every stage runs its
+layers on the microbatch it holds and passes the result to the next stage by one
+collective-permute over 'stage' (stage p-1's result wraps round to stage 0, which
+keeps it as that microbatch's output). Autodiff of the whole loop is the
+backward schedule: all forwards, then all backwards, the layers' parameter
+cotangents summed over microbatches inside the backward loop.
+
+Circular stages (`repeats` r > 1, MaxText's num_pipeline_repeats): the stack is
+p x r chunks and stage s runs chunks s, s + p, ... as its repeats, m x r + p - 1
+iterations; a microbatch's pass through the stages ends on stage 0, which keeps it
+until its next repeat starts (m >= p: it is back in time). The stored layout stays
+GPipe's (checkpoints do not depend on p or r): each stage's chunks are brought to it
+by permutes once per step, before the loop (`circular_tables`).
+
+The loop runs inside one `jax.shard_map` over every mesh axis (per device, the
+model's 'manual' ShardCtx, as the floor step: `run/floor.py`). JAX 0.10's
+`vmap` cannot map over a value tagged `reduced` and a partly manual shard_map
+cannot take one, so the stages are not a vmap over the stage dim; inside a
+fully manual map each device holds its own stage's layers and its own data rows.
+
+Tags at the stage boundary: each stacked parameter enters with its own spec
+(`pspec_tags.spec_of`: 'stage' on the layer dim, `reduced={'data'}` where the
+plan defers its reduction), so its cotangent leaves the map `unreduced` over
+'data': the backward loop sums each device's partial gradients with no
+collective, and accum's one reduction per step happens after it. The
+activations crossing stages carry no tag (they are sharded over 'data', never
+reduced over it). Everything outside the MoE layers (embedding, dense layers,
+output layer, MTP) runs before or after the pipeline on every stage alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import accum
+import pspec_tags as pt
+from trainer.config import STAGE_AXIS
+from trainer.model.params import logical_axes_of
+from trainer.sharding import ShardCtx
+
+# MoE statistics the pipeline returns: per layer and token shard, summed over the
+# microbatches as accum sums them. The others (the per-microbatch balance loss
+# behind load_balance_loss_weight, the per-token router z) are refused with stages
+# (config/pipeline.py).
+SUMMED_STATS = ("tokens_per_expert_by_shard", "dropped_by_shard")
+# Averaged over the microbatches: accum sums it with its term count, which one call
+# of the pipelined loss counts once (train_step.make_loss_fn's metric).
+MEAN_STATS = ("balance_loss_by_shard",)
+
+
+def stages(ctx: ShardCtx) -> int:
+    """The pipeline's stage count: the 'stage' mesh axis' size (1: no pipeline)."""
+    return dict(ctx.mesh.shape).get(STAGE_AXIS, 1)
+
+
+def _spec(value: jax.Array, logical: tuple, ctx: ShardCtx) -> P:
+    """`value`'s own spec, tags included (explicit mode), or its logical one (auto)."""
+    spec = pt.spec_of(value)
+    if spec is not None:
+        # TAG: the value's spec as it is, `reduced` included: shard_map refuses any
+        # other, and without it the cotangent would be psummed over 'data' per use.
+        return spec
+    return ctx.spec(logical, value.shape)
+
+
+def _stacked_spec(variable: nnx.Variable, ctx: ShardCtx) -> P:
+    """A stacked layer variable's spec: its own (explicit mode, tags included), or in
+    auto mode its logical axes' ('stage_layers' first, as model.define lays it out)."""
+    return _spec(variable[...], ("stage_layers", *logical_axes_of(variable)), ctx)
+
+
+def _varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """`x` (inside the shard_map) typed varying over each of `axes` it is not yet."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # JAX 0.10+; earlier: `vma`
+    have = getattr(manual, "varying", None) if manual is not None else getattr(aval, "vma", None)
+    extra = tuple(a for a in axes if a not in (have or ()))
+    return pt.to_varying(x, extra) if extra else x
+
+
+def _merge_microbatches(x: jax.Array, spec: P | None) -> jax.Array:
+    """(m, B/m, ...) -> (B, ...): the inverse of accum.split_microbatches' strided
+    split, which moves no data (each device's rows stay its own)."""
+    m, rows = x.shape[:2]
+    y = jnp.swapaxes(x, 0, 1)  # a local transpose: the batch axes follow their dimension
+    if spec is None:
+        return y.reshape(m * rows, *x.shape[2:])
+    return jnp.reshape(y, (m * rows, *x.shape[2:]), out_sharding=spec)
+
+
+def circular_tables(p: int, r: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where the circular layout's chunks come from, per permute round d (stage b sends
+    to stage b + d mod p): `send[d, b]` the local chunks b sends, `recv[d, s]` the
+    repeats they become on s (`r` pads: a slot thrown away). Chunk c of the layer
+    stack (layers c x lps ...) is stored on stage c // r (the contiguous sharding)
+    and run by stage c mod p as its repeat c // p."""
+    width = -(-r // p)  # the most chunks one stage sends another
+    send = np.zeros((p, p, width), np.int32)
+    recv = np.full((p, p, width), r, np.int32)
+    for d in range(p):
+        for b in range(p):
+            s = (b + d) % p
+            repeats = [k for k in range(r) if (k * p + s) // r == b]
+            for n, k in enumerate(repeats):
+                send[d, b, n], recv[d, s, n] = (k * p + s) % r, k
+    return send, recv
+
+
+def _circular_chunks(local_state: Any, stage, p: int, r: int, ctx: ShardCtx) -> Any:
+    """This stage's layers as (repeats, layers per chunk, ...), repeat k being the
+    stack's chunk k x p + stage: GPipe's own block (r = 1), or gathered from the
+    stages that store them by p - 1 rounds of permutes (once per step, outside the
+    pipeline loop; the backward sends the gradients home the same way)."""
+    if r == 1:
+        return jax.tree.map(lambda w: w[None], local_state)
+    send, recv = (jnp.asarray(a) for a in circular_tables(p, r))
+
+    def relayout(w):
+        stored = w.reshape(r, w.shape[0] // r, *w.shape[1:])
+        out = jnp.zeros((r + 1, *stored.shape[1:]), w.dtype)
+        out = _varying(out, (STAGE_AXIS, *ctx.token_axes))
+        for d in range(p):
+            piece = stored[send[d, stage]]
+            if d:
+                piece = lax.ppermute(piece, STAGE_AXIS, [(b, (b + d) % p) for b in range(p)])
+            out = out.at[recv[d, stage]].set(piece)
+        return out[:r]
+
+    return jax.tree.map(relayout, local_state)
+
+
+def _stored_order(stats: dict, stage, p: int, r: int) -> dict:
+    """Per-layer stats (repeats, layers per chunk, ...) of this stage's chunks, as the
+    layers this stage stores (its contiguous block of the stack)."""
+    if r == 1:
+        return {k: v.reshape(-1, *v.shape[2:]) for k, v in stats.items()}
+
+    def block(v):
+        every = lax.all_gather(v, STAGE_AXIS)  # (stages, repeats, lps, ...): small counts
+        by_chunk = jnp.swapaxes(every, 0, 1).reshape(r * p, *v.shape[1:])
+        mine = lax.dynamic_slice_in_dim(by_chunk, stage * r, r, 0)
+        return mine.reshape(-1, *v.shape[2:])
+
+    return {k: block(v) for k, v in stats.items()}
+
+
+def run_pipeline(
+    graphdef: Any,
+    state: Any,
+    x_BxSxD,
+    positions_BxS,
+    segments_BxS,
+    *,
+    ctx: ShardCtx,
+    microbatches: int,
+    repeats: int = 1,
+    remat,
+) -> tuple[jax.Array, dict]:
+    """The stacked layers `state` (layer dim sharded over 'stage') run as a GPipe
+    pipeline over `microbatches` microbatches of the batch.
+
+    `graphdef`: one layer's module built with the 'manual' ShardCtx (it runs per
+    device); `remat`: the configured rematerialization applied to one layer.
+    Returns (x_BxSxD, MoE stats stacked over the layers) like the unpipelined scan.
+    """
+    m, p, r = microbatches, stages(ctx), repeats
+    inputs = accum.split_microbatches(
+        {"x": x_BxSxD, "positions": positions_BxS, "segments": segments_BxS}, m
+    )
+    x_spec = _spec(inputs["x"], (None, "activation_batch", "activation_length", None), ctx)
+    row_spec = _spec(inputs["positions"], (None, "activation_batch", "activation_length"), ctx)
+    in_row_specs = {"x": x_spec, "positions": row_spec, "segments": row_spec}
+    state_specs = jax.tree.map(
+        lambda v: _stacked_spec(v, ctx), state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    # Per-layer stats, (layers, token shards, ...): the layer dim over 'stage', the
+    # shard dim over the token axes (each device's own rows).
+    token_axes = pt.entry_from_axes(ctx.token_axes)
+
+    def layer(x, layer_state, positions, segments):
+        return nnx.merge(graphdef, layer_state)(x, positions, segments)
+
+    layer = remat(layer)
+
+    def stage_layers(local_state, x, positions, segments):
+        def body(x, layer_state):
+            y, stats = layer(x, layer_state, positions, segments)
+            return y, {k: stats[k] for k in (*SUMMED_STATS, *MEAN_STATS) if k in stats}
+
+        # The stage's own layers make x its own: varying over 'stage' from the start.
+        return lax.scan(body, _varying(x, (STAGE_AXIS,)), local_state)
+
+    def per_device(local_state, rows):
+        # TAG: the layers' parameters cast to vary over the token axes once, before
+        # the loop, as the floor step does: each device's gradient then stays its
+        # own through the backward loop, and this cast's transpose, after it, leaves
+        # it `unreduced` over 'data' (the in_spec's `reduced`), not psummed.
+        local_state = jax.tree.map(lambda w: _varying(w, ctx.token_axes), local_state)
+        # The microbatches too, over 'stage': stage 0 takes them in, and the cast's
+        # transpose sums their cotangents over the stages once, after the backward
+        # loop, not once per iteration.
+        rows = jax.tree.map(lambda r: _varying(r, (STAGE_AXIS,)), rows)
+        stage = lax.axis_index(STAGE_AXIS)
+        forward = [(i, (i + 1) % p) for i in range(p)]
+        # (repeats, layers per chunk, ...): this stage's chunks in the order it runs them.
+        chunks = _circular_chunks(local_state, stage, p, r, ctx)
+        first = jax.tree.map(lambda r_: r_[0], rows)
+        _, stats_shape = jax.eval_shape(
+            stage_layers,
+            jax.tree.map(lambda w: w[0], chunks),
+            first["x"],
+            first["positions"],
+            first["segments"],
+        )
+
+        def iteration(carry, t):
+            held, outputs, stats_sum = carry
+            # The one collective of an iteration: each stage's result moves to the
+            # next stage; stage 0 receives stage p-1's, a microbatch through one
+            # pass of the stages, and keeps it (`outputs`) until its next repeat.
+            arrived = jax.tree.map(lambda v: lax.ppermute(v, STAGE_AXIS, forward), held)
+            done = t - p  # the pass stage p-1 finished last iteration
+            keep = jnp.logical_and(stage == 0, done >= 0)
+            slot = jnp.clip(done, 0, m * r - 1) % m
+            outputs = lax.dynamic_update_index_in_dim(
+                outputs,
+                jnp.where(keep, arrived["x"], lax.dynamic_index_in_dim(outputs, slot, 0, False)),
+                slot,
+                0,
+            )
+            # Stage 0 starts pass t: microbatch t mod m, fresh in the first repeat,
+            # from its kept output after that (kept since m >= p iterations ago).
+            take = lambda v: lax.dynamic_index_in_dim(v, t % m, 0, False)  # noqa: E731
+            new = {k: take(v) for k, v in rows.items()}
+            new["x"] = jnp.where(t < m, new["x"], take(outputs))
+            current = jax.tree.map(lambda n, a: jnp.where(stage == 0, n, a), new, arrived)
+            # This stage holds pass t - stage: repeat (t - stage) // m, or the bubble.
+            repeat = jnp.clip((t - stage) // m, 0, r - 1)
+            chunk = jax.tree.map(lambda w: lax.dynamic_index_in_dim(w, repeat, 0, False), chunks)
+            y, stats = stage_layers(chunk, current["x"], current["positions"], current["segments"])
+            real = jnp.logical_and(t - stage >= 0, t - stage < m * r)
+            stats_sum = jax.tree.map(
+                lambda acc, v: lax.dynamic_update_index_in_dim(
+                    acc,
+                    lax.dynamic_index_in_dim(acc, repeat, 0, False) + jnp.where(real, v, 0),
+                    repeat,
+                    0,
+                ),
+                stats_sum,
+                stats,
+            )
+            return ({**current, "x": y}, outputs, stats_sum), None
+
+        held = jax.tree.map(lambda r_: jnp.zeros_like(r_[0]), rows)
+        zeros = jax.tree.map(lambda s: jnp.zeros((r, *s.shape), s.dtype), stats_shape)
+        carry = (held, jnp.zeros_like(rows["x"]), zeros)
+        # Varying over 'stage' and the token axes from the start: each device's
+        # carry is its own (its stage's layers, its own rows).
+        carry = jax.tree.map(lambda v: _varying(v, (STAGE_AXIS, *ctx.token_axes)), carry)
+        iterations = jnp.arange(m * r + p - 1)
+        (held, outputs, stats_sum), _ = lax.scan(iteration, carry, iterations)
+        # The last microbatch, still on stage p-1: one more permute brings it home.
+        arrived = lax.ppermute(held["x"], STAGE_AXIS, forward)
+        outputs = lax.dynamic_update_index_in_dim(
+            outputs, jnp.where(stage == 0, arrived, outputs[m - 1]), m - 1, 0
+        )
+        # Stage 0 holds every output: handed to all stages (the head runs on each),
+        # one activation-sized reduction over 'stage' per step.
+        outputs = lax.psum(jnp.where(stage == 0, outputs, jnp.zeros_like(outputs)), STAGE_AXIS)
+        stats_sum = {k: v / m if k in MEAN_STATS else v for k, v in stats_sum.items()}
+        return outputs, _stored_order(stats_sum, stage, p, r)
+
+    def stats_spec(leaf_ndim: int) -> P:
+        return P(STAGE_AXIS, token_axes, *(None,) * (leaf_ndim - 2))
+
+    out_stats_specs = {
+        k: stats_spec(3 if k == "tokens_per_expert_by_shard" else 2)
+        for k in (*SUMMED_STATS, *MEAN_STATS)
+    }
+    mapped = jax.shard_map(
+        per_device,
+        mesh=ctx.mesh,
+        in_specs=(state_specs, in_row_specs),
+        out_specs=(x_spec, out_stats_specs),
+    )
+    outputs, stats = mapped(state, inputs)
+    return _merge_microbatches(outputs, pt.spec_of(x_BxSxD)), stats

@@ -1,0 +1,212 @@
+"""Pipeline parallelism (model/pipeline.py): the keys' refusals, the stage axis, and the
+unpipelined run's numbers with one gradient reduction per step after the pipeline loop."""
+
+import numpy as np
+import pytest
+
+import hlo_tools as ht
+from trainer.config import ConfigError, make_config, mesh_shape
+from trainer.config.pipeline import bubble_fraction
+from trainer.config.validate import validate
+from trainer.model.pipeline import circular_tables
+
+# 1 dense + 4 MoE layers (4 splits over 2 and 4 stages), one MTP depth, 4 microbatches.
+MODEL = {
+    "base_num_decoder_layers": "5",
+    "mtp_num_layers": "1",
+    "gradient_accumulation_steps": "4",
+}
+STAGES = {
+    "stage=2 x data=4": ("2", "4", "explicit"),
+    "stage=4 x data=2": ("4", "2", "explicit"),
+    "stage=2 x data=4, auto": ("2", "4", "auto"),
+    "stage=2 x data=4, circular (2 repeats)": ("2", "4", "explicit", "2"),
+    "stage=2 x data=4, ZeRO-1": ("2", "4", "explicit", "1", "true"),
+}
+
+BAD = [
+    (
+        {"ici_pipeline_parallelism": "2", "ici_data_parallelism": "4"},
+        # tagtrain-tiny: 3 layers, 1 dense: 2 MoE layers split over 2 stages, but GA=1
+        # leaves one microbatch for two stages.
+        r"^num_pipeline_microbatches=1 is fewer than the 2 stages",
+    ),
+    (
+        {**MODEL, "base_num_decoder_layers": "4", "ici_pipeline_parallelism": "2"},
+        r"^ici_pipeline_parallelism=2 x dcn_pipeline_parallelism=1 = 2 stages x "
+        r"num_pipeline_repeats=1: the 3 MoE layers .* must split into 2 equal chunks$",
+    ),
+    (
+        {**MODEL, "ici_pipeline_parallelism": "2", "num_pipeline_repeats": "4"},
+        r"^ici_pipeline_parallelism=2 x dcn_pipeline_parallelism=1 = 2 stages x "
+        r"num_pipeline_repeats=4: the 4 MoE layers .* must split into 8 equal chunks$",
+    ),
+    (
+        {**MODEL, "ici_pipeline_parallelism": "2", "num_pipeline_microbatches": "8"},
+        r"^num_pipeline_microbatches=8 must equal gradient_accumulation_steps=4",
+    ),
+    (
+        {**MODEL, "ici_pipeline_parallelism": "2", "ici_tensor_parallelism": "2"},
+        r"^ici_tensor_parallelism=2 with 2 pipeline stages is not supported",
+    ),
+    (
+        {**MODEL, "ici_pipeline_parallelism": "2", "gradient_accumulation_schedule": "overlapped"},
+        r"^gradient_accumulation_schedule=overlapped with 2 pipeline stages",
+    ),
+    (
+        {**MODEL, "ici_pipeline_parallelism": "2", "gradient_reduction_policy": "per_microbatch"},
+        r"^gradient_reduction_policy=per_microbatch with 2 pipeline stages would reduce inside",
+    ),
+    (
+        {**MODEL, "ici_pipeline_parallelism": "2", "load_balance_loss_weight": "0.01"},
+        r"^load_balance_loss_weight=0.01 with 2 pipeline stages is not supported",
+    ),
+    ({"num_pipeline_repeats": "0"}, r"^num_pipeline_repeats=0 must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD, ids=[",".join(o) for o, _ in BAD])
+def test_bad_pipeline_config_names_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(make_config(overrides), 8)
+
+
+def test_stage_axis_outermost_and_across_slices():
+    config = make_config({**MODEL, "ici_pipeline_parallelism": "2"})
+    sizes = mesh_shape(config, 8)
+    assert list(sizes)[0] == "stage"
+    assert (sizes["stage"], sizes["data"]) == (2, 4)
+    # dcn_pipeline_parallelism: the stages' cross-slice part, times the in-slice one.
+    config = make_config(
+        {**MODEL, "dcn_pipeline_parallelism": "2", "dcn_data_parallelism": "1", "num_slices": "2"}
+    )
+    sizes = mesh_shape(config, 8, num_slices=2)
+    assert (sizes["stage"], sizes["dcn_data"], sizes["data"]) == (2, 1, 4)
+
+
+@pytest.mark.parametrize(("stages", "repeats"), [(2, 2), (4, 2), (2, 3), (4, 8), (3, 1)])
+def test_circular_relayout_delivers_every_chunk_once(stages, repeats):
+    # Chunk c is stored on stage c // repeats and run by stage c % stages as its
+    # repeat c // stages: the permute rounds must deliver each exactly there, once.
+    send, recv = circular_tables(stages, repeats)
+    got = {}
+    for d in range(stages):
+        for b in range(stages):
+            s = (b + d) % stages
+            for local, k in zip(send[d, b], recv[d, s], strict=True):
+                if k == repeats:  # padding
+                    continue
+                assert (s, int(k)) not in got
+                got[(s, int(k))] = b * repeats + int(local)
+    want = {(c % stages, c // stages): c for c in range(stages * repeats)}
+    assert got == want
+
+
+def test_bubble_fraction():
+    assert bubble_fraction(4, 4) == pytest.approx(3 / 7)
+    assert bubble_fraction(2, 8) == pytest.approx(1 / 9)
+    assert bubble_fraction(4, 4, repeats=2) == pytest.approx(3 / 11)
+    assert bubble_fraction(1, 4) == 0.0
+
+
+@pytest.mark.slow  # a compile of the tiny model each (about a minute on 2 cores)
+@pytest.mark.parametrize("layout", list(STAGES))
+def test_same_numbers_and_one_reduction_after_the_loop(runner, grads_runner, layout):
+    stages, data, mode, *extra = STAGES[layout]
+    repeats, zero1 = (extra + ["1", "false"][len(extra) :])[:2]
+    want_history, _ = runner(1, **MODEL, ici_data_parallelism="8")
+    keys = {**MODEL, "ici_pipeline_parallelism": stages, "ici_data_parallelism": data}
+    keys |= {"shard_mode": mode, "num_pipeline_repeats": repeats}
+    keys["shard_optimizer_over_data"] = zero1
+    got_history, text = runner(1, **keys)
+    for name in ("loss", "ce_loss", "mtp_loss_1", "grad_norm"):
+        np.testing.assert_allclose(got_history[0][name], want_history[0][name], rtol=1e-5)
+    want, got = grads_runner(1, **MODEL, ici_data_parallelism="8"), grads_runner(1, **keys)
+    assert "moe_layers/ffn/wi_0" in got and "mtp/eh_proj_2xDxD" in got
+    for leaf, value in want.items():
+        scale = float(np.abs(value).max())
+        np.testing.assert_allclose(got[leaf], value, rtol=1e-5, atol=1e-6 * scale, err_msg=leaf)
+    module = ht.parse(text)
+    sizes = mesh_shape(make_config({"model_name": "tagtrain-tiny", **keys}), 8)
+    judged = ht.verdict(module, mesh_shape=sizes, over=("data",))
+    assert judged["status"] == "OK" and judged["in_loop"] == 0, judged["message"]
+    assert judged["outside"] >= 1  # the gradients' one reduction, after the loop
+    # The pipeline loop: m + p - 1 iterations, its only collectives the permutes that
+    # move the microbatches between stages (forward and backward); no reduction at all.
+    trips = 4 * int(repeats) + int(stages) - 1
+    in_loop = [c for c in ht.collectives(module) if c.multiplier > 1]
+    assert {c.kind for c in in_loop} == {"collective-permute"}
+    assert {c.multiplier for c in in_loop} == {trips}
+
+
+def test_plan_reduction_shows_the_stage_axis(capsys):
+    from trainer.run import plan_reduction
+
+    args = [
+        "compile_topology=v5e-8",
+        "ici_pipeline_parallelism=2",
+        *(f"{k}={v}" for k, v in MODEL.items()),
+    ]
+    assert plan_reduction.main(args) == 0
+    out = capsys.readouterr().out
+    assert "mesh stage=2, data=4" in out
+    # The bubble of 2 stages and 4 microbatches, and auto's one policy with stages.
+    assert "5 iterations: bubble (p-1)/(m x repeats+p-1) = 1/5 = 20.0%" in out
+    assert "gradient_reduction_policy=auto -> deferred (pipeline stages" in out
+
+
+@pytest.mark.slow  # four runs set up (initialised and placed) on 8 devices
+def test_a_checkpoint_resumes_across_a_change_of_stage_count(tmp_path):
+    # The stacked layers are stored as one array per parameter whatever the stages
+    # (GPipe's and the circular layout's alike): a checkpoint of stage=2 restores
+    # onto stage=4 and onto no stages, in those runs' shardings. No compile needed.
+    import jax
+
+    from trainer.run import run as run_lib
+
+    base = {
+        **MODEL,
+        "base_output_directory": str(tmp_path),
+        "run_name": "stages",
+        "async_checkpointing": "false",
+    }
+    first = run_lib.setup(make_config({**base, "ici_pipeline_parallelism": "2"}))
+    # Not the seed's initial values (every run draws those): a state only the save has.
+    saved = jax.tree.map(lambda x: x * 2 + 1, first.state["params"])
+    first.checkpoints.save(1, {**first.state, "params": saved})
+    first.checkpoints.wait()
+    for stages, repeats in (("4", "1"), ("1", "1"), ("2", "2")):
+        overrides = {"ici_pipeline_parallelism": stages, "num_pipeline_repeats": repeats}
+        resumed = run_lib.setup(make_config({**base, **overrides}))
+        assert resumed.start_step == 1
+        moe = resumed.state["params"]["moe_layers"]["ffn"]["wi_0"]
+        assert moe.sharding.spec[0] == ("stage" if stages != "1" else None)
+        for got, want in zip(
+            jax.tree.leaves(resumed.state["params"]), jax.tree.leaves(saved), strict=True
+        ):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.aot  # XLA:TPU (libtpu, the `tpu` extra), compiled on this host, not run
+def test_v5e8_pipeline_compiles_with_no_reduction_in_its_loop(tmp_path):
+    from trainer.run import aot
+
+    config = make_config(
+        {
+            **MODEL,
+            "compile_topology": "v5e-8",
+            "ici_pipeline_parallelism": "2",
+            "per_device_batch_size": "1",
+            "base_output_directory": str(tmp_path),
+        }
+    )
+    result = aot.compile_for_topology(config)
+    text = result.compiled.as_text()
+    # Not even a scalar reduced inside a loop: the gradients, loss sums and token
+    # counts all after the pipeline loop.
+    assert ht.assert_reduced_once_per_step(text, max_in_loop_elements=0)
+    in_loop = [c for c in ht.collectives(ht.parse(text)) if c.multiplier > 1]
+    assert {c.kind for c in in_loop} == {"collective-permute"}
+    assert {c.multiplier for c in in_loop} == {4 + 2 - 1}  # m + p - 1 GPipe iterations
+    assert result.memory["total"] < result.hbm_bytes
+    assert any(line.startswith("pipeline: 2 stages") for line in aot.report_lines(result))
