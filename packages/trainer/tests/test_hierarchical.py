@@ -162,13 +162,17 @@ def test_devices_that_report_slices_get_one_slice_per_dcn_block(monkeypatch):
     keep the order given. The TPU layout inside a slice: test_aot.py."""
     import types
 
+    from trainer.config import MESH_AXES
     from trainer.sharding import slices
 
     fake = [types.SimpleNamespace(id=i, slice_index=i % 2, device_kind="cpu", platform="cpu")
             for i in range(8)]  # fmt: skip
     array = slices.device_array({"dcn_data": 2, "data": 4}, fake)
-    assert array.shape == (2, 1, 4, 1, 1, 1, 1, 1)
-    assert [[d.id for d in array[i].flat] for i in range(2)] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    # One dimension per mesh axis, in MESH_AXES order (the stage axis leads).
+    sizes = {"dcn_data": 2, "data": 4}
+    assert array.shape == tuple(sizes.get(axis, 1) for axis in MESH_AXES)
+    by_slice = np.moveaxis(array, MESH_AXES.index("dcn_data"), 0)
+    assert [[d.id for d in by_slice[i].flat] for i in range(2)] == [[0, 2, 4, 6], [1, 3, 5, 7]]
     cpu = slices.device_array({"dcn_data": 2, "data": 4}, jax.devices())
     assert [d.id for d in cpu.flat] == [d.id for d in jax.devices()]
 
