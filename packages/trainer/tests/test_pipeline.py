@@ -135,6 +135,28 @@ def test_same_numbers_and_one_reduction_after_the_loop(runner, grads_runner, gra
     in_loop = [c for c in ht.collectives(module) if c.multiplier > 1]
     assert {c.kind for c in in_loop} == {"collective-permute"}
     assert {c.multiplier for c in in_loop} == {trips}
+    # The cost model's stage permutes are the compiled program's, byte for byte
+    # (float32 here: XLA:CPU sends bf16 permutes as f32; the aot test checks bf16).
+    runner_keys = {"model_name": "tagtrain-tiny", "dtype": "float32", "per_device_batch_size": "1"}
+    assert_predicted_permutes(module, {**runner_keys, **keys})
+
+
+def assert_predicted_permutes(module, overrides: dict) -> None:
+    """step/pipeline_cost's permute bytes (auto's startup figures) equal hlo_tools'
+    count of the compiled step's collective-permutes, inside the loop and outside."""
+    from trainer.run import spec
+
+    planned = spec.resolve_abstract(make_config(overrides), 8)
+    pipe = planned.choice.pipeline
+    traffic = ht.traffic(module)
+    counted = {
+        where: traffic[where].get("collective-permute", {}).get("bytes_per_step", 0)
+        for where in ("in_loop", "outside")
+    }
+    assert counted == {
+        "in_loop": pipe.permute_bytes_in_loop,
+        "outside": pipe.permute_bytes_outside,
+    }
 
 
 def test_plan_reduction_shows_the_stage_axis(capsys):
@@ -150,7 +172,13 @@ def test_plan_reduction_shows_the_stage_axis(capsys):
     assert "mesh stage=2, data=4" in out
     # The bubble of 2 stages and 4 microbatches, and auto's one policy with stages.
     assert "5 iterations: bubble (p-1)/(m x repeats+p-1) = 1/5 = 20.0%" in out
-    assert "gradient_reduction_policy=auto -> deferred (pipeline stages" in out
+    assert "gradient_reduction_policy=auto -> deferred (v5e figures" in out
+    assert "pipeline stages: deferred (one reduction after the pipeline loop)" in out
+    # Priced with the stage axis: deferred's row, then what the stages add.
+    assert any(
+        line.split()[:1] == ["deferred"] and "<- chosen" in line for line in out.splitlines()
+    )
+    assert "pipeline (predicted): compute" in out and "MiB in the loop" in out
 
 
 @pytest.mark.slow  # four runs set up (initialised and placed) on 8 devices
@@ -189,16 +217,14 @@ def test_a_checkpoint_resumes_across_a_change_of_stage_count(tmp_path):
 def test_v5e8_pipeline_compiles_with_no_reduction_in_its_loop(tmp_path):
     from trainer.run import aot
 
-    config = make_config(
-        {
-            **MODEL,
-            "compile_topology": "v5e-8",
-            "ici_pipeline_parallelism": "2",
-            "per_device_batch_size": "1",
-            "base_output_directory": str(tmp_path),
-        }
-    )
-    result = aot.compile_for_topology(config)
+    keys = {
+        **MODEL,
+        "compile_topology": "v5e-8",
+        "ici_pipeline_parallelism": "2",
+        "per_device_batch_size": "1",
+        "base_output_directory": str(tmp_path),
+    }
+    result = aot.compile_for_topology(make_config(keys))
     text = result.compiled.as_text()
     # Not even a scalar reduced inside a loop: the gradients, loss sums and token
     # counts all after the pipeline loop.
@@ -208,3 +234,5 @@ def test_v5e8_pipeline_compiles_with_no_reduction_in_its_loop(tmp_path):
     assert {c.multiplier for c in in_loop} == {4 + 2 - 1}  # m + p - 1 GPipe iterations
     assert result.memory["total"] < result.hbm_bytes
     assert any(line.startswith("pipeline: 2 stages") for line in aot.report_lines(result))
+    # bf16 activations on the wire, as the cost model prices them.
+    assert_predicted_permutes(ht.parse(text), keys)

@@ -70,13 +70,20 @@ def _attention_params(model: ModelConfig) -> int:
     )
 
 
+def _moe_ffn_params(model: ModelConfig) -> int:
+    """One MoE feed-forward's weights a token multiplies through: router, top-k
+    routed experts, shared experts."""
+    d = model.emb_dim
+    return d * model.num_experts + 3 * d * model.base_moe_mlp_dim * (
+        model.num_experts_per_tok + model.shared_experts
+    )
+
+
 def active_matmul_params(model: ModelConfig) -> int:
     """Weights one token multiplies through (routed experts: only its top-k)."""
     d = model.emb_dim
     dense_ffn = 3 * d * model.base_mlp_dim
-    moe_ffn = d * model.num_experts + 3 * d * model.base_moe_mlp_dim * (
-        model.num_experts_per_tok + model.shared_experts
-    )
+    moe_ffn = _moe_ffn_params(model)
     layers = model.base_num_decoder_layers * _attention_params(model)
     layers += model.first_num_dense_layers * dense_ffn + model.num_moe_layers * moe_ffn
     # Each MTP depth: eh_proj, a block like the later layers, the shared head.
@@ -128,14 +135,27 @@ def lora_matmul_flops_per_token(model: ModelConfig) -> float:
     return 4.0 * active_matmul_params(model) + 2.0 * merged + 6.0 * adapters
 
 
+def _attention_products(model: ModelConfig, data: DataConfig, layers: int) -> int:
+    """Multiply-adds of `layers` layers' score and value products per token."""
+    products = layers * data.max_target_length * model.base_num_query_heads
+    return products * (model.qk_head_dim + model.v_head_dim)
+
+
 def training_flops_per_token(model: ModelConfig, data: DataConfig) -> float:
     """The formula in the module docstring."""
-    layers = model.base_num_decoder_layers + model.mtp_num_layers
-    attention = layers * data.max_target_length * model.base_num_query_heads
-    attention *= model.qk_head_dim + model.v_head_dim
+    attention = _attention_products(
+        model, data, model.base_num_decoder_layers + model.mtp_num_layers
+    )
     if model.lora_rank:
         return lora_matmul_flops_per_token(model) + 6.0 * attention
     return 6.0 * active_matmul_params(model) + 6.0 * attention
+
+
+def pipelined_flops_per_token(model: ModelConfig, data: DataConfig) -> float:
+    """The part of `training_flops_per_token` the pipeline's stages split: the MoE
+    layers' (attention and MoE feed-forward; no LoRA, which stages refuse)."""
+    params = model.num_moe_layers * (_attention_params(model) + _moe_ffn_params(model))
+    return 6.0 * params + 6.0 * _attention_products(model, data, model.num_moe_layers)
 
 
 def peak_tflops(output: OutputConfig, device_kind: str) -> float | None:

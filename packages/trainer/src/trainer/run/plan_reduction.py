@@ -70,7 +70,7 @@ def compiled_lines(config: Config, choice: Any, ctx: Any) -> list[str]:
         mesh = dict(result.run.ctx.mesh.shape)
         axes = result.run.plan.batch_axes
         inside, outside = reduction_bytes.counted(result.compiled.as_text(), mesh, axes)
-        # None with pipeline stages: auto takes deferred without the cost model.
+        # None where the cost model made no figure for this policy.
         predicted = choice.costs.get(policy)
         fits = "fits" if result.memory["total"] <= result.hbm_bytes else "DOES NOT FIT"
         lines.append(

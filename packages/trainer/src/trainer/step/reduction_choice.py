@@ -39,6 +39,7 @@ from trainer.config import (
 )
 from trainer.model import flops
 from trainer.sharding import reduction_plan
+from trainer.step import pipeline_cost
 
 GIB = 1024**3
 # Device kinds (jax `device_kind` prefixes) -> hardware table entries.
@@ -69,6 +70,8 @@ class Choice:
     # False in shard_mode=auto: XLA places every reduction, no policy applies (the
     # config still carries deferred, the value every consumer of a plan expects).
     applies: bool = True
+    # With pipeline stages: what they add (step/pipeline_cost.py), already in `costs`.
+    pipeline: pipeline_cost.PipelineCost | None = None
 
     @property
     def policy(self) -> str:
@@ -260,15 +263,20 @@ def predict_all(
     params: Any,
     hw: Hardware,
     grad_dtypes: Any = None,
+    step_flops: float | None = None,
 ) -> dict[str, cost_lib.Cost]:
-    """accum.cost.predict for each candidate plan (`grad_dtypes`: `gradient_traits`)."""
+    """accum.cost.predict for each candidate plan (`grad_dtypes`: `gradient_traits`;
+    `step_flops`: the step's FLOPs per chip where not `step_flops_per_chip`'s, as with
+    pipeline stages)."""
+    if step_flops is None:
+        step_flops = step_flops_per_chip(model, accumulation, data)
     return {
         policy: cost_lib.predict(
             plan,
             params,
             num_microbatches=accumulation.gradient_accumulation_steps,
             hardware=hw,
-            step_flops_per_chip=step_flops_per_chip(model, accumulation, data),
+            step_flops_per_chip=step_flops,
             compute_dtype=model.dtype,
             accum_dtype=accumulation.accum_dtype,
             # Only rings run async under the last backward (aot_async.md).
@@ -309,19 +317,21 @@ def choose(config: Config, ctx: Any, model: Any, params: Any, devices: list | tu
     layout) of `model` (a ModelDef) on `ctx`'s mesh: accum.cost's ranking of every
     policy that applies, with the model's gradient traits. Takes the Config: the cost
     model reads the model, parallelism, accumulation and data groups."""
-    if config.shard_mode != "explicit":
-        return Choice(
-            ("deferred",), {}, None, "shard_mode=auto: XLA places every reduction", applies=False
-        )
-    if dict(ctx.mesh.shape).get(STAGE_AXIS, 1) > 1:
-        # The pipeline loop is the accumulation loop: only a reduction after it keeps
-        # one reduction per step (config/pipeline.py refuses the others).
-        note = "pipeline stages: deferred (one reduction after the pipeline loop)"
-        return Choice(("deferred",), {}, None, note)
+    staged = dict(ctx.mesh.shape).get(STAGE_AXIS, 1) > 1
     parallelism, accumulation = config.parallelism, config.accumulation
+    trained = model_lib.trained_view(model)
+    if config.shard_mode != "explicit":
+        note = "shard_mode=auto: XLA places every reduction"
+        pipe = None
+        if staged:  # the stages' own terms still apply
+            hw, _ = hardware_for(parallelism, accumulation, list(devices))
+            pipe = stage_terms(config, ctx, trained, params, hw)
+        return Choice(("deferred",), {}, None, note, applies=False, pipeline=pipe)
     hw, note = hardware_for(parallelism, accumulation, list(devices))
+    grad_dtypes = gradient_traits(trained, params)
+    if staged:
+        return staged_choice(config, ctx, trained, params, hw, note, grad_dtypes)
     candidates = plans(parallelism, accumulation, ctx, params)
-    grad_dtypes = gradient_traits(model_lib.trained_view(model), params)
     costs = predict_all(
         config.model, parallelism, accumulation, config.data, candidates, params, hw, grad_dtypes
     )
@@ -329,6 +339,53 @@ def choose(config: Config, ctx: Any, model: Any, params: Any, devices: list | tu
     if config.gradient_accumulation_steps == 1:
         note += "; one microbatch: deferred (nothing to accumulate, whatever the figures)"
     return Choice(order, costs, hw, note)
+
+
+def stage_terms(
+    config: Config, ctx: Any, trained: Any, params: Any, hw: Hardware
+) -> pipeline_cost.PipelineCost:
+    """What the stage axis adds to the step (step/pipeline_cost.py) for the `trained`
+    model view's `params` on `ctx`'s mesh, priced with `hw`."""
+    sizes, r = dict(ctx.mesh.shape), config.num_pipeline_repeats
+    p = sizes[STAGE_AXIS]
+    # Circular stages move every stacked leaf to its stage (the router biases too) and
+    # send the trained ones' gradients home.
+    _, router = model_lib.abstract_state(trained, ctx)
+    relayout = 2 * pipeline_cost.relayout_bytes(params, trained.param_logical, p, r)
+    relayout += pipeline_cost.relayout_bytes(router, trained.router_logical, p, r)
+    return pipeline_cost.pipeline_cost(config, sizes, hw, relayout)
+
+
+def staged_choice(
+    config: Config,
+    ctx: Any,
+    trained: Any,
+    params: Any,
+    hw: Hardware,
+    note: str,
+    grad_dtypes: GradientTraits,
+) -> Choice:
+    """auto with pipeline stages: deferred, the one policy that keeps one reduction per
+    step (the pipeline loop is the accumulation loop; config/pipeline.py refuses the
+    others), priced with the stages' compute, bubble and permutes
+    (step/pipeline_cost.py) so its table shows what the stage axis costs."""
+    deferred = dataclasses.replace(config.accumulation, gradient_reduction_policy="deferred")
+    candidates = {"deferred": reduction_plan(config.parallelism, deferred, ctx, params)}
+    pipe = stage_terms(config, ctx, trained, params, hw)
+    costs = predict_all(
+        config.model,
+        config.parallelism,
+        deferred,
+        config.data,
+        candidates,
+        params,
+        hw,
+        grad_dtypes,
+        step_flops=pipe.compute_seconds * hw.peak_flops,
+    )
+    costs = {policy: pipeline_cost.with_stages(c, pipe) for policy, c in costs.items()}
+    note += "; pipeline stages: deferred (one reduction after the pipeline loop)"
+    return Choice(("deferred",), costs, hw, note, pipeline=pipe)
 
 
 def auto_order(
@@ -428,7 +485,8 @@ def startup_lines(choice: Choice) -> list[str]:
     shard_mode=auto no policy applies (XLA places every reduction), and the line says
     so rather than naming one."""
     if not choice.applies:
-        return [f"gradient_reduction_policy=auto: no policy applies ({choice.note})"]
+        head = f"gradient_reduction_policy=auto: no policy applies ({choice.note})"
+        return [head, *pipeline_cost.lines(choice.pipeline)]
     head = f"gradient_reduction_policy=auto -> {choice.policy} ({choice.note})"
     lines = [head, *(f"  skipped {s}" for s in choice.skipped)]
     if choice.costs:
@@ -437,4 +495,4 @@ def startup_lines(choice: Choice) -> list[str]:
         if "deferred" in choice.costs and len(choice.costs) > 1:
             lines.append(margin_line())
         lines.append(WIRE_BYTES_LINE)
-    return lines
+    return lines + pipeline_cost.lines(choice.pipeline)
