@@ -98,9 +98,7 @@ def _check_expert_dim(spec: P, num_experts: int, config: MoEConfig, mesh: Any) -
         )
 
 
-def check_params(
-    params: Params, config: MoEConfig, embed_dim: int, expert_shards: int = 1
-) -> None:
+def check_params(params: Params, config: MoEConfig, embed_dim: int, expert_shards: int = 1) -> None:
     """ValueError naming a missing, extra or misshapen parameter. `expert_shards`: the
     routed kernels hold 1/expert_shards of the experts (a manual expert axis)."""
     want = param_shapes(config, embed_dim)

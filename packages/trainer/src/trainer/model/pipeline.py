@@ -31,6 +31,17 @@ collective, and accum's one reduction per step happens after it. The
 activations crossing stages carry no tag (they are sharded over 'data', never
 reduced over it). Everything outside the MoE layers (embedding, dense layers,
 output layer, MTP) runs before or after the pipeline on every stage alike.
+
+Inside the stages: the batch axes (data, dcn_data; ZeRO-1 after the step), FSDP and
+expert parallelism. FSDP (fsdp, dcn_fsdp): each stage's weights are all-gathered
+over those axes once per step, before the loop (`_gather_fsdp`), whose transpose is
+the gradients' reduce-scatter once after the backward loop; a device then holds its
+stage's weights whole for the step. Experts: the routed kernels enter as
+P('stage', 'expert', ...) and stay so; the layer (built with the 'manual' ctx,
+`model/moe_block.py`) runs moe_kernels' manual mode (`ManualExperts`), the routed
+rows moved to their experts' devices by all-to-all over 'expert' inside the loop
+(activations: nothing reduced). tensor, tensor_transpose and context split a
+layer's compute and are refused (config/pipeline.py).
 """
 
 from __future__ import annotations
