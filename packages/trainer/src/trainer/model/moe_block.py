@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from jax.sharding import Mesh
+
 import moe_kernels
 from trainer.config import ModelConfig
 from trainer.config.moe_map import moe_config
@@ -53,8 +55,9 @@ def moe_layer(config: ModelConfig, ctx: ShardCtx, *, rngs) -> moe_kernels.MoE:
         mode=None if ctx.manual else ctx.mode,
         manual=_manual_experts(ctx),
         # The program's target (an AOT topology's, from a CPU host too) picks the
-        # grouped matmul, not this process' backend.
-        device=ctx.mesh.devices.flat[0],
+        # grouped matmul, not this process' backend. An abstract mesh (a plan read
+        # without devices) has none: moe_kernels then takes this process' first.
+        device=ctx.mesh.devices.flat[0] if isinstance(ctx.mesh, Mesh) else None,
         dtype=config.dtype,
         metadata=_metadata,
         place=False,  # the trainer places every parameter itself, after init
