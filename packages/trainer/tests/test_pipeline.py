@@ -37,6 +37,12 @@ STAGES = {
     "stage=2 x fsdp=2 x data=2": {
         **STAGE2, "ici_fsdp_parallelism": "2", "ici_data_parallelism": "2",
     },
+    # Both: the expert kernels gathered over fsdp (their embed dim), still split over
+    # expert on dim 1 (dim 0 the layers').
+    "stage=2 x expert=2 x fsdp=2": {
+        **STAGE2, "ici_expert_parallelism": "2", "ici_fsdp_parallelism": "2",
+        "ici_data_parallelism": "1",
+    },
     "stage=2 x expert=2 x fsdp=2, auto": {
         **STAGE2, "ici_expert_parallelism": "2", "ici_fsdp_parallelism": "2",
         "ici_data_parallelism": "1", "shard_mode": "auto",
