@@ -16,13 +16,38 @@ MODEL = {
     "mtp_num_layers": "1",
     "gradient_accumulation_steps": "4",
 }
+# Layouts against the unpipelined data=8 run: each one's keys over MODEL's.
+STAGE2 = {"ici_pipeline_parallelism": "2"}
 STAGES = {
-    "stage=2 x data=4": ("2", "4", "explicit"),
-    "stage=4 x data=2": ("4", "2", "explicit"),
-    "stage=2 x data=4, auto": ("2", "4", "auto"),
-    "stage=2 x data=4, circular (2 repeats)": ("2", "4", "explicit", "2"),
-    "stage=2 x data=4, ZeRO-1": ("2", "4", "explicit", "1", "true"),
-}
+    "stage=2 x data=4": {**STAGE2, "ici_data_parallelism": "4"},
+    "stage=4 x data=2": {"ici_pipeline_parallelism": "4", "ici_data_parallelism": "2"},
+    "stage=2 x data=4, auto": {**STAGE2, "ici_data_parallelism": "4", "shard_mode": "auto"},
+    "stage=2 x data=4, circular (2 repeats)": {
+        **STAGE2, "ici_data_parallelism": "4", "num_pipeline_repeats": "2",
+    },
+    "stage=2 x data=4, ZeRO-1": {
+        **STAGE2, "ici_data_parallelism": "4", "shard_optimizer_over_data": "true",
+    },
+    # Expert parallelism inside the stages: each device its stage's layers and its
+    # own 4 of the 8 experts, the routed rows moved by all-to-all (in the loop).
+    "stage=2 x expert=2 x data=2": {
+        **STAGE2, "ici_expert_parallelism": "2", "ici_data_parallelism": "2",
+    },
+    # FSDP inside the stages: the weights gathered once per step, before the loop.
+    "stage=2 x fsdp=2 x data=2": {
+        **STAGE2, "ici_fsdp_parallelism": "2", "ici_data_parallelism": "2",
+    },
+    # Both: the expert kernels gathered over fsdp (their embed dim), still split over
+    # expert on dim 1 (dim 0 the layers').
+    "stage=2 x expert=2 x fsdp=2": {
+        **STAGE2, "ici_expert_parallelism": "2", "ici_fsdp_parallelism": "2",
+        "ici_data_parallelism": "1",
+    },
+    "stage=2 x expert=2 x fsdp=2, auto": {
+        **STAGE2, "ici_expert_parallelism": "2", "ici_fsdp_parallelism": "2",
+        "ici_data_parallelism": "1", "shard_mode": "auto",
+    },
+}  # fmt: skip
 
 BAD = [
     (
@@ -47,7 +72,22 @@ BAD = [
     ),
     (
         {**MODEL, "ici_pipeline_parallelism": "2", "ici_tensor_parallelism": "2"},
-        r"^ici_tensor_parallelism=2 with 2 pipeline stages is not supported",
+        r"^ici_tensor_parallelism=2 with 2 pipeline stages is not supported: it splits a "
+        r"layer's compute",
+    ),
+    (
+        {**MODEL, "ici_pipeline_parallelism": "2", "ici_context_parallelism": "2"},
+        r"^ici_context_parallelism=2 with 2 pipeline stages is not supported",
+    ),
+    (
+        {
+            **MODEL,
+            "ici_pipeline_parallelism": "2",
+            "ici_expert_parallelism": "2",
+            "expert_shard_attention_option": "context",
+        },
+        r"^expert_shard_attention_option=context with ici_expert_parallelism=2 and 2 "
+        r"pipeline stages is not supported: the expert axis would shard the sequence",
     ),
     (
         {**MODEL, "ici_pipeline_parallelism": "2", "gradient_accumulation_schedule": "overlapped"},
@@ -112,12 +152,9 @@ def test_bubble_fraction():
 @pytest.mark.slow  # a compile of the tiny model each (about a minute on 2 cores)
 @pytest.mark.parametrize("layout", list(STAGES))
 def test_same_numbers_and_one_reduction_after_the_loop(runner, grads_runner, grads_match, layout):
-    stages, data, mode, *extra = STAGES[layout]
-    repeats, zero1 = (extra + ["1", "false"][len(extra) :])[:2]
+    keys = {**MODEL, **STAGES[layout]}
+    stages, repeats = keys["ici_pipeline_parallelism"], keys.get("num_pipeline_repeats", "1")
     want_history, _ = runner(1, **MODEL, ici_data_parallelism="8")
-    keys = {**MODEL, "ici_pipeline_parallelism": stages, "ici_data_parallelism": data}
-    keys |= {"shard_mode": mode, "num_pipeline_repeats": repeats}
-    keys["shard_optimizer_over_data"] = zero1
     got_history, text = runner(1, **keys)
     for name in ("loss", "ce_loss", "mtp_loss_1", "grad_norm"):
         np.testing.assert_allclose(got_history[0][name], want_history[0][name], rtol=1e-5)
@@ -130,11 +167,22 @@ def test_same_numbers_and_one_reduction_after_the_loop(runner, grads_runner, gra
     assert judged["status"] == "OK" and judged["in_loop"] == 0, judged["message"]
     assert judged["outside"] >= 1  # the gradients' one reduction, after the loop
     # The pipeline loop: m + p - 1 iterations, its only collectives the permutes that
-    # move the microbatches between stages (forward and backward); no reduction at all.
+    # move the microbatches between stages (forward and backward) and, with experts
+    # sharded, the routed rows' all-to-alls; no reduction at all (FSDP's gathers and
+    # reduce-scatters once per step, outside it).
     trips = 4 * int(repeats) + int(stages) - 1
     in_loop = [c for c in ht.collectives(module) if c.multiplier > 1]
-    assert {c.kind for c in in_loop} == {"collective-permute"}
-    assert {c.multiplier for c in in_loop} == {trips}
+    permutes = [c for c in in_loop if c.kind == "collective-permute"]
+    assert permutes and {c.multiplier for c in permutes} == {trips}
+    # The experts' all-to-alls: in each stage's layer scan inside the loop (4 MoE
+    # layers over the stages' chunks).
+    per_iteration = 4 // (int(stages) * int(repeats))
+    rest = {(c.kind, c.multiplier) for c in in_loop if c.kind != "collective-permute"}
+    expert = sizes.get("expert", 1) > 1
+    assert rest == ({("all-to-all", trips * per_iteration)} if expert else set())
+    if sizes.get("fsdp", 1) > 1:
+        once = {c.kind for c in ht.collectives(module) if c.multiplier == 1}
+        assert {"all-gather", "reduce-scatter"} <= once
     # The cost model's stage permutes are the compiled program's, byte for byte
     # (float32 here: XLA:CPU sends bf16 permutes as f32; the aot test checks bf16).
     runner_keys = {"model_name": "tagtrain-tiny", "dtype": "float32", "per_device_batch_size": "1"}
@@ -213,8 +261,16 @@ def test_a_checkpoint_resumes_across_a_change_of_stage_count(tmp_path):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+AOT_LAYOUTS = {
+    "stage=2 x data=4": {},
+    # DeepSeek-V3's layout in small: expert parallelism inside the stages.
+    "stage=2 x expert=2 x data=2": {"ici_expert_parallelism": "2", "ici_data_parallelism": "2"},
+}
+
+
 @pytest.mark.aot  # XLA:TPU (libtpu, the `tpu` extra), compiled on this host, not run
-def test_v5e8_pipeline_compiles_with_no_reduction_in_its_loop(tmp_path):
+@pytest.mark.parametrize("layout", list(AOT_LAYOUTS))
+def test_v5e8_pipeline_compiles_with_no_reduction_in_its_loop(tmp_path, layout):
     from trainer.run import aot
 
     keys = {
@@ -223,6 +279,7 @@ def test_v5e8_pipeline_compiles_with_no_reduction_in_its_loop(tmp_path):
         "ici_pipeline_parallelism": "2",
         "per_device_batch_size": "1",
         "base_output_directory": str(tmp_path),
+        **AOT_LAYOUTS[layout],
     }
     result = aot.compile_for_topology(make_config(keys))
     text = result.compiled.as_text()
@@ -230,8 +287,11 @@ def test_v5e8_pipeline_compiles_with_no_reduction_in_its_loop(tmp_path):
     # counts all after the pipeline loop.
     assert ht.assert_reduced_once_per_step(text, max_in_loop_elements=0)
     in_loop = [c for c in ht.collectives(ht.parse(text)) if c.multiplier > 1]
-    assert {c.kind for c in in_loop} == {"collective-permute"}
-    assert {c.multiplier for c in in_loop} == {4 + 2 - 1}  # m + p - 1 GPipe iterations
+    permutes = [c for c in in_loop if c.kind == "collective-permute"]
+    assert permutes and {c.multiplier for c in permutes} == {4 + 2 - 1}  # m + p - 1 iterations
+    # With experts sharded, the routed rows' all-to-alls (2 layers a stage per iteration).
+    rest = {(c.kind, c.multiplier) for c in in_loop if c.kind != "collective-permute"}
+    assert rest == ({("all-to-all", 2 * (4 + 2 - 1))} if AOT_LAYOUTS[layout] else set())
     assert result.memory["total"] < result.hbm_bytes
     assert any(line.startswith("pipeline: 2 stages") for line in aot.report_lines(result))
     # bf16 activations on the wire, as the cost model prices them.

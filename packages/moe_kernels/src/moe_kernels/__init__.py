@@ -13,6 +13,7 @@ from moe_kernels.lora import LORA_TARGETS
 from moe_kernels.module import MoE, RoutingBias
 from moe_kernels.params import init_params, param_shapes, param_specs
 from moe_kernels.routing import route, update_routing_bias
+from moe_kernels.shard_plan import ManualExperts
 
 __version__ = "0.1.0"
 
@@ -21,6 +22,7 @@ __all__ = [
     "DEFAULT_PARAM_AXES",
     "DEFAULT_RULES",
     "LORA_TARGETS",
+    "ManualExperts",
     "MoE",
     "MoEConfig",
     "RoutingBias",

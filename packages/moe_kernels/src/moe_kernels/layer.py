@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 from moe_kernels.config import DEFAULT_RULES, MoEConfig
 from moe_kernels.params import Params, check_params
 from moe_kernels.shard_body import layer_body
-from moe_kernels.shard_plan import infer_mode, shard_plan
+from moe_kernels.shard_plan import ManualExperts, infer_mode, manual_plan, shard_plan
 from pspec_tags import MODES, partitions, shard, spec_of, truncate, untagged
 
 
@@ -49,18 +49,27 @@ def _as_device_array(x):
     return x if isinstance(x, jax.Array) else jnp.asarray(x)
 
 
-def _moe(x_BxSxD, params, *, config, mesh, rules, mode, keep_tags, sparse, recompute_casts):
+def _moe(
+    x_BxSxD, params, *, config, mesh, rules, mode, keep_tags, sparse, recompute_casts,
+    manual=None, device=None,
+):  # fmt: skip
     # Host (numpy) inputs become device arrays first: the sparse path indexes the
     # activations with traced routing indices, which a numpy array cannot take.
     x_BxSxD = _as_device_array(x_BxSxD)
     if x_BxSxD.ndim != 3:
         raise ValueError(f"x must be (batch, seq, embed); got shape {x_BxSxD.shape}")
     params = {name: _as_device_array(w) for name, w in params.items()}
-    check_params(params, config, x_BxSxD.shape[-1])
+    if manual is not None and mesh is not None:
+        raise ValueError("manual= runs inside the caller's shard_map: pass mesh=None")
+    ep = manual.size if manual is not None else 1
+    check_params(params, config, x_BxSxD.shape[-1], expert_shards=ep)
     if mesh is None:
-        device = jax.devices()[0]
+        # Unsharded, or per device inside the caller's manual region: `device`, the
+        # caller's mesh's (an AOT compile's target), else this process' first.
+        device = jax.devices()[0] if device is None else device
+        plan = None if ep == 1 else manual_plan(config, manual)
         y, shard_stats = layer_body(
-            x_BxSxD, params, config=config, plan=None, sparse=sparse, device=device
+            x_BxSxD, params, config=config, plan=plan, sparse=sparse, device=device
         )
         return y, _finish_stats(shard_stats)
     mode = mode or infer_mode(mesh)
@@ -168,6 +177,8 @@ def sparse_moe(
     mode: str | None = None,
     keep_tags: bool = True,
     recompute_casts: bool = True,
+    manual: ManualExperts | None = None,
+    device: Any = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Routed (+ shared) experts with ragged grouped matmuls; returns `(y_BxSxD, stats)`.
 
@@ -184,6 +195,16 @@ def sparse_moe(
     pass; turn it off when the caller rematerializes the layer anyway (then the
     extra checkpoint only costs a little memory).
 
+    Inside a caller's fully manual `jax.shard_map` (every mesh axis manual, e.g. a
+    pipeline stage's per-device layers) pass `mesh=None` and, where that map shards
+    the experts over `config.expert_axis`, `manual=ManualExperts(size, tokens_split)`:
+    the routed kernels (and their LoRA factors) then hold this device's E/size
+    experts on dim 0, nothing is gathered, and the routed rows reach their experts
+    by an all-to-all over the axis (`tokens_split`) or each shard runs its own
+    experts on every token and the outputs are summed over it. `device`: one the
+    program is built for (default: the mesh's, else `jax.devices()[0]`); its
+    platform picks the grouped matmul, so an AOT compile from a CPU host passes it.
+
     stats: `tokens_per_expert` (E,) int32 over all tokens (feed it to
     `update_routing_bias`), `tokens_per_expert_by_shard` (token shards, E),
     `balance_loss` (scalar, sequence-wise, unscaled; the mean of
@@ -196,6 +217,7 @@ def sparse_moe(
     return _moe(
         x_BxSxD, params, config=config, mesh=mesh, rules=rules, mode=mode,
         keep_tags=keep_tags, sparse=True, recompute_casts=recompute_casts,
+        manual=manual, device=device,
     )  # fmt: skip
 
 
@@ -209,10 +231,13 @@ def dense_moe(
     mode: str | None = None,
     keep_tags: bool = True,
     recompute_casts: bool = True,
+    manual: ManualExperts | None = None,
+    device: Any = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Reference: every token through every expert, masked combine; same contract
     as `sparse_moe` (expert weights are gathered whole on every shard)."""
     return _moe(
         x_BxSxD, params, config=config, mesh=mesh, rules=rules, mode=mode,
         keep_tags=keep_tags, sparse=False, recompute_casts=recompute_casts,
+        manual=manual, device=device,
     )  # fmt: skip

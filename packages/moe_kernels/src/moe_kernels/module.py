@@ -15,6 +15,7 @@ from moe_kernels.config import DEFAULT_RULES, MoEConfig
 from moe_kernels.layer import dense_moe, sparse_moe
 from moe_kernels.params import init_params, param_specs
 from moe_kernels.routing import update_routing_bias
+from moe_kernels.shard_plan import ManualExperts
 
 
 class RoutingBias(nnx.Variable):
@@ -37,6 +38,10 @@ class MoE(nnx.Module):
     gets instead of `out_sharding`/`eager_sharding`; `place=False` keeps `mesh`
     for the call only (parameters are placed by the caller); `dtype` casts the
     weights to the compute dtype at use; `recompute_casts` goes to the layer.
+
+    Inside a caller's fully manual shard_map: `mesh=None`, `manual=ManualExperts(...)`
+    where it shards the experts and `device` its mesh's (see `sparse_moe`). The
+    parameters are still created whole; the caller hands the layer its shard.
     """
 
     def __init__(
@@ -54,6 +59,8 @@ class MoE(nnx.Module):
         metadata: Callable[[str, tuple, tuple], dict] | None = None,
         place: bool = True,
         recompute_casts: bool = True,
+        manual: ManualExperts | None = None,
+        device: Any = None,
     ):
         self.config = config
         self.sparse = sparse
@@ -62,6 +69,7 @@ class MoE(nnx.Module):
         self.mode = mode
         self.dtype = None if dtype is None else jnp.dtype(dtype)
         self.recompute_casts = recompute_casts
+        self.manual, self.device = manual, device
         values = init_params(rngs.params(), config, embed_dim, param_dtype)
         if mesh is not None and place:
             specs = param_specs(config, self.rules, mesh, {n: v.shape for n, v in values.items()})
@@ -107,6 +115,8 @@ class MoE(nnx.Module):
             rules=self.rules,
             mode=self.mode,
             recompute_casts=self.recompute_casts,
+            manual=self.manual,
+            device=self.device,
         )
 
     def update_bias(self, tokens_per_expert_E: jax.Array, *, rate: float) -> None:

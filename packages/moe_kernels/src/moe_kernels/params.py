@@ -98,8 +98,12 @@ def _check_expert_dim(spec: P, num_experts: int, config: MoEConfig, mesh: Any) -
         )
 
 
-def check_params(params: Params, config: MoEConfig, embed_dim: int) -> None:
+def check_params(params: Params, config: MoEConfig, embed_dim: int, expert_shards: int = 1) -> None:
+    """ValueError naming a missing, extra or misshapen parameter. `expert_shards`: the
+    routed kernels hold 1/expert_shards of the experts (a manual expert axis)."""
     want = param_shapes(config, embed_dim)
+    for name in EXPERT_PARAMS:
+        want[name] = (want[name][0] // expert_shards, *want[name][1:])
     want.update(lora.factor_shapes(params, want))
     optional = {"bias"}
     for name, shape in want.items():

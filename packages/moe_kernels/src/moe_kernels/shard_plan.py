@@ -37,6 +37,33 @@ class ShardPlan:
     expert_axis: str
 
 
+@dataclasses.dataclass(frozen=True)
+class ManualExperts:
+    """Expert parallelism for a caller already inside a fully manual `jax.shard_map`
+    (a pipeline stage's per-device layers): `config.expert_axis` is one of that map's
+    manual axes, of `size`, and each device holds experts [i x E/size, (i+1) x E/size)
+    on the routed kernels' dim 0 (their LoRA factors' too). `tokens_split`: the expert
+    axis also shards the tokens (as a batch axis): the routed rows travel to their
+    experts' device by all-to-all; else the tokens are the same on every expert shard,
+    each runs its own experts and the outputs are summed over the axis."""
+
+    size: int
+    tokens_split: bool = True
+
+
+def manual_plan(config: MoEConfig, experts: ManualExperts) -> ShardPlan:
+    """The plan of a body run in the caller's manual region: nothing to gather (every
+    weight arrives whole but for its experts), the expert axis' size and dispatch."""
+    if config.num_experts % experts.size:
+        raise ValueError(
+            f"num_experts={config.num_experts} is not divisible by the {experts.size} "
+            f"shards of the manual expert axis {config.expert_axis!r}"
+        )
+    split = experts.tokens_split and experts.size > 1
+    token_axes = (config.expert_axis,) if split else ()
+    return ShardPlan(P(), token_axes, {}, experts.size, split, config.expert_axis)
+
+
 def infer_mode(mesh: Any) -> str:
     types = set(getattr(mesh, "axis_types", ()) or ())
     return "explicit" if AxisType.Explicit in types else "auto"

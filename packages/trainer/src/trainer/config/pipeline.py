@@ -2,8 +2,11 @@
 
 The stages are the 'stage' mesh axis (ici_pipeline_parallelism x
 dcn_pipeline_parallelism, `mesh_shape`); the MoE layers split over them
-(model/pipeline.py). What does not compose is refused here in one line naming the
-key and its value.
+(model/pipeline.py). Inside the stages compose: data, dcn_data, ZeRO-1, fsdp and
+dcn_fsdp (weights gathered once per step) and expert (expert parallelism, with
+expert_shard_attention_option=fsdp). tensor, tensor_transpose and context split a
+layer's compute and are refused. What does not compose is refused here in one line
+naming the key and its value.
 """
 
 from __future__ import annotations
@@ -12,10 +15,12 @@ from trainer.config.config import Config
 from trainer.config.keys import STAGE_AXIS, ConfigError
 from trainer.config.run_keys import AccumulationConfig, ParallelismConfig
 
-# Mesh axes that shard a layer's weights or compute: the stages run their layers
-# per device in one manual shard_map (model/pipeline.py), which these would need
-# inside it.
-LAYER_AXES = ("fsdp", "dcn_fsdp", "tensor", "tensor_transpose", "context", "expert")
+# Mesh axes that split a layer's compute (a matmul's dims, the sequence under
+# attention): the stages run their layers per device in one manual shard_map
+# (model/pipeline.py), where these would need every layer's collectives written by
+# hand. fsdp and dcn_fsdp compose (each stage's weights gathered once per step before
+# the loop), as does expert (the MoE layers' own all-to-all, moe_kernels.ManualExperts).
+LAYER_AXES = ("tensor", "tensor_transpose", "context")
 # Reduction policies that reduce inside the loop by design (per microbatch, or
 # in-slice reduce-scatters per microbatch): inside the pipeline loop that would
 # be once per iteration.
@@ -73,12 +78,20 @@ def check_pipeline(config: Config, sizes: dict[str, int]) -> None:
         "the pipeline's microbatches are the accumulation's (or leave it -1)",
     )
     for axis in LAYER_AXES:
-        key = f"{'dcn_fsdp' if axis == 'dcn_fsdp' else 'ici_' + axis}_parallelism"
+        key = f"ici_{axis}_parallelism"
         _require(
             sizes.get(axis, 1) == 1,
-            f"{key}={sizes.get(axis, 1)} with {p} pipeline stages is not supported: the "
-            "stages run their layers per device (data, dcn_data and ZeRO-1 compose)",
+            f"{key}={sizes.get(axis, 1)} with {p} pipeline stages is not supported: it "
+            "splits a layer's compute, which the stages' per-device layers would do by "
+            "hand (data, fsdp, expert and ZeRO-1 compose)",
         )
+    _require(
+        sizes.get("expert", 1) == 1 or config.expert_shard_attention_option == "fsdp",
+        f"expert_shard_attention_option={config.expert_shard_attention_option} with "
+        f"ici_expert_parallelism={sizes.get('expert', 1)} and {p} pipeline stages is not "
+        "supported: the expert axis would shard the sequence (context parallelism in "
+        "attention); use fsdp",
+    )
     schedule = config.gradient_accumulation_schedule
     _require(
         schedule in SCHEDULES,

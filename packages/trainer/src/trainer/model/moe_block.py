@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from jax.sharding import Mesh
+
 import moe_kernels
 from trainer.config import ModelConfig
 from trainer.config.moe_map import moe_config
@@ -26,6 +28,16 @@ def _metadata(name: str, shape: tuple, logical: tuple) -> dict:
     return metadata
 
 
+def _manual_experts(ctx: ShardCtx) -> moe_kernels.ManualExperts | None:
+    """Per device (ctx.manual) on a mesh whose 'expert' axis shards the experts: this
+    device holds its E/size of them; the all-to-all dispatch where that axis also
+    splits the tokens (expert_shard_attention_option=fsdp: a batch axis)."""
+    size = dict(ctx.mesh.shape).get("expert", 1)
+    if not ctx.manual or size == 1:
+        return None
+    return moe_kernels.ManualExperts(size, tokens_split="expert" in ctx.token_axes)
+
+
 def moe_layer(config: ModelConfig, ctx: ShardCtx, *, rngs) -> moe_kernels.MoE:
     """Routed experts (sparse ragged_dot or dense reference) plus shared experts, with
     LoRA adapters on the expert kernels lora_targets names (moe_kernels merges them
@@ -36,11 +48,16 @@ def moe_layer(config: ModelConfig, ctx: ShardCtx, *, rngs) -> moe_kernels.MoE:
         rngs=rngs,
         sparse=config.sparse_matmul,
         # Inside the caller's shard_map (ctx.manual) the tokens are already per
-        # device: moe_kernels' own shard_map cannot nest there, and there is
-        # nothing left to shard.
+        # device: moe_kernels' own shard_map cannot nest there. What is left to
+        # shard there is the experts (a pipeline stage's, over the 'expert' axis).
         mesh=None if ctx.manual else ctx.mesh,
         rules=None if ctx.manual else ctx.rules,
         mode=None if ctx.manual else ctx.mode,
+        manual=_manual_experts(ctx),
+        # The program's target (an AOT topology's, from a CPU host too) picks the
+        # grouped matmul, not this process' backend. An abstract mesh (a plan read
+        # without devices) has none: moe_kernels then takes this process' first.
+        device=ctx.mesh.devices.flat[0] if isinstance(ctx.mesh, Mesh) else None,
         dtype=config.dtype,
         metadata=_metadata,
         place=False,  # the trainer places every parameter itself, after init

@@ -31,6 +31,17 @@ collective, and accum's one reduction per step happens after it. The
 activations crossing stages carry no tag (they are sharded over 'data', never
 reduced over it). Everything outside the MoE layers (embedding, dense layers,
 output layer, MTP) runs before or after the pipeline on every stage alike.
+
+Inside the stages: the batch axes (data, dcn_data; ZeRO-1 after the step), FSDP and
+expert parallelism. FSDP (fsdp, dcn_fsdp): each stage's weights are all-gathered
+over those axes once per step, before the loop (`_gather_fsdp`), whose transpose is
+the gradients' reduce-scatter once after the backward loop; a device then holds its
+stage's weights whole for the step. Experts: the routed kernels enter as
+P('stage', 'expert', ...) and stay so; the layer (built with the 'manual' ctx,
+`model/moe_block.py`) runs moe_kernels' manual mode (`ManualExperts`), the routed
+rows moved to their experts' devices by all-to-all over 'expert' inside the loop
+(activations: nothing reduced). tensor, tensor_transpose and context split a
+layer's compute and are refused (config/pipeline.py).
 """
 
 from __future__ import annotations
@@ -58,6 +69,9 @@ SUMMED_STATS = ("tokens_per_expert_by_shard", "dropped_by_shard")
 # Averaged over the microbatches: accum sums it with its term count, which one call
 # of the pipelined loss counts once (train_step.make_loss_fn's metric).
 MEAN_STATS = ("balance_loss_by_shard",)
+# Mesh axes that shard weights the stages gather once per step (fully sharded data
+# parallelism: they shard the batch too).
+FSDP_AXES = ("dcn_fsdp", "fsdp")
 
 
 def stages(ctx: ShardCtx) -> int:
@@ -79,6 +93,19 @@ def _stacked_spec(variable: nnx.Variable, ctx: ShardCtx) -> P:
     """A stacked layer variable's spec: its own (explicit mode, tags included), or in
     auto mode its logical axes' ('stage_layers' first, as model.define lays it out)."""
     return _spec(variable[...], ("stage_layers", *logical_axes_of(variable)), ctx)
+
+
+def _gather_fsdp(w: jax.Array, spec: P) -> jax.Array:
+    """This device's shard of a stacked weight gathered whole over the FSDP axes (the
+    dims `spec` shards over them); 'stage' and 'expert' stay sharded. Once per step,
+    before the loop: its transpose, the FSDP reduce-scatter of the gradient, runs once
+    after the backward loop. check_pipeline refuses tensor_transpose, the one axis
+    that could share an entry with them, so each gathered entry is FSDP axes only."""
+    for dim, entry in enumerate(pt.partitions(spec)):
+        axes = tuple(a for a in pt.entry_axes(entry) if a in FSDP_AXES)
+        if axes:
+            w = lax.all_gather(w, pt.entry_from_axes(axes), axis=dim, tiled=True)
+    return w
 
 
 def _varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
@@ -208,6 +235,14 @@ def run_pipeline(
         # own through the backward loop, and this cast's transpose, after it, leaves
         # it `unreduced` over 'data' (the in_spec's `reduced`), not psummed.
         local_state = jax.tree.map(lambda w: _varying(w, ctx.token_axes), local_state)
+        # FSDP: the stage's weights whole on each device, gathered once per step (the
+        # transpose: one reduce-scatter per weight after the backward loop, none in it).
+        local_state = jax.tree.map(
+            lambda spec, v: jax.tree.map(lambda w: _gather_fsdp(w, spec), v),
+            state_specs,
+            local_state,
+            is_leaf=lambda x: isinstance(x, P),
+        )
         # The microbatches too, over 'stage': stage 0 takes them in, and the cast's
         # transpose sums their cotangents over the stages once, after the backward
         # loop, not once per iteration.
