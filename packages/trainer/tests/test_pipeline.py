@@ -196,7 +196,10 @@ def assert_predicted_permutes(module, overrides: dict) -> None:
 
     planned = spec.resolve_abstract(make_config(overrides), 8)
     pipe = planned.choice.pipeline
-    traffic = ht.traffic(module)
+    # The pipeline's own permutes (jax's ppermute), not the ones XLA's partitioner adds
+    # to reshard in shard_mode=auto (named collective-permute, outside the loop).
+    hops = [c for c in ht.collectives(module) if "ppermute" in c.name + c.op_name]
+    traffic = ht.traffic(hops)
     counted = {
         where: traffic[where].get("collective-permute", {}).get("bytes_per_step", 0)
         for where in ("in_loop", "outside")
