@@ -6,7 +6,12 @@ import pytest
 
 import hlo_tools as ht
 from trainer.config import ConfigError, make_config, mesh_shape
-from trainer.config.pipeline import bubble_fraction
+from trainer.config.pipeline import (
+    bubble_fraction,
+    layer_slots,
+    padded_layers,
+    slots_per_chunk,
+)
 from trainer.config.validate import validate
 from trainer.model.pipeline import circular_tables
 
@@ -47,6 +52,15 @@ STAGES = {
         **STAGE2, "ici_expert_parallelism": "2", "ici_fsdp_parallelism": "2",
         "ici_data_parallelism": "1", "shard_mode": "auto",
     },
+    # Uneven stages: 3 MoE layers over 2 stages (2 chunks of 2 slots, the last one's
+    # second padding), and 5 over 2 stages x 2 repeats (4 chunks of 2 slots, 3 padded).
+    "uneven: 3 layers over stage=2 x data=4": {
+        **STAGE2, "ici_data_parallelism": "4", "base_num_decoder_layers": "4",
+    },
+    "uneven: 5 layers over stage=2 x data=4, circular (2 repeats)": {
+        **STAGE2, "ici_data_parallelism": "4", "base_num_decoder_layers": "6",
+        "num_pipeline_repeats": "2",
+    },
 }  # fmt: skip
 
 BAD = [
@@ -57,14 +71,16 @@ BAD = [
         r"^num_pipeline_microbatches=1 is fewer than the 2 stages",
     ),
     (
-        {**MODEL, "base_num_decoder_layers": "4", "ici_pipeline_parallelism": "2"},
-        r"^ici_pipeline_parallelism=2 x dcn_pipeline_parallelism=1 = 2 stages x "
-        r"num_pipeline_repeats=1: the 3 MoE layers .* must split into 2 equal chunks$",
+        # Uneven stages pad their chunks, but not to a chunk with no layer at all.
+        {**MODEL, "base_num_decoder_layers": "4", "ici_pipeline_parallelism": "4"},
+        r"^ici_pipeline_parallelism=4 x dcn_pipeline_parallelism=1 = 4 stages x "
+        r"num_pipeline_repeats=1: the 3 MoE layers .* are fewer than the 4 chunks: some "
+        r"chunk would hold no layer$",
     ),
     (
         {**MODEL, "ici_pipeline_parallelism": "2", "num_pipeline_repeats": "4"},
         r"^ici_pipeline_parallelism=2 x dcn_pipeline_parallelism=1 = 2 stages x "
-        r"num_pipeline_repeats=4: the 4 MoE layers .* must split into 8 equal chunks$",
+        r"num_pipeline_repeats=4: the 4 MoE layers .* are fewer than the 8 chunks",
     ),
     (
         {**MODEL, "ici_pipeline_parallelism": "2", "num_pipeline_microbatches": "8"},
@@ -142,6 +158,29 @@ def test_circular_relayout_delivers_every_chunk_once(stages, repeats):
     assert got == want
 
 
+@pytest.mark.parametrize("repeats", [1, 2])
+def test_uneven_slots_keep_the_layer_order(repeats):
+    # DeepSeek-V3: 58 MoE layers over 16 stages (x repeats) chunks of c slots.
+    chunks = 16 * repeats
+    c = slots_per_chunk(58, 16, repeats)
+    assert c == (4 if repeats == 1 else 2)
+    assert padded_layers(58, 16, repeats) == chunks * c
+    slots = layer_slots(58, 16, repeats)
+    # Every layer a slot of its own, in the model's order.
+    assert len(slots) == 58 and list(slots) == sorted(set(slots))
+    per_chunk = np.bincount(np.asarray(slots) // c, minlength=chunks)
+    # Chunks differ by at most one real layer; the padding the last chunks' last slots.
+    assert set(per_chunk) == {c - 1, c}
+    assert list(per_chunk) == sorted(per_chunk, reverse=True)
+    for j in range(chunks):
+        held = [s % c for s in slots if s // c == j]
+        assert held == list(range(per_chunk[j]))  # consecutive from the chunk's start
+    assert layer_slots(8, 4, 2) == tuple(range(8))  # even: slot i is layer i
+    # 3 layers over 2 stages: chunk 0 layers 0 and 1, chunk 1 layer 2 then padding.
+    assert layer_slots(3, 2) == (0, 1, 2)
+    assert layer_slots(5, 2, 2) == (0, 1, 2, 4, 6)
+
+
 def test_bubble_fraction():
     assert bubble_fraction(4, 4) == pytest.approx(3 / 7)
     assert bubble_fraction(2, 8) == pytest.approx(1 / 9)
@@ -153,12 +192,14 @@ def test_bubble_fraction():
 @pytest.mark.parametrize("layout", list(STAGES))
 def test_same_numbers_and_one_reduction_after_the_loop(runner, grads_runner, grads_match, layout):
     keys = {**MODEL, **STAGES[layout]}
+    # The unpipelined run of the same model (an uneven layout's own layer count).
+    model = {**MODEL, "base_num_decoder_layers": keys["base_num_decoder_layers"]}
     stages, repeats = keys["ici_pipeline_parallelism"], keys.get("num_pipeline_repeats", "1")
-    want_history, _ = runner(1, **MODEL, ici_data_parallelism="8")
+    want_history, _ = runner(1, **model, ici_data_parallelism="8")
     got_history, text = runner(1, **keys)
     for name in ("loss", "ce_loss", "mtp_loss_1", "grad_norm"):
         np.testing.assert_allclose(got_history[0][name], want_history[0][name], rtol=1e-5)
-    want, got = grads_runner(1, **MODEL, ici_data_parallelism="8"), grads_runner(1, **keys)
+    want, got = grads_runner(1, **model, ici_data_parallelism="8"), grads_runner(1, **keys)
     assert "moe_layers/ffn/wi_0" in got and "mtp/eh_proj_2xDxD" in got
     grads_match(got, want, rtol=1e-5)
     module = ht.parse(text)
@@ -174,9 +215,10 @@ def test_same_numbers_and_one_reduction_after_the_loop(runner, grads_runner, gra
     in_loop = [c for c in ht.collectives(module) if c.multiplier > 1]
     permutes = [c for c in in_loop if c.kind == "collective-permute"]
     assert permutes and {c.multiplier for c in permutes} == {trips}
-    # The experts' all-to-alls: in each stage's layer scan inside the loop (4 MoE
-    # layers over the stages' chunks).
-    per_iteration = 4 // (int(stages) * int(repeats))
+    # The experts' all-to-alls: in each stage's layer scan inside the loop (its
+    # chunk's slots, padding included).
+    moe_layers = int(keys["base_num_decoder_layers"]) - 1
+    per_iteration = slots_per_chunk(moe_layers, int(stages), int(repeats))
     rest = {(c.kind, c.multiplier) for c in in_loop if c.kind != "collective-permute"}
     expert = sizes.get("expert", 1) > 1
     assert rest == ({("all-to-all", trips * per_iteration)} if expert else set())
