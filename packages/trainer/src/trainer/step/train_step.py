@@ -184,6 +184,9 @@ def _update_router(
         # its padding slots count no token, which leaves their biases as they are.
         padded = jnp.zeros((layout.size, *tokens_per_expert_LxE.shape[1:]), jnp.float32)
         tokens_per_expert_LxE = padded.at[jnp.asarray(layout.slots)].set(tokens_per_expert_LxE)
+        spec = pt.spec_of(router["moe_layers"]["ffn"]["bias"])
+        if spec is not None:  # explicit mode: laid out as the biases (over 'stage')
+            tokens_per_expert_LxE = jax.sharding.reshard(tokens_per_expert_LxE, spec)
     new = {"moe_layers": updated(router["moe_layers"], tokens_per_expert_LxE)}
     if "mtp" in router:
         new["mtp"] = {"block": updated(router["mtp"]["block"], mtp_tokens)}
