@@ -185,6 +185,21 @@ def test_uneven_slots_keep_the_layer_order(repeats):
     assert layer_slots(5, 2, 2) == (0, 1, 2, 4, 6)
 
 
+def test_uneven_startup_line_names_the_padding():
+    from trainer.run import report
+
+    config = make_config({**MODEL, "base_num_decoder_layers": "4", "ici_pipeline_parallelism": "2"})
+    line = report.pipeline_lines(config, {"stage": 2, "data": 4})[0]
+    assert line.startswith(
+        "pipeline: 2 stages x 2 MoE layer slots per chunk (uneven: 3 MoE layers in 4 slots, "
+        "1 padding = 25.0%, the last slot of the last 1 chunks) (GPipe)"
+    )
+    even = report.pipeline_lines(
+        make_config({**MODEL, "ici_pipeline_parallelism": "2"}), {"stage": 2}
+    )
+    assert even[0].startswith("pipeline: 2 stages x 2 MoE layer slots per chunk (GPipe)")
+
+
 def test_bubble_fraction():
     assert bubble_fraction(4, 4) == pytest.approx(3 / 7)
     assert bubble_fraction(2, 8) == pytest.approx(1 / 9)
