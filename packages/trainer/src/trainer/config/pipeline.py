@@ -2,7 +2,8 @@
 
 The stages are the 'stage' mesh axis (ici_pipeline_parallelism x
 dcn_pipeline_parallelism, `mesh_shape`); the MoE layers split over them
-(model/pipeline.py). Inside the stages compose: data, dcn_data, ZeRO-1, fsdp and
+(model/pipeline.py), in stages x repeats chunks of equal slots, padded where they do
+not divide the layers (`layer_slots`). Inside the stages compose: data, dcn_data, ZeRO-1, fsdp and
 dcn_fsdp (weights gathered once per step) and expert (expert parallelism, with
 expert_shard_attention_option=fsdp). tensor, tensor_transpose and context split a
 layer's compute and are refused. What does not compose is refused here in one line

@@ -1,7 +1,10 @@
 """Pipeline parallelism: the MoE layers split into stages on the 'stage' mesh axis.
 
 The stacked MoE layers (leading layer dim, `model/decoder.py`) are sharded over
-'stage' on that dim: stage s holds layers [s x L/p, (s+1) x L/p). The step's
+'stage' on that dim: stage s holds slots [s x S/p, (s+1) x S/p) of the S-slot
+stack (S = L, or with uneven stages L padded to p x r equal chunks:
+`config.pipeline.layer_slots`, `model/pipeline_slots.py`; a padding slot passes
+its input through). The step's
 microbatches (the gradient accumulation's, `accum.split_microbatches`' rows) go
 through a GPipe schedule of m + p - 1 iterations: in each, every stage runs its
 layers on the microbatch it holds and passes the result to the next stage by one
@@ -133,7 +136,8 @@ def circular_tables(p: int, r: int) -> tuple[np.ndarray, np.ndarray]:
     to stage b + d mod p): `send[d, b]` the local chunks b sends, `recv[d, s]` the
     repeats they become on s (`r` pads: a slot thrown away). Chunk c of the layer
     stack (layers c x lps ...) is stored on stage c // r (the contiguous sharding)
-    and run by stage c mod p as its repeat c // p."""
+    and run by stage c mod p as its repeat c // p (with uneven stages, c slots of the
+    padded stack: config.pipeline.layer_slots)."""
     width = -(-r // p)  # the most chunks one stage sends another
     send = np.zeros((p, p, width), np.int32)
     recv = np.full((p, p, width), r, np.int32)
