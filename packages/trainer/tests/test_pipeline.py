@@ -57,6 +57,11 @@ STAGES = {
     "uneven: 3 layers over stage=2 x data=4": {
         **STAGE2, "ici_data_parallelism": "4", "base_num_decoder_layers": "4",
     },
+    # DeepSeek-V3's layout in small, uneven: the padding slot's all-to-alls run too.
+    "uneven: 3 layers over stage=2 x expert=2 x data=2": {
+        **STAGE2, "ici_expert_parallelism": "2", "ici_data_parallelism": "2",
+        "base_num_decoder_layers": "4",
+    },
     "uneven: 5 layers over stage=2 x data=4, circular (2 repeats)": {
         **STAGE2, "ici_data_parallelism": "4", "base_num_decoder_layers": "6",
         "num_pipeline_repeats": "2",
