@@ -400,6 +400,36 @@ def test_an_uneven_checkpoint_holds_the_real_layers(tmp_path, saved_on, resumed_
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow  # one compile of the tiny model and two steps
+def test_uneven_padding_stays_zero_through_training():
+    # AdamW on a zero gradient (weight decay on zero weights) leaves the padding slots
+    # zero: parameters, router biases and both moments, after two steps.
+    import jax
+
+    from trainer.run import run as run_lib
+
+    keys = {
+        **MODEL,
+        "model_name": "tagtrain-tiny",
+        "dtype": "float32",
+        "base_num_decoder_layers": "4",
+        "ici_pipeline_parallelism": "2",
+        "per_device_batch_size": "1",
+        "steps": "2",
+        "adam_weight_decay": "0.1",
+    }
+    run = run_lib.setup(make_config(keys))
+    run_lib.compile_step(run)
+    run_lib.train(run)
+    padding = np.delete(np.arange(4), list(layer_slots(3, 2)))
+    stacks = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(run.state)[0]:
+        if "moe_layers" in jax.tree_util.keystr(path) and leaf.shape[:1] == (4,):
+            stacks += 1
+            assert not np.asarray(leaf)[padding].any(), jax.tree_util.keystr(path)
+    assert stacks > 10  # the parameters, the biases and Adam's two moments of them
+
+
 AOT_LAYOUTS = {
     "stage=2 x data=4": {},
     # DeepSeek-V3's layout in small: expert parallelism inside the stages.
