@@ -434,6 +434,12 @@ AOT_LAYOUTS = {
     "stage=2 x data=4": {},
     # DeepSeek-V3's layout in small: expert parallelism inside the stages.
     "stage=2 x expert=2 x data=2": {"ici_expert_parallelism": "2", "ici_data_parallelism": "2"},
+    # Uneven: 3 MoE layers in 2 chunks of 2 slots (the padding slot runs, thrown away).
+    "uneven: 3 layers over stage=2 x expert=2 x data=2": {
+        "ici_expert_parallelism": "2",
+        "ici_data_parallelism": "2",
+        "base_num_decoder_layers": "4",
+    },
 }
 
 
