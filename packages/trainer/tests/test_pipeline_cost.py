@@ -51,6 +51,17 @@ def test_bubble_and_layers_on_every_stage_raise_compute():
     assert deferred.exposed_seconds >= pipe.wire_seconds > 0
 
 
+def test_uneven_stages_pay_for_their_padding_slots():
+    # 3 MoE layers over 2 stages: 2 chunks of 2 slots, one padding slot that runs too.
+    keys = {**TWO_STAGES, "base_num_decoder_layers": "4"}
+    pipe = staged(**keys).pipeline
+    config = make_config({**MODEL, **keys})
+    whole = flops.training_flops_per_token(config.model, config.data)
+    moe = flops.pipelined_flops_per_token(config.model, config.data)
+    expected = pipe.unstaged_compute_seconds * (moe * 4 / 3 * 5 / 4 + 2 * (whole - moe)) / whole
+    assert pipe.compute_seconds == pytest.approx(expected)
+
+
 def test_more_microbatches_shrink_the_bubble_not_the_bytes_per_hop():
     four = staged(**TWO_STAGES).pipeline
     eight = staged(**TWO_STAGES, gradient_accumulation_steps="8").pipeline

@@ -2,7 +2,8 @@
 
 The stages are the 'stage' mesh axis (ici_pipeline_parallelism x
 dcn_pipeline_parallelism, `mesh_shape`); the MoE layers split over them
-(model/pipeline.py). Inside the stages compose: data, dcn_data, ZeRO-1, fsdp and
+(model/pipeline.py), in stages x repeats chunks of equal slots, padded where they do
+not divide the layers (`layer_slots`). Inside the stages compose: data, dcn_data, ZeRO-1, fsdp and
 dcn_fsdp (weights gathered once per step) and expert (expert parallelism, with
 expert_shard_attention_option=fsdp). tensor, tensor_transpose and context split a
 layer's compute and are refused. What does not compose is refused here in one line
@@ -40,6 +41,38 @@ def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
     return (stages - 1) / (microbatches * repeats + stages - 1)
 
 
+def stage_count(config: Config) -> int:
+    """The 'stage' axis' size the config asks for (ici x dcn pipeline parallelism)."""
+    return config.ici_pipeline_parallelism * config.dcn_pipeline_parallelism
+
+
+def slots_per_chunk(layers: int, stages: int, repeats: int = 1) -> int:
+    """Layer slots in each of the stages x repeats chunks: ceil(layers / chunks)."""
+    return -(-layers // (stages * repeats))
+
+
+def padded_layers(layers: int, stages: int, repeats: int = 1) -> int:
+    """Slots of the pipeline's stack: stages x repeats chunks of `slots_per_chunk`."""
+    return stages * repeats * slots_per_chunk(layers, stages, repeats)
+
+
+def layer_slots(layers: int, stages: int, repeats: int = 1) -> tuple[int, ...]:
+    """The slot of each MoE layer in the pipeline's padded stack of stages x repeats
+    chunks of `slots_per_chunk` slots (chunk j runs on stage j mod stages as its repeat
+    j // stages, model/pipeline.py). Uneven stages: the stack has chunks x c - layers
+    padding slots, one at the end of each of the last chunks, so the real layers stay
+    in the model's order, consecutive within a chunk, and chunks differ by at most one
+    real layer. Without padding (or stages 1) slot i is layer i."""
+    chunks = stages * repeats
+    c = slots_per_chunk(layers, stages, repeats)
+    full = chunks - (chunks * c - layers)  # the first chunks: c real layers each
+    out = []
+    for j in range(chunks):
+        real = c if j < full else c - 1
+        out.extend(j * c + i for i in range(real))
+    return tuple(out)
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
@@ -61,11 +94,13 @@ def check_pipeline(config: Config, sizes: dict[str, int]) -> None:
     if p == 1:
         return
     layers = config.num_moe_layers
+    # Uneven stages are padded (layer_slots); a chunk without any real layer is not.
     _require(
-        layers > 0 and layers % (p * r) == 0,
+        layers >= p * r,
         f"{stage_keys} = {p} stages x num_pipeline_repeats={r}: the {layers} MoE layers "
         f"(base_num_decoder_layers={config.base_num_decoder_layers} - first_num_dense_layers="
-        f"{config.first_num_dense_layers}) must split into {p * r} equal chunks",
+        f"{config.first_num_dense_layers}) are fewer than the {p * r} chunks: some chunk "
+        "would hold no layer",
     )
     _require(
         m >= p,

@@ -26,6 +26,7 @@ from trainer import model as model_lib
 from trainer.config import Config, ConfigError, hf_map, make_config, mesh_shape
 from trainer.hf import export_config, keys, notes, safetensors, stream
 from trainer.hf import peft as peft  # the PEFT adapter format (hf.peft.save_adapter)
+from trainer.model import pipeline_slots
 from trainer.sharding import ShardCtx, logical_rules, make_mesh
 
 # Shards above this size get split (transformers' default max_shard_size is 5 GB).
@@ -72,12 +73,15 @@ def import_params(
     or not used (hf.notes)."""
     model = model or model_lib.define(config.model, ctx)
     params_abs, router_abs = model_lib.abstract_state(model, ctx)
-    targets = {"params": params_abs, "router": router_abs}
+    padded = {"params": params_abs, "router": router_abs}
+    # Uneven pipeline stages: the L real MoE layers read, then put in their slots.
+    targets = pipeline_slots.stored_abstract(padded, model.moe_layout)
     plan = plan_import(path, config, targets)
     if progress:
         for note in notes.lines(hf_map.read_config_json(path), config):
             print(f"hf import: {note}", file=sys.stderr, flush=True)
-    return stream.import_leaves(plan, targets, progress, config.hf_check_finite)
+    trees = stream.import_leaves(plan, targets, progress, config.hf_check_finite)
+    return pipeline_slots.to_slots(trees, padded, model.moe_layout)
 
 
 def load(

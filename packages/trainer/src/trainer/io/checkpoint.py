@@ -60,6 +60,7 @@ from trainer.io.checkpoint_keys import (
     CheckpointRestoreError,
     CheckpointSaveError,
 )
+from trainer.model import pipeline_slots
 
 
 def _quiet_orbax_info(record: logging.LogRecord) -> bool:
@@ -211,8 +212,14 @@ class Checkpointer:
         of them is intact. ConfigError (another model's checkpoint) is not damage.
         The entries a checkpoint does not hold (NOT_SAVED) come back from `state`.
         """
-        restored = self._restore_newest_intact(persisted(state), mesh)
+        # Uneven pipeline stages: the checkpoint holds the real MoE layers only.
+        layout = pipeline_slots.config_slots(self.config)
+        target = persisted(state)
+        restored = self._restore_newest_intact(
+            pipeline_slots.stored_abstract(_abstract(target, mesh), layout), mesh
+        )
         if restored is not None:
+            restored.state = pipeline_slots.to_slots(restored.state, target, layout)
             restored.state = {**restored.state, **{k: state[k] for k in NOT_SAVED if k in state}}
         return restored
 
@@ -340,7 +347,9 @@ class Checkpointer:
         if step == self.last_saved:
             return False
         self.wait()
-        state = persisted(state)
+        # Uneven pipeline stages: the real MoE layers only, not the padded stack's
+        # slots, so the checkpoint resumes on any stage count.
+        state = pipeline_slots.to_stored(persisted(state), pipeline_slots.config_slots(self.config))
         ocp = self._ocp
         meta = {
             "step": step,

@@ -23,6 +23,7 @@ from trainer.config import (
     make_config,
 )
 from trainer.io import checkpoint_host
+from trainer.model import pipeline_slots
 
 # The keys naming where a run's first weights came from: not read again for a whole
 # model, but a LoRA run's base (export-hf).
@@ -94,7 +95,10 @@ def restore_parameters(path: str, ctx, model, adapters: bool = False) -> dict[st
     )
     if not adapters:
         _refuse_adapters_only(manager, step, path)
-    target = {"params": params, "router": router}
+    padded = {"params": params, "router": router}
+    # Uneven pipeline stages: a checkpoint holds the L real MoE layers (model/
+    # pipeline_slots.py), put in their slots of this run's padded stack once read.
+    target = pipeline_slots.stored_abstract(padded, model.moe_layout)
     # Only these two subtrees of the saved state: `partial_restore` where this orbax
     # has it, else the older spelling of the same (an empty `transforms`).
     partial = (
@@ -105,7 +109,8 @@ def restore_parameters(path: str, ctx, model, adapters: bool = False) -> dict[st
     restore = ocp.args.PyTreeRestore(
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), **partial
     )
-    return manager.restore(step, args=ocp.args.Composite(state=restore)).state
+    restored = manager.restore(step, args=ocp.args.Composite(state=restore)).state
+    return pipeline_slots.to_slots(restored, padded, model.moe_layout)
 
 
 def lora_base(config: Config, paths: dict[str, str], ctx, model) -> tuple[dict, dict]:

@@ -23,6 +23,8 @@ from trainer.model.params import (
     summed_in_use_of,
     use_dtype_of,
 )
+from trainer.model.pipeline import stages
+from trainer.model.pipeline_slots import Slots, pad_rows, stack_slots
 from trainer.sharding import ShardCtx
 
 # Top-level parameter groups stacked on a leading 'layers' axis (the MTP depths too).
@@ -49,6 +51,9 @@ class ModelDef:
     adapter_template: Any = None
     adapter_logical: dict = dataclasses.field(default_factory=dict)
     lora_scale: float = 1.0
+    # Uneven pipeline stages: the padded MoE stack's layout (model/pipeline_slots.py;
+    # None: not padded).
+    moe_layout: Slots | None = None
 
     @property
     def lora(self) -> bool:
@@ -95,6 +100,7 @@ def define(config: ModelConfig, ctx: ShardCtx) -> ModelDef:
         adapter_template=adapters,
         adapter_logical=_logical_tree(adapters),
         lora_scale=config.lora_alpha / config.lora_rank if config.lora_rank else 1.0,
+        moe_layout=stack_slots(config, stages(ctx), ctx.pipeline_repeats),
     )
 
 
@@ -168,14 +174,19 @@ def merged(model: ModelDef, params: dict, adapters: dict) -> dict:
     return merged_params(params, adapters, model.lora_scale) if model.lora else params
 
 
-def _host_init(template: nnx.State, abstract: dict, seed: int) -> dict:
+def _host_init(template: nnx.State, abstract: dict, seed: int, layout: Slots | None = None) -> dict:
     out: dict = {}
     for path, variable in nnx.to_flat_state(template):
         node_abs, node = abstract, out
         for key in path[:-1]:
             node_abs, node = node_abs[key], node.setdefault(key, {})
         target = node_abs[path[-1]]
-        value = host_value(variable, path, seed).astype(target.dtype)
+        if layout is not None and path[0] == PIPELINED:
+            # The real layers drawn as without stages (L rows), zeros in the padding.
+            value = pad_rows(host_value(variable, path, seed, layout.layers), layout)
+        else:
+            value = host_value(variable, path, seed)
+        value = value.astype(target.dtype)
         node[path[-1]] = jax.make_array_from_callback(
             value.shape, target.sharding, lambda index, value=value: value[index]
         )
@@ -187,8 +198,8 @@ def init(ctx: ShardCtx, model: ModelDef, seed: int) -> tuple[dict, dict]:
     their shardings."""
     params_abs, router_abs = abstract_state(model, ctx)
     return (
-        _host_init(model.param_template, params_abs, seed),
-        _host_init(model.router_template, router_abs, seed),
+        _host_init(model.param_template, params_abs, seed, model.moe_layout),
+        _host_init(model.router_template, router_abs, seed, model.moe_layout),
     )
 
 

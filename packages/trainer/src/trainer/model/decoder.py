@@ -11,7 +11,7 @@ from flax import nnx
 import accum
 import pspec_tags as pt
 from trainer.config import ModelConfig
-from trainer.model import lora, pipeline
+from trainer.model import lora, pipeline, pipeline_slots
 from trainer.model.attention import MLA
 from trainer.model.layers import BSE, MLP, RMSNorm
 from trainer.model.moe_block import moe_layer
@@ -161,7 +161,11 @@ class Decoder(nnx.Module):
         if config.first_num_dense_layers:
             self.dense_layers = _stack(config, ctx, False, config.first_num_dense_layers, rngs)
         if config.num_moe_layers:
-            self.moe_layers = _stack(config, ctx, True, config.num_moe_layers, rngs)
+            # Uneven pipeline stages: the stack padded to equal chunks (model.init
+            # draws the real layers' rows as without stages, zeros in the padding).
+            layout = pipeline_slots.stack_slots(config, pipeline.stages(ctx), ctx.pipeline_repeats)
+            count = layout.size if layout else config.num_moe_layers
+            self.moe_layers = _stack(config, ctx, True, count, rngs)
         self.final_norm = RMSNorm(d, config.normalization_layer_epsilon, rngs=rngs)
         self.logits_DxV = param(rngs, (d, config.vocab_size), NAMES.logits_kernel)
         if config.mtp_num_layers:
@@ -214,6 +218,9 @@ class Decoder(nnx.Module):
             ctx=self.ctx,
             microbatches=self.ctx.pipeline_microbatches,
             repeats=self.ctx.pipeline_repeats,
+            layout=pipeline_slots.stack_slots(
+                c, pipeline.stages(self.ctx), self.ctx.pipeline_repeats
+            ),
             remat=lambda body: _remat(body, c),
         )
 

@@ -72,15 +72,21 @@ def param(
     return kind(value, **metadata)
 
 
-def host_value(variable: nnx.Variable, path: tuple, seed: int) -> np.ndarray:
+def host_value(
+    variable: nnx.Variable, path: tuple, seed: int, rows: int | None = None
+) -> np.ndarray:
     """The variable's initial value drawn on the host, deterministic in (seed, path).
 
     Host drawing keeps start-up cheap (compiling a jitted init of every random
     parameter took longer than compiling the train step) and makes the values
     independent of the mesh, so sharded and single-device runs start equal.
+    `rows`: draw that many rows of a stacked variable (its real layers, when the
+    stack is padded for uneven pipeline stages: model/pipeline_slots.py).
     """
     abstract = variable.get_value()
     shape, dtype = abstract.shape, np.dtype(abstract.dtype)
+    if rows is not None:
+        shape = (rows, *shape[1:])
     recipe = variable.get_metadata().get(INIT, ("zeros",))
     if recipe[0] == "ones":
         return np.ones(shape, dtype)

@@ -1,7 +1,10 @@
 """Pipeline parallelism: the MoE layers split into stages on the 'stage' mesh axis.
 
 The stacked MoE layers (leading layer dim, `model/decoder.py`) are sharded over
-'stage' on that dim: stage s holds layers [s x L/p, (s+1) x L/p). The step's
+'stage' on that dim: stage s holds slots [s x S/p, (s+1) x S/p) of the S-slot
+stack (S = L, or with uneven stages L padded to p x r equal chunks:
+`config.pipeline.layer_slots`, `model/pipeline_slots.py`; a padding slot passes
+its input through). The step's
 microbatches (the gradient accumulation's, `accum.split_microbatches`' rows) go
 through a GPipe schedule of m + p - 1 iterations: in each, every stage runs its
 layers on the microbatch it holds and passes the result to the next stage by one
@@ -59,6 +62,7 @@ import accum
 import pspec_tags as pt
 from trainer.config import STAGE_AXIS
 from trainer.model.params import logical_axes_of
+from trainer.model.pipeline_slots import Slots
 from trainer.sharding import ShardCtx
 
 # MoE statistics the pipeline returns: per layer and token shard, summed over the
@@ -132,7 +136,8 @@ def circular_tables(p: int, r: int) -> tuple[np.ndarray, np.ndarray]:
     to stage b + d mod p): `send[d, b]` the local chunks b sends, `recv[d, s]` the
     repeats they become on s (`r` pads: a slot thrown away). Chunk c of the layer
     stack (layers c x lps ...) is stored on stage c // r (the contiguous sharding)
-    and run by stage c mod p as its repeat c // p."""
+    and run by stage c mod p as its repeat c // p (with uneven stages, c slots of the
+    padded stack: config.pipeline.layer_slots)."""
     width = -(-r // p)  # the most chunks one stage sends another
     send = np.zeros((p, p, width), np.int32)
     recv = np.full((p, p, width), r, np.int32)
@@ -193,6 +198,7 @@ def run_pipeline(
     ctx: ShardCtx,
     microbatches: int,
     repeats: int = 1,
+    layout: Slots | None = None,
     remat,
 ) -> tuple[jax.Array, dict]:
     """The stacked layers `state` (layer dim sharded over 'stage') run as a GPipe
@@ -200,6 +206,8 @@ def run_pipeline(
 
     `graphdef`: one layer's module built with the 'manual' ShardCtx (it runs per
     device); `remat`: the configured rematerialization applied to one layer.
+    `layout`: uneven stages' padded stack (model/pipeline_slots.py): its padding
+    slots pass their input through (zero gradient) and their stats are dropped.
     Returns (x_BxSxD, MoE stats stacked over the layers) like the unpipelined scan.
     """
     m, p, r = microbatches, stages(ctx), repeats
@@ -221,13 +229,23 @@ def run_pipeline(
 
     layer = remat(layer)
 
-    def stage_layers(local_state, x, positions, segments):
-        def body(x, layer_state):
+    # Uneven stages: which slot of each chunk (in layer order) holds a real layer.
+    real_table = None if layout is None else jnp.asarray(_real_table(layout, p * r))
+
+    def stage_layers(local_state, x, positions, segments, real=None):
+        def body(x, slot):
+            layer_state, is_real = slot
             y, stats = layer(x, layer_state, positions, segments)
-            return y, {k: stats[k] for k in (*SUMMED_STATS, *MEAN_STATS) if k in stats}
+            stats = {k: stats[k] for k in (*SUMMED_STATS, *MEAN_STATS) if k in stats}
+            if is_real is None:
+                return y, stats
+            # A padding slot (zero weights) passes x through: its weights' cotangent
+            # is zero, so AdamW keeps them zero; its stats are zeros, dropped later.
+            y = jnp.where(is_real, y, x)
+            return y, jax.tree.map(lambda v: jnp.where(is_real, v, jnp.zeros_like(v)), stats)
 
         # The stage's own layers make x its own: varying over 'stage' from the start.
-        return lax.scan(body, _varying(x, (STAGE_AXIS,)), local_state)
+        return lax.scan(body, _varying(x, (STAGE_AXIS,)), (local_state, real))
 
     def per_device(local_state, rows):
         # TAG: the layers' parameters cast to vary over the token axes once, before
@@ -284,12 +302,15 @@ def run_pipeline(
             # This stage holds pass t - stage: repeat (t - stage) // m, or the bubble.
             repeat = jnp.clip((t - stage) // m, 0, r - 1)
             chunk = jax.tree.map(lambda w: lax.dynamic_index_in_dim(w, repeat, 0, False), chunks)
-            y, stats = stage_layers(chunk, current["x"], current["positions"], current["segments"])
-            real = jnp.logical_and(t - stage >= 0, t - stage < m * r)
+            real = None if real_table is None else real_table[repeat * p + stage]
+            y, stats = stage_layers(
+                chunk, current["x"], current["positions"], current["segments"], real
+            )
+            busy = jnp.logical_and(t - stage >= 0, t - stage < m * r)
             stats_sum = jax.tree.map(
                 lambda acc, v: lax.dynamic_update_index_in_dim(
                     acc,
-                    lax.dynamic_index_in_dim(acc, repeat, 0, False) + jnp.where(real, v, 0),
+                    lax.dynamic_index_in_dim(acc, repeat, 0, False) + jnp.where(busy, v, 0),
                     repeat,
                     0,
                 ),
@@ -331,4 +352,23 @@ def run_pipeline(
         out_specs=(x_spec, out_stats_specs),
     )
     outputs, stats = mapped(state, inputs)
+    if layout is not None:
+        # The real layers' stats, in layer order: per-layer stats stay L long.
+        stats = {k: _real_rows(v, layout) for k, v in stats.items()}
     return _merge_microbatches(outputs, pt.spec_of(x_BxSxD)), stats
+
+
+def _real_table(layout: Slots, chunks: int) -> np.ndarray:
+    """(chunks, slots per chunk) bools: which slots of the padded stack are layers."""
+    real = np.zeros(layout.size, bool)
+    real[np.asarray(layout.slots)] = True
+    return real.reshape(chunks, -1)
+
+
+def _real_rows(v: jax.Array, layout: Slots) -> jax.Array:
+    """`v`'s rows of the real layers (its leading dim the padded stack's slots)."""
+    spec = pt.spec_of(v)
+    if spec is not None:
+        # The layer dim whole first: L rows need not split over 'stage'.
+        v = jax.sharding.reshard(v, P(None, *pt.partitions(spec)[1:]))
+    return jnp.take(v, jnp.asarray(layout.slots), axis=0)

@@ -9,7 +9,12 @@ import hlo_tools
 import moe_kernels
 from trainer.config import STAGE_AXIS, AccumulationConfig, DataConfig, ModelConfig, lora_targets
 from trainer.config.moe_map import moe_config
-from trainer.config.pipeline import bubble_fraction, pipeline_microbatches
+from trainer.config.pipeline import (
+    bubble_fraction,
+    padded_layers,
+    pipeline_microbatches,
+    slots_per_chunk,
+)
 from trainer.model import flops
 
 MIB = 1024 * 1024
@@ -85,8 +90,17 @@ def pipeline_lines(config, sizes: dict[str, int]) -> list[str]:
     r = config.num_pipeline_repeats
     bubble = bubble_fraction(p, m, r)
     schedule = "GPipe" if r == 1 else f"circular, {r} repeats"
+    layers = config.num_moe_layers
+    c, padded = slots_per_chunk(layers, p, r), padded_layers(layers, p, r)
+    # Uneven stages: the padding slots, one at the end of each of the last chunks.
+    uneven = (
+        f" (uneven: {layers} MoE layers in {padded} slots, {padded - layers} padding = "
+        f"{(padded - layers) / padded:.1%}, the last slot of the last {padded - layers} chunks)"
+        if padded != layers
+        else ""
+    )
     return [
-        f"pipeline: {p} stages x {config.num_moe_layers // (p * r)} MoE layers per chunk "
+        f"pipeline: {p} stages x {c} MoE layer slots per chunk{uneven} "
         f"({schedule}), {m} microbatches, {m * r + p - 1} iterations: bubble "
         f"(p-1)/(m x repeats+p-1) = {p - 1}/{m * r + p - 1} = {bubble:.1%}; embedding, "
         "dense layers, output layer and MTP run on every stage",

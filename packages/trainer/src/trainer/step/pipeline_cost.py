@@ -7,10 +7,12 @@ the batch axes; it knows nothing of the 'stage' axis, which reduces no gradient
 `plan-reduction` price deferred (the one policy that composes) with these terms
 added (`with_stages`):
 
-- compute: each stage chip runs its 1/p of the MoE layers over its batch shard's
-  tokens (p x a stage-less chip's, as 'stage' is not a batch axis) for
-  (m x r + p - 1) / (m x r) of the time the work alone would take (the bubble),
-  and the embedding, dense layers, output layer and MTP over all those tokens;
+- compute: each stage chip runs its r chunks of c slots (1/p of the MoE layers,
+  uneven stages' padding slots included: they compute too, their output thrown
+  away) over its batch shard's tokens (p x a stage-less chip's, as 'stage' is not a
+  batch axis) for (m x r + p - 1) / (m x r) of the time the work alone would take
+  (the bubble), and the embedding, dense layers, output layer and MTP over all
+  those tokens;
 - collective-permutes over 'stage', counted as hlo_tools counts operand bytes:
   per pipeline iteration (m x r + p - 1 of them) the microbatch's activations
   and its positions and segments (int32) forward, the activations' cotangent
@@ -39,7 +41,7 @@ import numpy as np
 from accum import cost as cost_lib
 from accum.hardware import Hardware
 from trainer.config import STAGE_AXIS, Config
-from trainer.config.pipeline import bubble_fraction, pipeline_microbatches
+from trainer.config.pipeline import bubble_fraction, padded_layers, pipeline_microbatches
 from trainer.config.validate import batch_shard_count
 from trainer.model import flops
 
@@ -86,8 +88,9 @@ def tokens_per_hop(config: Config, sizes: dict[str, int]) -> int:
 def relayout_bytes(leaves: Any, logical: Any, stages: int, repeats: int) -> int:
     """Bytes circular stages move one way per step for the leaves of `leaves` (arrays or
     ShapeDtypeStructs, with their `logical` axes) stacked in the pipelined stack
-    ('stage_layers' first): (p - 1) rounds of ceil(r / p) chunks of L / (p x r)
-    layers. 0 for GPipe (r = 1)."""
+    ('stage_layers' first): (p - 1) rounds of ceil(r / p) chunks of c slots (the
+    padded stack's rows / (p x r): uneven stages' padding travels too). 0 for GPipe
+    (r = 1)."""
     if repeats == 1:
         return 0
     width = -(-repeats // stages)
@@ -126,7 +129,10 @@ def pipeline_cost(
     whole = flops.training_flops_per_token(config.model, config.data)
     staged = flops.pipelined_flops_per_token(config.model, config.data)
     rest = whole - staged
-    compute = tokens_per_chip * (staged * iterations / (m * r) + p * rest) / hw.peak_flops
+    # Slot-time: uneven stages run their padding slots too (p x r x c slots for L layers).
+    layers = config.num_moe_layers
+    slots = padded_layers(layers, p, r) / layers
+    compute = tokens_per_chip * (staged * slots * iterations / (m * r) + p * rest) / hw.peak_flops
     link = cost_lib.DCN if config.dcn_pipeline_parallelism > 1 else cost_lib.ICI
     bandwidth = hw.dcn_bytes_per_s if link == cost_lib.DCN else hw.ici_bytes_per_s
     # A ring all-reduce puts 2(p-1)/p of its operand on each chip's link.

@@ -163,7 +163,7 @@ def mtp_loss_scales(model: ModelConfig, batch: dict, ctx: ShardCtx) -> jax.Array
 
 
 def _update_router(
-    model: ModelConfig, router: dict, tokens_per_expert_LxE, mtp_tokens=None
+    model: ModelConfig, router: dict, tokens_per_expert_LxE, mtp_tokens=None, layout=None
 ) -> dict:
     if not router or model.routed_bias_update_rate == 0:
         return router
@@ -179,6 +179,14 @@ def _update_router(
         ffn = group["ffn"]
         return {**group, "ffn": {**ffn, "bias": update(ffn["bias"], tokens)}}
 
+    if layout is not None:
+        # Uneven pipeline stages: the biases' padded stack (model/pipeline_slots.py);
+        # its padding slots count no token, which leaves their biases as they are.
+        padded = jnp.zeros((layout.size, *tokens_per_expert_LxE.shape[1:]), jnp.float32)
+        tokens_per_expert_LxE = padded.at[jnp.asarray(layout.slots)].set(tokens_per_expert_LxE)
+        spec = pt.spec_of(router["moe_layers"]["ffn"]["bias"])
+        if spec is not None:  # explicit mode: laid out as the biases (over 'stage')
+            tokens_per_expert_LxE = jax.sharding.reshard(tokens_per_expert_LxE, spec)
     new = {"moe_layers": updated(router["moe_layers"], tokens_per_expert_LxE)}
     if "mtp" in router:
         new["mtp"] = {"block": updated(router["mtp"]["block"], mtp_tokens)}
@@ -269,7 +277,7 @@ def make_step(
             grad_shardings=grad_shardings,
             accum_dtype=jnp.dtype(accumulation.accum_dtype),
         )
-        return apply_gradients(model, training, tx, state, loss, aux, grads)
+        return apply_gradients(model, training, tx, state, loss, aux, grads, model_def.moe_layout)
 
     return StepFns(init_opt_state=tx.init, step=step)
 
@@ -297,9 +305,11 @@ def apply_gradients(
     loss,
     aux: dict,
     grads,
+    moe_layout=None,
 ) -> tuple[dict, dict]:
     """The rest of a step once the batch's gradients are reduced: AdamW, router
-    biases, step counter and metrics. `aux` is `loss_fn`'s, summed over the batch."""
+    biases, step counter and metrics. `aux` is `loss_fn`'s, summed over the batch.
+    `moe_layout`: the padded MoE stack of uneven pipeline stages (ModelDef.moe_layout)."""
     # The gradients as the optimizer sees them, in the parameters' dtype
     # (weight_dtype; accum.optimizer_update casts the same way): grad_norm's input.
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state["params"])
@@ -311,7 +321,7 @@ def apply_gradients(
     router = (
         state["router"]
         if tokens is None
-        else _update_router(model, state["router"], tokens, mtp_tokens)
+        else _update_router(model, state["router"], tokens, mtp_tokens, moe_layout)
     )
     weight = jnp.maximum(aux["weight"], 1.0)
     metrics = {
