@@ -1,0 +1,189 @@
+"""DeepSeek-V3's pipeline layout compiled from this CPU host: 16 stages, experts, ZeRO-1.
+
+Issue 57, item 5. deepseek3-671b (61 layers: 3 dense, 58 MoE over 16 stages, so
+uneven: model/pipeline.py's slot layout) compiled for 2048 chips, as DeepSeek-V3 was
+trained (16-way pipeline x 64-way expert x 2-way ZeRO-1 data parallelism):
+
+- TPU v5p: 16 slices of v5p-256 (128 chips each), the stages across the slices
+  (dcn_pipeline_parallelism=16), 64-way expert and 2-way data parallelism inside a
+  slice, ZeRO-1 over data;
+- H100: 256 hosts of 8 GPUs (h100-8 x 256), the stages across hosts. The expert axis
+  is an in-slice (here: in-host) axis, so experts split 8 ways inside a host, not 64
+  ways over 8 hosts as DeepSeek did; the batch splits 16 ways over the hosts
+  (dcn_data_parallelism=16), ZeRO-1 over it.
+
+Both: bf16 weights (f32 optimizer state), capacity_factor 1.25, remat full, one
+4096-token sequence per batch shard per microbatch, 32 microbatches (the bubble
+15/47). Per device: compiled memory against HBM, collective bytes per step inside
+the loops and outside them by kind (hlo_tools, trip-count weighted), the gradient
+reductions inside loops (0: once per step, after the pipeline loop), compile time.
+
+Writes benchmarks/results/aot_pipeline.md and .csv. Needs libtpu and the GPU plugin:
+
+    JAX_PLATFORMS=cpu uv run --extra tpu --extra gpu python benchmarks/bench_aot_pipeline.py
+
+`--only NAME` compiles one row (a substring of its label).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+
+# Another process (a test run) may hold libtpu; compile-only use can share it.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import benchlib as bl  # noqa: E402
+
+COMMAND = "JAX_PLATFORMS=cpu uv run --extra tpu --extra gpu python benchmarks/bench_aot_pipeline.py"
+# DeepSeek-V3's model with the project's 671b layout choices (tests/layouts.py).
+COMMON = {
+    "model_name": "deepseek3-671b",
+    "weight_dtype": "bfloat16",
+    "capacity_factor": "1.25",
+    "remat_policy": "full",
+    "shard_optimizer_over_data": "true",
+    "gradient_accumulation_steps": "32",
+    # 2048 devices x 1/16 = 128 sequences per microbatch: one per batch shard.
+    "per_device_batch_size": "0.0625",
+}
+ROWS = {
+    "v5p-256 x 16 slices: 16 stages x 64 expert x 2 data": {
+        "compile_topology": "v5p-256",
+        "compile_topology_num_slices": "16",
+        "dcn_pipeline_parallelism": "16",
+        "ici_expert_parallelism": "64",
+        "ici_data_parallelism": "2",
+    },
+    "h100-8 x 256 hosts: 16 stages x 8 expert x 16 data": {
+        "compile_topology": "h100-8",
+        "compile_topology_num_slices": "256",
+        "dcn_pipeline_parallelism": "16",
+        "dcn_data_parallelism": "16",
+        "ici_expert_parallelism": "8",
+        "ici_data_parallelism": "1",
+    },
+}
+
+
+def compile_row(overrides: dict) -> dict:
+    """One layout compiled: memory, collective bytes by kind and place, in-loop
+    gradient reductions, the startup pipeline line, compile seconds."""
+    import hlo_tools
+    from trainer.config import make_config
+    from trainer.run import aot
+
+    config = make_config({**overrides, "base_output_directory": tempfile.mkdtemp()})
+    start = time.perf_counter()
+    result = aot.compile_for_topology(config)
+    seconds = time.perf_counter() - start
+    text = result.compiled.as_text()
+    module = hlo_tools.parse(text)
+    traffic = hlo_tools.traffic(module)
+    row = {
+        "mesh": ", ".join(f"{a}={n}" for a, n in result.run.ctx.mesh.shape.items() if n > 1),
+        "devices": module.num_devices,
+        "memory_bytes": result.memory["total"],
+        "hbm_bytes": result.hbm_bytes,
+        "compile_s": seconds,
+        "tree": bl.revision(),
+        "pipeline": next(
+            (line for line in aot.report_lines(result) if line.startswith("pipeline:")), ""
+        ),
+    }
+    # By kind: a cross-slice hop of the TPU program is a megascale send ("one-to-one").
+    row["kinds"] = {
+        where: {kind: r["bytes_per_step"] for kind, r in traffic[where].items()}
+        for where in ("in_loop", "outside")
+    }
+    slices = hlo_tools.slice_traffic(module, result.num_slices, module.num_devices)
+    row["cross_slice"] = slices["cross_slice"] if result.num_slices > 1 else None
+    # Gradient reductions inside a loop (float arrays of more than 8 elements): 0 when
+    # every gradient is reduced once per step, after the pipeline loop.
+    row["reductions_in_loop"] = sum(
+        c.bytes * (c.multiplier or 1)
+        for c in hlo_tools.collectives(module)
+        if c.in_loop
+        and c.kind in hlo_tools.REDUCTION_KINDS
+        and c.elements > 8
+        and not c.dtype.startswith(("s", "u", "pred"))
+    )
+    return row
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:.2f}"
+
+
+def _cells(label: str, row: dict) -> list[str]:
+    if "error" in row:
+        return [label, "fails: " + row["error"][:200]] + [""] * 7
+    fits = "fits" if row["memory_bytes"] <= row["hbm_bytes"] else "DOES NOT FIT"
+    inside, outside = (
+        ", ".join(f"{k} {bl.mib(b)}" for k, b in sorted(row["kinds"][where].items()) if b)
+        for where in ("in_loop", "outside")
+    )
+    cross = row["cross_slice"]
+    return [
+        label,
+        row["mesh"],
+        f"{_gib(row['memory_bytes'])} of {_gib(row['hbm_bytes'])} ({fits})",
+        inside,
+        outside,
+        f"{bl.mib(cross['in_loop'])} / {bl.mib(cross['outside'])}" if cross else "-",
+        bl.mib(row["reductions_in_loop"]),
+        f"{row['compile_s']:.0f}",
+    ]
+
+
+def main() -> int:
+    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else ""
+    rows = {}
+    for label, layout in ROWS.items():
+        if only not in label:
+            continue
+        try:
+            rows[label] = compile_row({**COMMON, **layout})
+        except Exception as error:  # a layout that does not compile is reported, not fatal
+            rows[label] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0]}"}
+        print(label, rows[label], flush=True)
+    lines = bl.header(
+        "DeepSeek-V3's pipeline layout, compiled for 2048 chips (AOT, no device)",
+        COMMAND,
+        [
+            "deepseek3-671b: 3 dense + 58 MoE layers, 16 stages (uneven: 4 slots a stage, "
+            "6 of the 64 padding), bf16 weights, f32 optimizer state (ZeRO-1 over data), "
+            "capacity_factor 1.25, remat full, GA=32 (the pipeline's 32 microbatches, "
+            "bubble 15/47), one 4096-token sequence per batch shard per microbatch",
+            "bytes per step per device, trip-count weighted (hlo_tools), by kind (a TPU "
+            "program's hop to another slice is a megascale send, 'one-to-one'); 'gradient "
+            "reductions in loops': all-reduce/reduce-scatter of float arrays inside any "
+            "loop (0: every gradient reduced once per step, after the pipeline loop)",
+            "H100: the expert axis splits inside a host (8 GPUs), not across 8 hosts as "
+            "DeepSeek-V3's 64-way expert parallelism did: the trainer's expert axis is an "
+            "in-slice axis",
+            "compiled at " + ", ".join(dict.fromkeys(r.get("tree", "?") for r in rows.values())),
+            *(f"{label}: {r['pipeline']}" for label, r in rows.items() if r.get("pipeline")),
+        ],
+    )
+    lines += bl.table(
+        [
+            "layout",
+            "mesh",
+            "memory per device (GiB)",
+            "in loops (MiB/step)",
+            "outside loops (MiB/step)",
+            "across slices/hosts, in loops / outside (MiB/step)",
+            "gradient reductions in loops (MiB)",
+            "compile s",
+        ],
+        [_cells(label, row) for label, row in rows.items()],
+    )
+    bl.write("aot_pipeline", lines, [{"layout": k, **v} for k, v in rows.items()])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
