@@ -22,11 +22,14 @@ Writes benchmarks/results/aot_pipeline.md and .csv. Needs libtpu and the GPU plu
 
     JAX_PLATFORMS=cpu uv run --extra tpu --extra gpu python benchmarks/bench_aot_pipeline.py
 
-`--only NAME` compiles one row (a substring of its label).
+`--only NAME` compiles the rows whose label holds NAME; each row's figures are kept
+under $TMPDIR/bench_aot_pipeline/, and the page shows every row kept there (each
+stamped with the tree it was compiled at), so the rows can be compiled one at a time.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -66,6 +69,13 @@ ROWS = {
         "ici_data_parallelism": "1",
     },
 }
+
+
+CACHE = os.path.join(tempfile.gettempdir(), "bench_aot_pipeline")
+
+
+def _cache_path(label: str) -> str:
+    return os.path.join(CACHE, "".join(c if c.isalnum() else "_" for c in label) + ".json")
 
 
 def compile_row(overrides: dict) -> dict:
@@ -119,7 +129,7 @@ def _gib(x: float) -> str:
 
 def _cells(label: str, row: dict) -> list[str]:
     if "error" in row:
-        return [label, "fails: " + row["error"][:200]] + [""] * 7
+        return [label, "fails: " + row["error"][:200]] + [""] * 6
     fits = "fits" if row["memory_bytes"] <= row["hbm_bytes"] else "DOES NOT FIT"
     inside, outside = (
         ", ".join(f"{k} {bl.mib(b)}" for k, b in sorted(row["kinds"][where].items()) if b)
@@ -140,15 +150,21 @@ def _cells(label: str, row: dict) -> list[str]:
 
 def main() -> int:
     only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else ""
+    os.makedirs(CACHE, exist_ok=True)
     rows = {}
     for label, layout in ROWS.items():
-        if only not in label:
-            continue
-        try:
-            rows[label] = compile_row({**COMMON, **layout})
-        except Exception as error:  # a layout that does not compile is reported, not fatal
-            rows[label] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0]}"}
-        print(label, rows[label], flush=True)
+        if only in label:
+            try:
+                row = compile_row({**COMMON, **layout})
+            except Exception as error:  # a layout that does not compile is reported, not fatal
+                row = {"error": f"{type(error).__name__}: {str(error).splitlines()[0]}"}
+                row["tree"] = bl.revision()
+            print(label, row, flush=True)
+            with open(_cache_path(label), "w") as f:
+                json.dump(row, f)
+        if os.path.exists(_cache_path(label)):
+            with open(_cache_path(label)) as f:
+                rows[label] = json.load(f)
     lines = bl.header(
         "DeepSeek-V3's pipeline layout, compiled for 2048 chips (AOT, no device)",
         COMMAND,
