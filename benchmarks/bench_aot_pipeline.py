@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -52,13 +53,24 @@ COMMON = {
     # 2048 devices x 1/16 = 128 sequences per microbatch: one per batch shard.
     "per_device_batch_size": "0.0625",
 }
+V5P = {
+    "compile_topology": "v5p-256",
+    "compile_topology_num_slices": "16",
+    "dcn_pipeline_parallelism": "16",
+    "ici_expert_parallelism": "64",
+    "ici_data_parallelism": "2",
+}
 ROWS = {
-    "v5p-256 x 16 slices: 16 stages x 64 expert x 2 data": {
-        "compile_topology": "v5p-256",
-        "compile_topology_num_slices": "16",
-        "dcn_pipeline_parallelism": "16",
-        "ici_expert_parallelism": "64",
-        "ici_data_parallelism": "2",
+    "v5p-256 x 16 slices: 16 stages x 64 expert x 2 data": V5P,
+    # Where the memory goes: the same layout without the 3 dense layers (61 MoE layers
+    # in the 64 slots), and with half the microbatches (GA=16).
+    "v5p, diagnosis: first_num_dense_layers=0": {
+        **V5P,
+        "first_num_dense_layers": "0",
+    },
+    "v5p, diagnosis: gradient_accumulation_steps=16": {
+        **V5P,
+        "gradient_accumulation_steps": "16",
     },
     "h100-8 x 256 hosts: 16 stages x 8 expert x 16 data": {
         "compile_topology": "h100-8",
@@ -129,6 +141,10 @@ def _gib(x: float) -> str:
 
 def _cells(label: str, row: dict) -> list[str]:
     if "error" in row:
+        need = re.search(r"temporaries \(([\d.]+G)\)", row["error"])
+        if need:  # XLA's refusal: the step's temporaries alone exceed the chip's HBM
+            said = f"does not fit: XLA's HLO temporaries need {need.group(1)} (RESOURCE_EXHAUSTED)"
+            return [label, "", said] + [""] * 5
         return [label, "fails: " + row["error"][:200]] + [""] * 6
     fits = "fits" if row["memory_bytes"] <= row["hbm_bytes"] else "DOES NOT FIT"
     inside, outside = (
@@ -177,6 +193,10 @@ def main() -> int:
             "program's hop to another slice is a megascale send, 'one-to-one'); 'gradient "
             "reductions in loops': all-reduce/reduce-scatter of float arrays inside any "
             "loop (0: every gradient reduced once per step, after the pipeline loop)",
+            "the diagnosis rows compile the same layout without the 3 dense layers and "
+            "with half the microbatches: how the temporaries move says where they are "
+            "(the embedding, dense layers, output head and loss run outside the pipeline, "
+            "on the step's whole batch at once: model/pipeline.py)",
             "H100: the expert axis splits inside a host (8 GPUs), not across 8 hosts as "
             "DeepSeek-V3's 64-way expert parallelism did: the trainer's expert axis is an "
             "in-slice axis",
