@@ -40,8 +40,13 @@ import numpy as np
 
 from accum import cost as cost_lib
 from accum.hardware import Hardware
-from trainer.config import STAGE_AXIS, Config
-from trainer.config.pipeline import bubble_fraction, padded_layers, pipeline_microbatches
+from trainer.config import Config
+from trainer.config.pipeline import (
+    bubble_fraction,
+    padded_layers,
+    pipeline_microbatches,
+    stage_count,
+)
 from trainer.config.validate import batch_shard_count
 from trainer.model import flops
 
@@ -64,11 +69,6 @@ class PipelineCost:
     link: str  # cost_lib.ICI or cost_lib.DCN: where the stage hops run
     link_bytes: float  # bytes each chip puts on that link
     wire_seconds: float  # their time, all exposed
-
-
-def stages_of(sizes: dict[str, int]) -> int:
-    """The 'stage' axis' size in mesh `sizes` (1: no pipeline)."""
-    return sizes.get(STAGE_AXIS, 1)
 
 
 def tokens_per_hop(config: Config, sizes: dict[str, int]) -> int:
@@ -111,15 +111,15 @@ def pipeline_cost(
     """The stages' terms for `config` on mesh `sizes` priced with `hw`'s figures (None
     without stages); `relayout`: circular stages' bytes both ways (`relayout_bytes`
     of every stacked leaf forward, of the trained ones back)."""
-    p = stages_of(sizes)
+    p = stage_count(config)
     if p == 1:
         return None
     m = pipeline_microbatches(config.parallelism, config.accumulation)
     r = config.num_pipeline_repeats
     iterations = m * r + p - 1
-    activation = tokens_per_hop(config, sizes) * config.emb_dim
-    activation_bytes = activation * np.dtype(config.dtype).itemsize
-    forward_hop = activation_bytes + 2 * tokens_per_hop(config, sizes) * POSITION_BYTES
+    tokens = tokens_per_hop(config, sizes)
+    activation_bytes = tokens * config.emb_dim * np.dtype(config.dtype).itemsize
+    forward_hop = activation_bytes + 2 * tokens * POSITION_BYTES
     in_loop = iterations * (forward_hop + activation_bytes)
     outside = 2 * activation_bytes + relayout
     reduce_bytes = m * activation_bytes

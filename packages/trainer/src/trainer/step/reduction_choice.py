@@ -29,7 +29,6 @@ from accum import cost as cost_lib
 from accum.hardware import HARDWARE, Hardware, HardwareError, hardware
 from trainer import model as model_lib
 from trainer.config import (
-    STAGE_AXIS,
     AccumulationConfig,
     Config,
     ConfigError,
@@ -37,6 +36,7 @@ from trainer.config import (
     ModelConfig,
     ParallelismConfig,
 )
+from trainer.config.pipeline import stage_count
 from trainer.model import flops
 from trainer.sharding import reduction_plan
 from trainer.step import pipeline_cost
@@ -317,7 +317,7 @@ def choose(config: Config, ctx: Any, model: Any, params: Any, devices: list | tu
     layout) of `model` (a ModelDef) on `ctx`'s mesh: accum.cost's ranking of every
     policy that applies, with the model's gradient traits. Takes the Config: the cost
     model reads the model, parallelism, accumulation and data groups."""
-    staged = dict(ctx.mesh.shape).get(STAGE_AXIS, 1) > 1
+    staged = stage_count(config) > 1
     parallelism, accumulation = config.parallelism, config.accumulation
     trained = model_lib.trained_view(model)
     if config.shard_mode != "explicit":
@@ -346,14 +346,13 @@ def stage_terms(
 ) -> pipeline_cost.PipelineCost:
     """What the stage axis adds to the step (step/pipeline_cost.py) for the `trained`
     model view's `params` on `ctx`'s mesh, priced with `hw`."""
-    sizes, r = dict(ctx.mesh.shape), config.num_pipeline_repeats
-    p = sizes[STAGE_AXIS]
+    p, r = stage_count(config), config.num_pipeline_repeats
     # Circular stages move every stacked leaf to its stage (the router biases too) and
     # send the trained ones' gradients home.
     _, router = model_lib.abstract_state(trained, ctx)
     relayout = 2 * pipeline_cost.relayout_bytes(params, trained.param_logical, p, r)
     relayout += pipeline_cost.relayout_bytes(router, trained.router_logical, p, r)
-    return pipeline_cost.pipeline_cost(config, sizes, hw, relayout)
+    return pipeline_cost.pipeline_cost(config, dict(ctx.mesh.shape), hw, relayout)
 
 
 def staged_choice(
