@@ -10,7 +10,7 @@ from flax import nnx
 
 import pspec_tags as pt
 from trainer.config import ModelConfig
-from trainer.model import attention_kernel, cudnn_attention, lora
+from trainer.model import attention_kernel, cudnn_attention, lora, splash_attention
 from trainer.model.layers import BSE, RMSNorm
 from trainer.model.params import param
 from trainer.model.rope import rope, softmax_scale
@@ -80,7 +80,9 @@ class MLA(nnx.Module):
         self._attach_lora(lora.spec_of(config), rngs)
         self.config, self.ctx = config, ctx
         self.dtype = jnp.dtype(config.dtype)
-        # "dot_product" or "cudnn_flash": attention_kernel decides "auto" once.
+        # "dot_product", "cudnn_flash" or "splash" as far as the mesh decides (a kernel
+        # asked for by name that cannot run here is refused now, before any trace);
+        # the sequence length is checked when the layer first sees one (__call__).
         self.kernel = attention_kernel.choose_kernel(config, ctx)
         # What the cuDNN call can use on these GPUs (None: not the cuDNN kernel).
         self.cudnn = (
@@ -148,8 +150,14 @@ class MLA(nnx.Module):
 
         # qk_head_dim^-0.5, with YaRN's mscale correction when rope_type=yarn.
         scale = softmax_scale(c)
-        if self.kernel == "cudnn_flash":
+        # The same policy again with the sequence length (splash needs 128-row tiles).
+        kernel = attention_kernel.choose_kernel(c, ctx, q_BxSxHxK.shape[1])
+        if kernel == "cudnn_flash":
             out_BxSxHxO = self._cudnn_flash(
+                q_BxSxHxK, k_BxUxHxK, v_BxUxHxO, segments_BxS, kv_segments_BxU, scale
+            )
+        elif kernel == "splash":
+            out_BxSxHxO = self._splash(
                 q_BxSxHxK, k_BxUxHxK, v_BxUxHxO, segments_BxS, kv_segments_BxU, scale
             )
         else:
@@ -185,25 +193,56 @@ class MLA(nnx.Module):
 
         Causal by index and within a document by segment (the packed rows'
         positions restart with each document, so this is the `_dot_product` mask).
-        Runs per shard in a shard_map over the activations' own specs (batch,
-        heads): an activation carries no tag, and the custom call needs no
-        partitioning rule (attention_kernel.py checks that the sequence is not
-        sharded). `implementation="xla"` runs the masked call through JAX's
-        reference kernel (how the CPU tests check the mask and the padding).
+        `implementation="xla"` runs the masked call through JAX's reference kernel
+        (how the CPU tests check the mask and the padding).
         """
-        ctx, cudnn = self.ctx, self.cudnn
+        cudnn = self.cudnn
 
         def local(q, k, v, seg_q, seg_kv):
             if implementation == "cudnn" and cudnn is not None and cudnn.packed:
                 return cudnn_attention.packed(q, k, v, seg_q, scale, cudnn.v_own_dim)
             return cudnn_attention.masked(q, k, v, seg_q, seg_kv, scale, implementation)
 
+        return self._per_shard(local, q, k, v, segments_BxS, kv_seg_BxU)
+
+    def _splash(self, q, k, v, segments_BxS, kv_seg_BxU, scale):
+        """Pallas's TPU flash attention (splash_attention.py): causal tiles only, no
+        (B, H, S, U) scores in memory; in Pallas's interpreter on a CPU mesh."""
+        interpret = attention_kernel.splash_interpreted(self.ctx)
+
+        def local(q, k, v, seg_q, seg_kv):
+            return splash_attention.attend(q, k, v, seg_q, seg_kv, scale, interpret)
+
+        # Unchecked: splash's pallas_calls declare no varying axes on their outputs
+        # (splash_attention.py). Its inputs and output are activations, no tags.
+        # Rematerialized: nothing inside the unchecked map is saved for the backward
+        # (its residuals, typed with no varying axes, would leave it replicated);
+        # the backward reruns the kernel's forward from q, k, v.
+        per_shard = jax.checkpoint(
+            lambda *a: self._per_shard(local, *a, check_vma=False),
+            policy=jax.checkpoint_policies.nothing_saveable,
+        )
+        return per_shard(q, k, v, segments_BxS, kv_seg_BxU)
+
+    def _per_shard(self, local, q, k, v, segments_BxS, kv_seg_BxU, check_vma=True):
+        """A fused kernel on each device's own rows and heads: in a shard_map over
+        the activations' specs (batch, heads). An activation carries no tag, and the
+        kernel needs no partitioning rule (attention_kernel refuses a sharded
+        sequence). In per-device code (the manual pipeline) it is called directly."""
+        ctx = self.ctx
         if ctx.manual:
             return local(q, k, v, segments_BxS, kv_seg_BxU)
         q_spec, kv_spec = ctx.spec(NAMES.q, q.shape), ctx.spec(NAMES.kv, k.shape)
+        # Manual over the axes the specs use and those of size > 1: an unchecked
+        # map's backward sums its inputs' cotangents over every manual axis they do
+        # not name, and a size-1 axis would still get its (empty) all-reduce.
+        sizes = dict(ctx.mesh.shape)
+        named = set(pt.mesh_axes_used(q_spec)) | set(pt.mesh_axes_used(kv_spec))
         return jax.shard_map(
             local,
             mesh=ctx.mesh,
             in_specs=(q_spec, kv_spec, kv_spec, pt.truncate(q_spec, 2), pt.truncate(kv_spec, 2)),
             out_specs=q_spec,
+            axis_names=frozenset(a for a in sizes if a in named or sizes[a] > 1),
+            check_vma=check_vma,
         )(q, k, v, segments_BxS, kv_seg_BxU)
