@@ -97,6 +97,25 @@ def test_exact_values_need_no_note():
     assert notes == []
 
 
+@pytest.mark.parametrize(
+    "given, ours",
+    [
+        ("dot_product", "dot_product"),
+        ("cudnn_flash", "cudnn_flash"),
+        ("auto", "auto"),
+        ("flash", "auto"),
+        ("autoselected", "auto"),
+        ("cudnn_flash_te", "cudnn_flash"),
+    ],
+)
+def test_attention_on_the_command_line_reaches_the_attention_key(given, ours):
+    # The `attention` key is tagtrain's own too: a command line's value is translated
+    # onto it, never absorbed (attention=dot_product must not leave auto in place).
+    overrides, _ = maxtext_compat.read_command_line([f"attention={given}"])
+    assert overrides == {"attention": ours}
+    assert make_config(overrides).model.attention == ours
+
+
 def test_every_hardware_value_names_a_jax_platform():
     choices = typing.get_args(typing.get_type_hints(Config)["hardware"])
     assert {c for c in choices if c} == set(main.PLATFORMS)

@@ -1,8 +1,9 @@
-"""MaxText's command-line pieces that have no config key here, so a copied command parses.
+"""MaxText's command-line pieces that tagtrain reads another way, so a copied command parses.
 
 A command from MaxText's docs carries things tagtrain reads another way: the path of
-MaxText's `base.yml` as first argument, and keys that pick a kernel for the same math
-(`attention`, `megablox`) or name a format (`tokenizer_type`). Each value is either
+MaxText's `base.yml` as first argument, keys that pick a kernel for the same math
+(`attention`, whose MaxText values map onto tagtrain's own `attention` key;
+`megablox`) or name a format (`tokenizer_type`). Each value is either
 accepted, because tagtrain does what it asks (with a note at startup where tagtrain
 does it by another route), or refused with one line saying why. Nothing is dropped
 silently. MaxText keys with a meaning of their own here (`hardware`,
@@ -21,47 +22,71 @@ TRUE = ("true", "1", "yes")
 FALSE = ("false", "0", "no")
 
 
-def _attention(value: str) -> str | None:
-    # MaxText picks an attention kernel; all of them compute exact softmax attention.
-    # tagtrain has one, XLA's dot-product attention: the math the others compute.
-    if value in ("dot_product", "autoselected"):
-        return None
-    if value in ("flash", "cudnn_flash_te", "cudnn_flash_jax"):
-        return (
-            f"attention={value}: tagtrain computes attention with XLA dot-product "
-            "attention (the same math, no fused kernel: more activation memory at long "
-            "sequences)"
+# MaxText's attention values -> tagtrain's `attention` key (model/attention_kernel.py).
+# Every kernel computes exact causal softmax attention; these pick the same one
+# MaxText would on that hardware.
+ATTENTION = {
+    "autoselected": "auto",
+    "dot_product": "dot_product",
+    # MaxText's flash is the fused kernel for the hardware: auto's choice (cuDNN's on a
+    # GPU; tagtrain has no TPU flash kernel, so dot_product there).
+    "flash": "auto",
+    "cudnn_flash_te": "cudnn_flash",
+    "cudnn_flash_jax": "cudnn_flash",
+}
+OWN_ATTENTION = ("auto", "dot_product", "cudnn_flash")
+
+
+def _attention(value: str) -> tuple[str | None, str | None]:
+    if value in OWN_ATTENTION:
+        return value, None
+    if value not in ATTENTION:
+        raise ConfigError(
+            f"attention={value!r} is not available: tagtrain computes exact causal "
+            f"attention with {', '.join(OWN_ATTENTION)} (MaxText's "
+            f"{', '.join(ATTENTION)} map onto them)"
         )
-    raise ConfigError(
-        f"attention={value!r} is not available: tagtrain computes exact attention "
-        "(dot_product; flash is accepted as the same math)"
-    )
+    ours = ATTENTION[value]
+    note = None
+    if value.startswith("cudnn_flash_"):
+        note = (
+            f"attention={value}: cuDNN's fused attention through JAX's cuDNN call "
+            "(attention=cudnn_flash)"
+        )
+    elif value == "flash":
+        note = (
+            "attention=flash: attention=auto (cuDNN's fused kernel on a GPU; "
+            "dot_product elsewhere: more activation memory at long sequences)"
+        )
+    return ours, note
 
 
-def _megablox(value: str) -> str | None:
+def _megablox(value: str) -> tuple[str | None, str | None]:
     lowered = value.lower()
     # megablox=false is MaxText's jax.lax.ragged_dot path: tagtrain's grouped matmul.
     if lowered in FALSE:
-        return None
+        return None, None
     if lowered in TRUE:
-        return (
+        return None, (
             "megablox=true: tagtrain's dropless grouped expert matmul is "
             "jax.lax.ragged_dot (MaxText's megablox=false; the same math)"
         )
     raise ConfigError(f"megablox={value!r} is not a boolean (true/false)")
 
 
-def _tokenizer_type(value: str) -> str | None:
+def _tokenizer_type(value: str) -> tuple[str | None, str | None]:
     # tokenizer_path names a Hugging Face tokenizer.json here (tokenizers library).
     if value == "huggingface":
-        return None
+        return None, None
     raise ConfigError(
         f"tokenizer_type={value!r} is not supported: tokenizer_path must name a "
         "Hugging Face tokenizer.json (tokenizer_type=huggingface)"
     )
 
 
-# key -> check(value) -> a startup note, or None when tagtrain does exactly that.
+# key -> check(value) -> (the value tagtrain's own key of that name takes, or None:
+# no such key, the value is absorbed; a startup note, or None when tagtrain does
+# exactly that).
 KEY_RULES: dict[str, Callable[[str], str | None]] = {
     "attention": _attention,
     "megablox": _megablox,
@@ -87,8 +112,9 @@ def strip_config_file(args: list[str]) -> tuple[list[str], list[str]]:
 
 
 def absorb(overrides: dict[str, str]) -> tuple[dict[str, str], list[str]]:
-    """`overrides` without the KEY_RULES keys, and a note per accepted value that
-    tagtrain honours by another route; ConfigError (naming the key) for the rest."""
+    """`overrides` with the KEY_RULES keys translated to tagtrain's values (or taken
+    out where tagtrain has no such key), and a note per accepted value that tagtrain
+    honours by another route; ConfigError (naming the key) for the rest."""
     kept: dict[str, str] = {}
     notes: list[str] = []
     for key, value in overrides.items():
@@ -96,7 +122,9 @@ def absorb(overrides: dict[str, str]) -> tuple[dict[str, str], list[str]]:
         if rule is None:
             kept[key] = value
             continue
-        note = rule(str(value))
+        ours, note = rule(str(value))
+        if ours is not None:
+            kept[key] = ours
         if note:
             notes.append(note)
     return kept, notes
