@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import hlo_tools
 from trainer.config import ConfigError, make_config
 from trainer.model import attention_kernel, cudnn_attention
 from trainer.model import rope as rope_lib
@@ -35,6 +36,11 @@ def _packed_rows(c, b, s, dtype, stride=None):
     segments = (idx >= starts[:, None]).astype(np.int32)
     positions = np.where(segments == 0, idx, idx - starts[:, None]).astype(np.int32)
     return q, k, v, segments, positions, c.qk_head_dim**-0.5
+
+
+def _collective_kinds(text):
+    """(kind, in a loop, bytes) of every collective of a compiled program, sorted."""
+    return sorted((c.kind, c.in_loop, c.bytes) for c in hlo_tools.collectives(text))
 
 
 def _put_all(ctx, q, k, v, segments, positions):
@@ -95,8 +101,12 @@ def test_splash_equals_dot_product_forward_and_backward(shard_mode):
         dot = lambda q, k, v: attn._dot_product(q, k, v, pos, seg, pos, seg, scale)  # noqa: E731
         splash = lambda q, k, v: attn._splash(q, k, v, seg, seg, scale)  # noqa: E731
         want, got = jax.jit(dot)(q, k, v), jax.jit(splash)(q, k, v)
-        want_grads = jax.jit(jax.grad(loss(dot), (0, 1, 2)))(q, k, v)
-        got_grads = jax.jit(jax.grad(loss(splash), (0, 1, 2)))(q, k, v)
+        want_grad = jax.jit(jax.grad(loss(dot), (0, 1, 2))).lower(q, k, v).compile()
+        got_grad = jax.jit(jax.grad(loss(splash), (0, 1, 2))).lower(q, k, v).compile()
+        want_grads, got_grads = want_grad(q, k, v), got_grad(q, k, v)
+    # The backward adds no collective of its own (a differentiated unchecked
+    # shard_map would all-reduce q, k and v's cotangents): only the loss's sum.
+    assert _collective_kinds(got_grad.as_text()) == _collective_kinds(want_grad.as_text())
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
     for name, g, w in zip("qkv", got_grads, want_grads, strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4, rtol=1e-4, err_msg=name)
@@ -185,3 +195,29 @@ def test_rope_rotates_only_the_dims_after_start():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     np.testing.assert_array_equal(np.asarray(got[..., :nope]), np.asarray(x[..., :nope]))
     assert not np.allclose(np.asarray(got[:, 1:, :, nope:]), np.asarray(x[:, 1:, :, nope:]))
+
+
+@pytest.mark.slow
+def test_a_splash_step_trains_like_dot_product_with_the_same_collectives(
+    runner, grads_runner, grads_match
+):
+    # The trainer's step (f32, data=4 x tensor=2, GA=2, deferred reduction) with the
+    # kernel in Pallas's interpreter: the same losses and gradients as dot_product,
+    # and the same collectives, where they run included. A differentiated unchecked
+    # shard_map would add all-reduces of q, k and v's cotangents inside the loop.
+    overrides = dict(
+        max_target_length="128",
+        gradient_accumulation_steps="2",
+        gradient_reduction_policy="deferred",
+        ici_tensor_parallelism="2",
+    )
+    want, want_text = runner(1, attention="dot_product", **overrides)
+    got, got_text = runner(1, attention="splash", **overrides)
+    np.testing.assert_allclose([h["loss"] for h in got], [h["loss"] for h in want], rtol=1e-5)
+    grads_match(
+        grads_runner(1, attention="splash", **overrides),
+        grads_runner(1, attention="dot_product", **overrides),
+        rtol=1e-4,
+    )
+    assert _collective_kinds(got_text) == _collective_kinds(want_text)
+    assert "tpu_custom_call" not in got_text  # interpreted on CPU: no Mosaic kernel

@@ -207,24 +207,56 @@ class MLA(nnx.Module):
 
     def _splash(self, q, k, v, segments_BxS, kv_seg_BxU, scale):
         """Pallas's TPU flash attention (splash_attention.py): causal tiles only, no
-        (B, H, S, U) scores in memory; in Pallas's interpreter on a CPU mesh."""
+        (B, H, S, U) scores in memory; in Pallas's interpreter on a CPU mesh.
+
+        Its pallas_calls declare no varying mesh axes on their outputs, which a
+        checked shard_map refuses, so the kernel runs in unchecked ones. JAX never
+        differentiates those: a custom VJP runs the forward in one map and, in the
+        backward, the kernel's own VJP in another (recomputing the forward from q,
+        k and v, so nothing typed inside an unchecked map is carried between them).
+        Differentiating an unchecked map would all-reduce q, k and v's cotangents
+        over every mesh axis their specs do not name, size-1 axes included."""
         interpret = attention_kernel.splash_interpreted(self.ctx)
 
         def local(q, k, v, seg_q, seg_kv):
             return splash_attention.attend(q, k, v, seg_q, seg_kv, scale, interpret)
 
-        # Unchecked: splash's pallas_calls declare no varying axes on their outputs
-        # (splash_attention.py). Its inputs and output are activations, no tags.
-        # Rematerialized: nothing inside the unchecked map is saved for the backward
-        # (its residuals, typed with no varying axes, would leave it replicated);
-        # the backward reruns the kernel's forward from q, k, v.
-        per_shard = jax.checkpoint(
-            lambda *a: self._per_shard(local, *a, check_vma=False),
-            policy=jax.checkpoint_policies.nothing_saveable,
-        )
-        return per_shard(q, k, v, segments_BxS, kv_seg_BxU)
+        def local_vjp(q, k, v, seg_q, seg_kv, g):
+            _, vjp = jax.vjp(lambda q, k, v: local(q, k, v, seg_q, seg_kv), q, k, v)
+            return vjp(g)
 
-    def _per_shard(self, local, q, k, v, segments_BxS, kv_seg_BxU, check_vma=True):
+        specs = self._specs(q, k)
+
+        def per_shard(fn, in_specs, out_specs):
+            # attention_kernel refuses splash in per-device code (the pipeline's stages).
+            return jax.shard_map(
+                fn, mesh=self.ctx.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+            )
+
+        forward = per_shard(local, specs, specs[0])
+        backward = per_shard(local_vjp, (*specs, specs[0]), specs[:3])
+
+        @jax.custom_vjp
+        def attend(q, k, v, seg_q, seg_kv):
+            return forward(q, k, v, seg_q, seg_kv)
+
+        def attend_fwd(q, k, v, seg_q, seg_kv):
+            return forward(q, k, v, seg_q, seg_kv), (q, k, v, seg_q, seg_kv)
+
+        def attend_bwd(res, g):
+            # Segment ids are integers: no cotangent.
+            return (*backward(*res, g), None, None)
+
+        attend.defvjp(attend_fwd, attend_bwd)
+        return attend(q, k, v, segments_BxS, kv_seg_BxU)
+
+    def _specs(self, q, k):
+        """The per-shard specs of (q, k, v, q's segments, kv's segments)."""
+        ctx = self.ctx
+        q_spec, kv_spec = ctx.spec(NAMES.q, q.shape), ctx.spec(NAMES.kv, k.shape)
+        return (q_spec, kv_spec, kv_spec, pt.truncate(q_spec, 2), pt.truncate(kv_spec, 2))
+
+    def _per_shard(self, local, q, k, v, segments_BxS, kv_seg_BxU):
         """A fused kernel on each device's own rows and heads: in a shard_map over
         the activations' specs (batch, heads). An activation carries no tag, and the
         kernel needs no partitioning rule (attention_kernel refuses a sharded
@@ -232,17 +264,7 @@ class MLA(nnx.Module):
         ctx = self.ctx
         if ctx.manual:
             return local(q, k, v, segments_BxS, kv_seg_BxU)
-        q_spec, kv_spec = ctx.spec(NAMES.q, q.shape), ctx.spec(NAMES.kv, k.shape)
-        # Manual over the axes the specs use and those of size > 1: an unchecked
-        # map's backward sums its inputs' cotangents over every manual axis they do
-        # not name, and a size-1 axis would still get its (empty) all-reduce.
-        sizes = dict(ctx.mesh.shape)
-        named = set(pt.mesh_axes_used(q_spec)) | set(pt.mesh_axes_used(kv_spec))
-        return jax.shard_map(
-            local,
-            mesh=ctx.mesh,
-            in_specs=(q_spec, kv_spec, kv_spec, pt.truncate(q_spec, 2), pt.truncate(kv_spec, 2)),
-            out_specs=q_spec,
-            axis_names=frozenset(a for a in sizes if a in named or sizes[a] > 1),
-            check_vma=check_vma,
-        )(q, k, v, segments_BxS, kv_seg_BxU)
+        specs = self._specs(q, k)
+        return jax.shard_map(local, mesh=ctx.mesh, in_specs=specs, out_specs=specs[0])(
+            q, k, v, segments_BxS, kv_seg_BxU
+        )
