@@ -24,11 +24,8 @@ sequence (attention_kernel.SPLASH_TILE says why 128 is the floor). Off TPU (atte
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 # `jax.experimental.pallas.ops.tpu.splash_attention` is imported on first use (in
 # `_kernel`), not at import time: it pulls in Pallas's TPU lowering.
@@ -41,9 +38,8 @@ def tile(seq_len: int) -> int:
     return next((t for t in TILES if seq_len % t == 0), seq_len)
 
 
-@functools.cache
 def _kernel(heads: int, seq_len: int, kv_len: int, interpret: bool):
-    """One splash kernel per (heads, S, U): its mask tables are built in numpy once."""
+    """The splash kernel for (heads, S, U): causal, tiles of `tile`."""
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
     bq, bkv = tile(seq_len), tile(kv_len)
@@ -58,15 +54,12 @@ def _kernel(heads: int, seq_len: int, kv_len: int, interpret: bool):
         block_kv_dq=bkv,
     )
     mask = sa.MultiHeadMask([sa.CausalMask((seq_len, kv_len))] * heads)
-    # Built on first use, inside a trace (a shard_map's, whose manual mesh the arrays
-    # it makes would carry): its mask tables are kept as numpy arrays, constants that
-    # each trace takes in afresh (a cached tracer or a manual-mesh array would leak
-    # into the next trace).
-    with jax.ensure_compile_time_eval():
-        kernel = sa.make_splash_mha(
-            mask, head_shards=1, q_seq_shards=1, block_sizes=blocks, interpret=interpret
-        )
-    return jax.tree.map(np.asarray, kernel)
+    # Built in each trace, inside the shard_map: its mask tables are that trace's
+    # constants (cached arrays would carry another trace's mesh, or none that an AOT
+    # topology compile can place).
+    return sa.make_splash_mha(
+        mask, head_shards=1, q_seq_shards=1, block_sizes=blocks, interpret=interpret
+    )
 
 
 def attend(q_BxSxHxK, k_BxUxHxK, v_BxUxHxV, seg_BxS, seg_BxU, scale, interpret=False):
