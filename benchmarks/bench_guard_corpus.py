@@ -98,7 +98,7 @@ def main() -> int:
         f"{COMMAND} {count}",
         [
             "models: packages/accum/tests/guard_generator.py (seed -> program; the cpu tier "
-            "runs seeds 0-49, the slow tier 50-549)",
+            "runs seeds 0-24, the slow tier 25-549)",
             "oracle: all-reduce/reduce-scatter made by the backward pass (op_name with "
             "transpose(, not a remat recomputation: a forward psum is the model's own) with an "
             "array > 8 elements spanning the watched axis inside the ENTRY while loop of "

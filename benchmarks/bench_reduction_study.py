@@ -6,7 +6,7 @@ it spent waiting on DCN, the accumulator per device, and where hierarchical beat
 deferred (a smaller accumulator) and per_microbatch (less DCN traffic). Every
 figure is a prediction of the cost model (docs/cost_model.md)
 on an abstract mesh: nothing on this page is compiled or run. The byte predictions
-are checked against compiles elsewhere (test_aot_matrix.py, test_aot.py).
+are checked against compiles elsewhere (test_aot_matrix.py, test_aot_slices.py).
 
 Writes benchmarks/results/reduction_study.md, .csv and .png:
 

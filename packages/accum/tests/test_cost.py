@@ -1,7 +1,7 @@
 """accum.cost over hand-sized plans: bytes per axis per event kind, the time model's
 formulas, accumulator memory, and the hardware table's refusals. Nothing compiles
 (the byte predictions are checked against compiled programs in the trainer's aot
-tier: test_aot_matrix.py, test_aot.py)."""
+tier: test_aot_matrix.py, test_aot_slices.py)."""
 
 import dataclasses
 

@@ -32,6 +32,15 @@ EIGHT_DEVICE_LAYOUTS = {
     "data+fsdp": dict(ici_data_parallelism="4", ici_fsdp_parallelism="2"),
 }
 
+# tagtrain-test, GA=4 on v5e-8 (the seed's AOT case): test_aot.py compiles it on one
+# slice, test_aot_slices.py on two.
+AOT_TEST_V5E8 = dict(
+    model_name="tagtrain-test",
+    compile_topology="v5e-8",
+    gradient_accumulation_steps="4",
+    per_device_batch_size="1",
+)
+
 # DeepSeek-V3 671B on one TPU slice: the routed experts over 64-way expert
 # parallelism, everything else FSDP over the rest of the slice, bf16 weights and
 # capped all-to-all blocks. The aot tier compiles it on v5p-1024 and the

@@ -157,7 +157,7 @@ def test_slice_count_from_devices_config_and_topology():
 def test_devices_that_report_slices_get_one_slice_per_dcn_block(monkeypatch):
     """slices.device_array: devices with a slice_index go through MaxText's hybrid
     mesh (grouped by slice, whatever their order); CPU devices, which report none,
-    keep the order given. The TPU layout inside a slice: test_aot.py."""
+    keep the order given. The TPU layout inside a slice: test_aot_slices.py."""
     import types
 
     from trainer.config import MESH_AXES
