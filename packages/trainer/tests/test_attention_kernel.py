@@ -3,6 +3,8 @@ dot_product path, checked on CPU through JAX's reference kernel; splash (Pallas'
 kernel, in its interpreter on CPU) equals dot_product forward and backward; the packed
 layout's documents equal the segment mask; `attention=` resolution; rope on q's tail."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -140,6 +142,17 @@ def test_splash_is_chosen_by_name_on_cpu_and_refused_where_it_cannot_tile():
     assert "not splash: the mesh's devices are ['cpu'], not TPUs" in line
 
 
+def test_splash_is_refused_in_per_device_code_and_auto_keeps_dot_product_there():
+    # The pipeline's stages run per-device code inside a checked manual map, where
+    # splash's pallas_calls cannot run (splash_attention.py says why).
+    config = make_config({"model_name": "tagtrain-tiny", "attention": "splash"})
+    manual = dataclasses.replace(_ctx(config, {"data": 8}), mode="manual")
+    with pytest.raises(ConfigError, match=r"attention=splash .*pipeline's stages"):
+        attention_kernel.choose_kernel(config.model, manual, 256)
+    auto = make_config({"model_name": "tagtrain-tiny"})
+    assert attention_kernel.choose_kernel(auto.model, manual, 256) == "dot_product"
+
+
 def test_blockers_name_dtype_head_dim_and_context_parallelism():
     config = make_config(
         {
@@ -221,3 +234,24 @@ def test_a_splash_step_trains_like_dot_product_with_the_same_collectives(
     )
     assert _collective_kinds(got_text) == _collective_kinds(want_text)
     assert "tpu_custom_call" not in got_text  # interpreted on CPU: no Mosaic kernel
+
+
+@pytest.mark.aot
+def test_a_tpu_compile_picks_splash_with_the_same_collectives_and_a_lower_peak(tmp_path):
+    # attention=auto on a TPU topology (compiled on this host: Mosaic runs in libtpu):
+    # splash, whose program holds Pallas kernels and the same collectives as
+    # dot_product's, every gradient still reduced once per step, and a lower peak
+    # (no (B, H, S, S) scores).
+    pytest.importorskip("libtpu", reason="needs the tpu extra (libtpu): uv run --extra tpu")
+    from trainer.run import aot
+    from trainer_tests_layouts import AOT_TEST_V5E8
+
+    base = {**AOT_TEST_V5E8, "max_target_length": "512", "base_output_directory": str(tmp_path)}
+    splash = aot.compile_for_topology(make_config(base))
+    dot = aot.compile_for_topology(make_config({**base, "attention": "dot_product"}))
+    assert "attention: splash (Pallas on TPU" in "\n".join(aot.report_lines(splash))
+    text = splash.compiled.as_text()
+    assert 'custom_call_target="tpu_custom_call"' in text
+    hlo_tools.assert_reduced_once_per_step(text)
+    assert _collective_kinds(text) == _collective_kinds(dot.compiled.as_text())
+    assert splash.memory["peak"] < dot.memory["peak"]
