@@ -76,6 +76,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=0, help="steps per path (default 20; 3 on CPU)")
     p.add_argument("--ga", type=int, default=4, help="gradient_accumulation_steps")
     p.add_argument("--variant", action="append", default=[], help="NAME:key=value,... (repeat)")
+    p.add_argument(
+        "--shape",
+        choices=("accelerator", "fallback"),
+        default="accelerator",
+        help="on an accelerator: deepseek3-small (its 6-layer cut when it runs out of "
+        "memory), or the cut from the start",
+    )
+    p.add_argument(
+        "--paths",
+        default=",".join(PATHS),
+        help=f"the built-in paths to run, comma-separated (default: {','.join(PATHS)})",
+    )
     p.add_argument("--out", default="", help="results folder (default benchmarks/results)")
     p.add_argument("--budget-s", type=float, default=BUDGET_S)
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -279,7 +291,11 @@ def page(args, shape: dict, rows: list[dict], notes: list[str]) -> list[str]:
     where = f"{first.get('devices', '?')} x {first.get('device', '?')}"
     title = f"Device check: {shape['model_name']} GA={args.ga} on {where}"
     command = (
-        COMMAND + (" --cpu" if args.cpu else "") + "".join(f" --variant {v}" for v in args.variant)
+        COMMAND
+        + (" --cpu" if args.cpu else "")
+        + (f" --shape {args.shape}" if args.shape != "accelerator" else "")
+        + (f" --paths {args.paths}" if args.paths != ",".join(PATHS) else "")
+        + "".join(f" --variant {v}" for v in args.variant)
     )
     lines = bl.header(title, command, notes)
     columns = (
@@ -414,10 +430,13 @@ def main(argv=None) -> int:
         return 0
     args.cpu = args.cpu or not accelerator()
     steps = args.steps or (3 if args.cpu else 20)
-    paths = dict(PATHS)
+    unknown = sorted(set(args.paths.split(",")) - set(PATHS))
+    if unknown:
+        raise SystemExit(f"--paths: {', '.join(unknown)} not among {', '.join(PATHS)}")
+    paths = {name: PATHS[name] for name in args.paths.split(",")}
     paths.update({name: {**PATHS["deferred"], **o} for name, o in map(variant, args.variant)})
     start = time.monotonic()
-    shape_name = "cpu" if args.cpu else "accelerator"
+    shape_name = "cpu" if args.cpu else args.shape
     rows: list[dict] = []
     while True:
         shape = SHAPES[shape_name]
@@ -458,8 +477,10 @@ def main(argv=None) -> int:
         "overlapped: share of gradient-reduction bytes issued async with compute "
         "between start and done (hlo_tools)",
     ]
-    if shape_name == "fallback":
+    if shape_name == "fallback" and args.shape != "fallback":
         notes.append("deepseek3-small ran out of memory: the fallback shape ran instead")
+    elif shape_name == "fallback":
+        notes.append("--shape fallback: deepseek3-small's 6-layer cut from the start")
     extras = side_checks(args, shape, steps, start)
     import benchlib as bl
 

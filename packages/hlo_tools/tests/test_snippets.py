@@ -311,6 +311,34 @@ def test_sparsecore_computation_closed_with_attributes():
     assert [c.elements for c in ht.collectives(module)] == [64]
 
 
+# A Pallas kernel on TPU: its frontend attributes hold kernel metadata with line
+# breaks, so one instruction spans three lines (as in a splash attention program).
+PALLAS = (
+    "HloModule pallas, num_partitions=8\n"
+    + ADD
+    + """
+ENTRY %main (x: f32[64]) -> f32[64] {
+  %x = f32[64]{0} parameter(0)
+  %k = f32[64]{0} custom-call(%x), custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={
+"xprof_metadata":"{\\"block_q\\": 512, \\"mask\\": \\"[(\\"}"
+}}, metadata={op_name="jit(step)/splash"}
+  ROOT %ar = f32[64]{0} all-reduce(%k), replica_groups=[1,8]<=[8], to_apply=%add
+}
+"""
+)
+
+
+def test_an_instruction_continued_over_lines_is_one_instruction():
+    module = ht.parse(PALLAS)
+    main = module.computations["main"]
+    assert [i.name for i in main.instructions] == ["x", "k", "ar"]
+    assert main.instructions[1].opcode == "custom-call"
+    assert [c.elements for c in ht.collectives(module)] == [64]
+    # Left open, it swallows the computation's closing brace: still an error.
+    with pytest.raises(ht.HloParseError, match="unbalanced brackets|not closed"):
+        ht.parse(PALLAS.replace("}}, metadata", "}, metadata"))
+
+
 def test_spans_mesh_axis_reads_the_groups():
     records = {c.opcode: c for c in ht.collectives(ASYNC)}
     mesh = {"data": 2, "fsdp": 4}  # row-major: device d has data d // 4, fsdp d % 4

@@ -102,6 +102,7 @@ def test_exact_values_need_no_note():
     [
         ("dot_product", "dot_product"),
         ("cudnn_flash", "cudnn_flash"),
+        ("splash", "splash"),
         ("auto", "auto"),
         ("flash", "auto"),
         ("autoselected", "auto"),

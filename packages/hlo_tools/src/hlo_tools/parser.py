@@ -13,7 +13,7 @@ import re
 from hlo_tools.errors import HloParseError
 from hlo_tools.module import Computation, HloModule, Instruction
 from hlo_tools.shapes import parse_type
-from hlo_tools.text import match_bracket, split_top_level, strip_comments
+from hlo_tools.text import match_bracket, open_brackets, split_top_level, strip_comments
 
 _NAME = r"[A-Za-z_][\w.\-]*"
 _HEADER = re.compile(rf"HloModule\s+({_NAME})\s*(,.*)?$")
@@ -55,13 +55,26 @@ def parse(text: str) -> HloModule:
     current: Computation | None = None
     in_section = False
     entry_name = None
+    # An instruction continued on the next lines (its brackets not yet closed): its
+    # first line's number and its text so far.
+    pending: tuple[int, str] | None = None
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()
+        if pending is not None:
+            pending = (pending[0], f"{pending[1]} {line}")
+            if open_brackets(pending[1], pending[0]) <= 0:
+                current.instructions.append(
+                    _parse_instruction(pending[1], pending[0], current.name)
+                )
+                pending = None
+            continue
         if current is not None:
             # TPU SparseCore computations close with `}, execution_thread="sparsecore"`.
             if line == "}" or _CLOSE_WITH_ATTRIBUTES.match(line):
                 _finish(current, raw)
                 current = None
+            elif line and open_brackets(line, number) > 0:
+                pending = (number, line)
             elif line:
                 current.instructions.append(_parse_instruction(line, number, current.name))
             continue
@@ -87,6 +100,8 @@ def parse(text: str) -> HloModule:
                 entry_name = current.name
         else:
             raise HloParseError("unrecognised line outside any computation", number, raw)
+    if pending is not None:
+        raise HloParseError("unbalanced brackets", pending[0], pending[1])
     if current is not None:
         raise HloParseError(
             f"computation %{current.name} is not closed by '}}'", current.line_number

@@ -66,6 +66,29 @@ def match_bracket(s: str, i: int, line_number: int = 0) -> int:
     raise HloParseError("unbalanced brackets", line_number, s)
 
 
+def open_brackets(s: str, line_number: int = 0) -> int:
+    """Brackets ``s`` opens and does not close (outside strings and comments).
+
+    An instruction whose attributes hold text with line breaks (a Pallas kernel's
+    ``kernel_metadata={...}`` on TPU) spans several lines: it is complete when this
+    is 0. Counting first is exact whenever no string or comment holds a bracket."""
+    counts = [s.count(c) for c in "([{)]}"]
+    if counts[:3] == counts[3:]:
+        return 0
+    depth, j = 0, 0
+    while j < len(s):
+        past = skip_opaque(s, j, line_number)
+        if past != j:
+            j = past
+            continue
+        if s[j] in _OPEN:
+            depth += 1
+        elif s[j] in _CLOSE:
+            depth -= 1
+        j += 1
+    return depth
+
+
 def split_top_level(s: str, sep: str = ",", line_number: int = 0) -> list[str]:
     """Split ``s`` on ``sep`` where it is outside brackets, strings and comments."""
     parts: list[str] = []

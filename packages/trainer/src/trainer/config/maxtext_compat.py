@@ -28,13 +28,12 @@ FALSE = ("false", "0", "no")
 ATTENTION = {
     "autoselected": "auto",
     "dot_product": "dot_product",
-    # MaxText's flash is the fused kernel for the hardware: auto's choice (cuDNN's on a
-    # GPU; tagtrain has no TPU flash kernel, so dot_product there).
+    # MaxText's flash is splash on TPU and cuDNN's fused kernel on GPU: auto's choice.
     "flash": "auto",
     "cudnn_flash_te": "cudnn_flash",
     "cudnn_flash_jax": "cudnn_flash",
 }
-OWN_ATTENTION = ("auto", "dot_product", "cudnn_flash")
+OWN_ATTENTION = ("auto", "dot_product", "cudnn_flash", "splash")
 
 
 def _attention(value: str) -> tuple[str | None, str | None]:
@@ -55,8 +54,8 @@ def _attention(value: str) -> tuple[str | None, str | None]:
         )
     elif value == "flash":
         note = (
-            "attention=flash: attention=auto (cuDNN's fused kernel on a GPU; "
-            "dot_product elsewhere: more activation memory at long sequences)"
+            "attention=flash: the fused kernel for the hardware (attention=auto: "
+            "splash on TPU, cudnn_flash on GPU)"
         )
     return ours, note
 

@@ -90,12 +90,15 @@ class ModelConfig:
     )
     base_num_query_heads: int = key(4, "attention heads")
     # The attention kernel (model/attention_kernel.py; MaxText's key, whose values
-    # include dot_product and cudnn_flash_te): dot_product materializes the
-    # (B, H, S, S) scores in f32; cudnn_flash is cuDNN's fused attention (GPU, bf16,
-    # head dims <= 128, sequence not sharded). auto: cudnn_flash where it applies.
-    attention: Literal["auto", "dot_product", "cudnn_flash"] = key(
+    # include dot_product and flash): dot_product materializes the (B, H, S, S)
+    # scores in f32; cudnn_flash is cuDNN's fused attention (GPU, bf16, head dims
+    # <= 128, sequence not sharded); splash is Pallas's TPU flash kernel (sequence a
+    # multiple of 128, not sharded; on CPU devices by name, interpreted). auto: the
+    # fused kernel where one applies.
+    attention: Literal["auto", "dot_product", "cudnn_flash", "splash"] = key(
         "auto",
-        "attention kernel: dot_product, cudnn_flash (GPU), auto (cudnn_flash where it applies)",
+        "attention kernel: dot_product, cudnn_flash (GPU), splash (TPU), "
+        "auto (a fused kernel where one applies)",
     )
     # > 0: queries through a low-rank bottleneck (wq_a, q_norm, wq_b; DeepSeek-V3);
     # 0: one plain query projection `wq` (DeepSeek-V2-Lite, HF q_lora_rank null).

@@ -10,7 +10,7 @@ from flax import nnx
 
 import pspec_tags as pt
 from trainer.config import ModelConfig
-from trainer.model import attention_kernel, cudnn_attention, lora
+from trainer.model import attention_kernel, cudnn_attention, lora, splash_attention
 from trainer.model.layers import BSE, RMSNorm
 from trainer.model.params import param
 from trainer.model.rope import rope, softmax_scale
@@ -80,7 +80,9 @@ class MLA(nnx.Module):
         self._attach_lora(lora.spec_of(config), rngs)
         self.config, self.ctx = config, ctx
         self.dtype = jnp.dtype(config.dtype)
-        # "dot_product" or "cudnn_flash": attention_kernel decides "auto" once.
+        # "dot_product", "cudnn_flash" or "splash" as far as the mesh decides (a kernel
+        # asked for by name that cannot run here is refused now, before any trace);
+        # the sequence length is checked when the layer first sees one (__call__).
         self.kernel = attention_kernel.choose_kernel(config, ctx)
         # What the cuDNN call can use on these GPUs (None: not the cuDNN kernel).
         self.cudnn = (
@@ -148,8 +150,14 @@ class MLA(nnx.Module):
 
         # qk_head_dim^-0.5, with YaRN's mscale correction when rope_type=yarn.
         scale = softmax_scale(c)
-        if self.kernel == "cudnn_flash":
+        # The same policy again with the sequence length (splash needs 128-row tiles).
+        kernel = attention_kernel.choose_kernel(c, ctx, q_BxSxHxK.shape[1])
+        if kernel == "cudnn_flash":
             out_BxSxHxO = self._cudnn_flash(
+                q_BxSxHxK, k_BxUxHxK, v_BxUxHxO, segments_BxS, kv_segments_BxU, scale
+            )
+        elif kernel == "splash":
+            out_BxSxHxO = self._splash(
                 q_BxSxHxK, k_BxUxHxK, v_BxUxHxO, segments_BxS, kv_segments_BxU, scale
             )
         else:
@@ -185,25 +193,78 @@ class MLA(nnx.Module):
 
         Causal by index and within a document by segment (the packed rows'
         positions restart with each document, so this is the `_dot_product` mask).
-        Runs per shard in a shard_map over the activations' own specs (batch,
-        heads): an activation carries no tag, and the custom call needs no
-        partitioning rule (attention_kernel.py checks that the sequence is not
-        sharded). `implementation="xla"` runs the masked call through JAX's
-        reference kernel (how the CPU tests check the mask and the padding).
+        `implementation="xla"` runs the masked call through JAX's reference kernel
+        (how the CPU tests check the mask and the padding).
         """
-        ctx, cudnn = self.ctx, self.cudnn
+        cudnn = self.cudnn
 
         def local(q, k, v, seg_q, seg_kv):
             if implementation == "cudnn" and cudnn is not None and cudnn.packed:
                 return cudnn_attention.packed(q, k, v, seg_q, scale, cudnn.v_own_dim)
             return cudnn_attention.masked(q, k, v, seg_q, seg_kv, scale, implementation)
 
+        return self._per_shard(local, q, k, v, segments_BxS, kv_seg_BxU)
+
+    def _splash(self, q, k, v, segments_BxS, kv_seg_BxU, scale):
+        """Pallas's TPU flash attention (splash_attention.py): causal tiles only, no
+        (B, H, S, U) scores in memory; in Pallas's interpreter on a CPU mesh.
+
+        Its pallas_calls declare no varying mesh axes on their outputs, which a
+        checked shard_map refuses, so the kernel runs in unchecked ones. JAX never
+        differentiates those: a custom VJP runs the forward in one map and, in the
+        backward, the kernel's own VJP in another (recomputing the forward from q,
+        k and v, so nothing typed inside an unchecked map is carried between them).
+        Differentiating an unchecked map would all-reduce q, k and v's cotangents
+        over every mesh axis their specs do not name, size-1 axes included."""
+        interpret = attention_kernel.splash_interpreted(self.ctx)
+
+        def local(q, k, v, seg_q, seg_kv):
+            return splash_attention.attend(q, k, v, seg_q, seg_kv, scale, interpret)
+
+        def local_vjp(q, k, v, seg_q, seg_kv, g):
+            _, vjp = jax.vjp(lambda q, k, v: local(q, k, v, seg_q, seg_kv), q, k, v)
+            return vjp(g)
+
+        specs = self._specs(q, k)
+
+        def per_shard(fn, in_specs, out_specs):
+            # attention_kernel refuses splash in per-device code (the pipeline's stages).
+            return jax.shard_map(
+                fn, mesh=self.ctx.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+            )
+
+        forward = per_shard(local, specs, specs[0])
+        backward = per_shard(local_vjp, (*specs, specs[0]), specs[:3])
+
+        @jax.custom_vjp
+        def attend(q, k, v, seg_q, seg_kv):
+            return forward(q, k, v, seg_q, seg_kv)
+
+        def attend_fwd(q, k, v, seg_q, seg_kv):
+            return forward(q, k, v, seg_q, seg_kv), (q, k, v, seg_q, seg_kv)
+
+        def attend_bwd(res, g):
+            # Segment ids are integers: no cotangent.
+            return (*backward(*res, g), None, None)
+
+        attend.defvjp(attend_fwd, attend_bwd)
+        return attend(q, k, v, segments_BxS, kv_seg_BxU)
+
+    def _specs(self, q, k):
+        """The per-shard specs of (q, k, v, q's segments, kv's segments)."""
+        ctx = self.ctx
+        q_spec, kv_spec = ctx.spec(NAMES.q, q.shape), ctx.spec(NAMES.kv, k.shape)
+        return (q_spec, kv_spec, kv_spec, pt.truncate(q_spec, 2), pt.truncate(kv_spec, 2))
+
+    def _per_shard(self, local, q, k, v, segments_BxS, kv_seg_BxU):
+        """A fused kernel on each device's own rows and heads: in a shard_map over
+        the activations' specs (batch, heads). An activation carries no tag, and the
+        kernel needs no partitioning rule (attention_kernel refuses a sharded
+        sequence). In per-device code (the manual pipeline) it is called directly."""
+        ctx = self.ctx
         if ctx.manual:
             return local(q, k, v, segments_BxS, kv_seg_BxU)
-        q_spec, kv_spec = ctx.spec(NAMES.q, q.shape), ctx.spec(NAMES.kv, k.shape)
-        return jax.shard_map(
-            local,
-            mesh=ctx.mesh,
-            in_specs=(q_spec, kv_spec, kv_spec, pt.truncate(q_spec, 2), pt.truncate(kv_spec, 2)),
-            out_specs=q_spec,
-        )(q, k, v, segments_BxS, kv_seg_BxU)
+        specs = self._specs(q, k)
+        return jax.shard_map(local, mesh=ctx.mesh, in_specs=specs, out_specs=specs[0])(
+            q, k, v, segments_BxS, kv_seg_BxU
+        )

@@ -38,6 +38,7 @@ from jax.experimental import topologies
 import accum
 import hlo_tools
 from trainer.config import Config, ConfigError, ParallelismConfig, mesh_shape
+from trainer.model import attention_kernel
 from trainer.run import gpu_estimate, gpu_topology, report, xla_options
 from trainer.run import run as run_lib
 from trainer.sharding.slices import slice_major
@@ -251,6 +252,7 @@ def report_lines(result: AotResult) -> list[str]:
         *report.pipeline_lines(config, dict(run.ctx.mesh.shape)),
         *(reduction_choice.startup_lines(run.reduction_choice) if run.reduction_choice else []),
         *report.plan_lines(config.accumulation, run.plan),
+        attention_kernel.describe(config.model, run.ctx, config.data.max_target_length),
         "memory per device (compiled.memory_analysis()):",
     ]
     for key in ("argument", "output", "alias", "temp", "code"):

@@ -29,7 +29,6 @@ from jax.experimental import topologies
 
 import hlo_tools
 from trainer.config import ConfigError
-from trainer.model import attention_kernel
 from trainer.run import report
 
 GIB = 1024**3
@@ -182,16 +181,10 @@ def kernels_of_dump(
 
 
 def report_lines(kernels, run, hlo_path: str) -> list[str]:
-    """The GPU part of the AOT report: which attention kernel was compiled, and the
-    kernels per step (hlo_tools.format_kernels) with where the thunk sequence went."""
-    chosen = attention_kernel.choose_kernel(run.config.model, run.ctx)
-    blockers = attention_kernel.cudnn_flash_blockers(run.config.model, run.ctx)
-    why = f" (not cudnn_flash: {'; '.join(blockers)})" if blockers else ""
-    if chosen == "cudnn_flash":
-        why = f" ({attention_kernel.cudnn_plan(run.config.model, run.ctx).describe()})"
+    """The GPU part of the AOT report: the grouped matmul compiled, and the kernels
+    per step (hlo_tools.format_kernels) with where the thunk sequence went."""
     thunks = hlo_path.removesuffix(".hlo") + ".thunks.txt"
     return [
-        f"attention: {chosen}{why}",
         *report.grouped_matmul_lines(run.config, run.ctx),
         *hlo_tools.format_kernels(kernels),
         f"wrote the thunk sequence to {thunks}",

@@ -24,7 +24,7 @@ from trainer.config import Config, ConfigError, ParallelismConfig
 from trainer.data import eval_data, eval_schedule, input_pipeline, sft_data
 from trainer.io import checkpoint, initial_weights, stop_signals
 from trainer.io import metrics as metrics_lib
-from trainer.model import flops
+from trainer.model import attention_kernel, flops
 from trainer.run import evaluate, report, xla_options
 from trainer.run.spec import RunSpec, check_built, resolve
 from trainer.step import reduction_choice
@@ -394,6 +394,7 @@ def startup_lines(run: Run) -> list[str]:
         lines += reduction_choice.startup_lines(run.reduction_choice)
     lines += report.plan_lines(config.accumulation, run.plan)
     lines += report.capacity_lines(config, run.ctx, run.batch_size)
+    lines.append(attention_kernel.describe(config.model, run.ctx, config.data.max_target_length))
     lines += report.grouped_matmul_lines(config, run.ctx)
     lines += data_lines(run)
     text = run.compiled.as_text()

@@ -25,6 +25,7 @@ from trainer.config import MESH_AXES, Config
 from trainer.config.layer_loop import decide_scan_layers
 from trainer.config.pipeline import pipeline_microbatches
 from trainer.config.validate import global_batch_size, validate
+from trainer.model import attention_kernel
 from trainer.sharding import ShardCtx, logical_rules, make_mesh, reduction_plan, slices
 from trainer.step import reduction_choice
 
@@ -96,6 +97,12 @@ def _decide(config: Config, devices: tuple, sizes: dict[str, int], mesh: Any) ->
         pipeline_microbatches=pipeline_microbatches(config.parallelism, config.accumulation),
         pipeline_repeats=config.num_pipeline_repeats,
     )
+    # A fused attention kernel asked for by name that cannot run on this mesh at this
+    # sequence length (or in the pipeline's stages, which run per-device code) is
+    # refused here, before the model is built or traced.
+    staged = sizes.get("stage", 1) > 1
+    for where in (ctx, dataclasses.replace(ctx, mode="manual")) if staged else (ctx,):
+        attention_kernel.choose_kernel(config.model, where, config.data.max_target_length)
     model = model_lib.define(config.model, ctx)
     trained = trained_shapes(model, ctx)
     choice = None
