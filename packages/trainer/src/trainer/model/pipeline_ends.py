@@ -21,8 +21,8 @@ parameters it reads (embedding, dense layers, final norm, head, MTP):
   its own copy: the scan's backward sums the microbatches' cotangents per
   device, with no collective in the loop, and the cast's transpose after it
   leaves them `unreduced` over the deferred axes (explicit mode) or psums them
-  once (auto mode, where the plain scan's partitioner would all-reduce each
-  microbatch's table gradient inside the loop).
+  once (auto mode, whose types carry no tags: outside a manual map XLA's
+  partitioner would place each gradient's reduction itself).
 - FSDP: a weight sharded over fsdp / dcn_fsdp is gathered once per step, before
   the scan (`pipeline.gather_fsdp`); its transpose, the gradient's reduce-scatter,
   runs once after the backward loop.
