@@ -268,17 +268,11 @@ class Decoder(nnx.Module):
         graphdef, state, kwargs = self._pipeline_parts()
         positions = {"positions": rows["positions"], "segments": rows["segments"]}
         x, stats = pipeline.run_stacked(graphdef, state, {"x": x, **positions}, **kwargs)
-        params = {
-            "embedding": self.embedding_VxD[...],
-            "logits": self.logits_DxV[...],
-            "final_norm": nnx.split(self.final_norm)[1],
-        }
-        logical = {
-            "embedding": NAMES.embedding,
-            "logits": NAMES.logits_kernel,
-            "final_norm": False,
-        }
+        params = {"logits": self.logits_DxV[...], "final_norm": nnx.split(self.final_norm)[1]}
+        logical = {"logits": NAMES.logits_kernel, "final_norm": False}
         if c.mtp_num_layers:
+            # The depths embed their shifted inputs with the main table.
+            params["embedding"], logical["embedding"] = self.embedding_VxD[...], NAMES.embedding
             params["mtp"], logical["mtp"] = nnx.split(self.mtp)[1], True
         head_loss = _head_loss(
             c, self._manual(), nnx.split(self.final_norm)[0], self._manual_mtp(), token_nll
