@@ -195,8 +195,9 @@ def main() -> int:
             "loop (0: every gradient reduced once per step, after the pipeline loop)",
             "the diagnosis rows compile the same layout without the 3 dense layers and "
             "with half the microbatches: how the temporaries move says where they are "
-            "(the embedding, dense layers, output head and loss run outside the pipeline, "
-            "on the step's whole batch at once: model/pipeline.py)",
+            "(the embedding, dense layers, output head, loss and MTP run outside the "
+            "pipeline, one pipeline microbatch at a time since model/pipeline_ends.py; "
+            "rows compiled at an earlier tree ran them on the step's whole batch at once)",
             "H100: the expert axis splits inside a host (8 GPUs), not across 8 hosts as "
             "DeepSeek-V3's 64-way expert parallelism did: the trainer's expert axis is an "
             "in-slice axis",

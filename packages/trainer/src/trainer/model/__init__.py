@@ -236,6 +236,15 @@ def apply(
     return build_decoder(model, params, router, adapters)(tokens_BxS, positions_BxS, segments_BxS)
 
 
+def apply_pipelined(
+    model: ModelDef, params: dict, router: dict, batch: dict, token_nll, mtp_scale_D=None
+):
+    """`Decoder.pipelined_sums` on plain-dict parameters (pipeline stages, training):
+    (per-token-shard loss sums, MoE stats, MTP MoE stats), every part of the model
+    one pipeline microbatch at a time."""
+    return build_decoder(model, params, router).pipelined_sums(batch, token_nll, mtp_scale_D)
+
+
 def apply_with_mtp(
     model: ModelDef,
     params: dict,

@@ -11,7 +11,7 @@ from flax import nnx
 import accum
 import pspec_tags as pt
 from trainer.config import ModelConfig
-from trainer.model import lora, pipeline, pipeline_slots
+from trainer.model import lora, pipeline, pipeline_ends, pipeline_slots
 from trainer.model.attention import MLA
 from trainer.model.layers import BSE, MLP, RMSNorm
 from trainer.model.moe_block import moe_layer
@@ -202,27 +202,97 @@ class Decoder(nnx.Module):
 
     def _run_pipelined(self, x_BxSxD, positions_BxS, segments_BxS):
         """The MoE layers as the pipeline's stages (model/pipeline.py)."""
-        c = self.config
-        # One layer built for per-device code (the pipeline is one manual shard_map):
-        # the same parameters, no constraints, the MoE layer's own shard_map off.
-        manual = dataclasses.replace(self.ctx, mode="manual")
-        layer = nnx.eval_shape(lambda: Block(c, manual, True, rngs=nnx.Rngs(0)))
-        graphdef = nnx.split(layer)[0]
-        _, state = nnx.split(self.moe_layers)
+        graphdef, state, kwargs = self._pipeline_parts()
         return pipeline.run_pipeline(
             graphdef,
             state,
             x_BxSxD,
             positions_BxS,
             segments_BxS,
-            ctx=self.ctx,
             microbatches=self.ctx.pipeline_microbatches,
-            repeats=self.ctx.pipeline_repeats,
-            layout=pipeline_slots.stack_slots(
+            **kwargs,
+        )
+
+    def _pipeline_parts(self):
+        """(one MoE layer's graphdef for per-device code, the stacked state, the
+        pipeline's keyword arguments)."""
+        c = self.config
+        # One layer built for per-device code (the pipeline is one manual shard_map):
+        # the same parameters, no constraints, the MoE layer's own shard_map off.
+        layer = nnx.eval_shape(lambda: Block(c, self._manual(), True, rngs=nnx.Rngs(0)))
+        kwargs = {
+            "ctx": self.ctx,
+            "repeats": self.ctx.pipeline_repeats,
+            "layout": pipeline_slots.stack_slots(
                 c, pipeline.stages(self.ctx), self.ctx.pipeline_repeats
             ),
-            remat=lambda body: _remat(body, c),
+            "remat": lambda body: _remat(body, c),
+        }
+        return nnx.split(layer)[0], nnx.split(self.moe_layers)[1], kwargs
+
+    def _manual(self) -> ShardCtx:
+        return dataclasses.replace(self.ctx, mode="manual")
+
+    def pipelined_sums(self, batch: dict, token_nll, mtp_scale_D=None):
+        """The training loss of the step's batch through the pipeline, every part of
+        the model one pipeline microbatch at a time (model/pipeline_ends.py).
+        `token_nll(logits, targets)`: the per-token loss (step/loss.py's).
+
+        Returns (sums, MoE stats, MTP MoE stats): `sums` holds "ce_sum" and
+        "weight" (the main head's Σ weight x nll and Σ weight) and with MTP, per
+        depth, "mtp_ce_sum", "mtp_weight" and "mtp_scaled" (its Σ weight x
+        mtp_scale_D[k] x nll), each an (n,) vector of per-token-shard partial sums
+        sharded over the token axes: summed by the caller.
+        """
+        c, ctx = self.config, self.ctx
+        rows = accum.split_microbatches(
+            {k: batch[k] for k in ("inputs", "positions", "segments", "targets", "weights")},
+            ctx.pipeline_microbatches,
         )
+        dense = None
+        params, logical = {"embedding": self.embedding_VxD[...]}, {"embedding": NAMES.embedding}
+        if c.first_num_dense_layers:
+            dense = nnx.split(
+                nnx.eval_shape(lambda: Block(c, self._manual(), False, rngs=nnx.Rngs(0)))
+            )[0]
+            params["dense"], logical["dense"] = nnx.split(self.dense_layers)[1], True
+
+        def embed_dense(p, mb):
+            x = _lookup(p["embedding"], mb["inputs"], c)
+            if dense is not None:
+                x, _ = _scan_stack(dense, p["dense"], x, mb["positions"], mb["segments"], c)
+            return x
+
+        inputs = {k: rows[k] for k in ("inputs", "positions", "segments")}
+        x = pipeline_ends.before(embed_dense, params, logical, inputs, ctx=ctx)
+        graphdef, state, kwargs = self._pipeline_parts()
+        positions = {"positions": rows["positions"], "segments": rows["segments"]}
+        x, stats = pipeline.run_stacked(graphdef, state, {"x": x, **positions}, **kwargs)
+        params = {"logits": self.logits_DxV[...], "final_norm": nnx.split(self.final_norm)[1]}
+        logical = {"logits": NAMES.logits_kernel, "final_norm": False}
+        if c.mtp_num_layers:
+            # The depths embed their shifted inputs with the main table.
+            params["embedding"], logical["embedding"] = self.embedding_VxD[...], NAMES.embedding
+            params["mtp"], logical["mtp"] = nnx.split(self.mtp)[1], True
+        head_loss = _head_loss(
+            c, self._manual(), nnx.split(self.final_norm)[0], self._manual_mtp(), token_nll
+        )
+        consts = () if mtp_scale_D is None else mtp_scale_D
+        sums, mtp_stats = pipeline_ends.after(head_loss, params, logical, x, rows, consts, ctx=ctx)
+        return sums, stats, mtp_stats
+
+    def _manual_mtp(self):
+        """One MTP depth's graphdef for per-device code (None: no MTP)."""
+        c = self.config
+        if not c.mtp_num_layers:
+            return None
+        moe = c.num_moe_layers > 0
+
+        def make():
+            r = nnx.Rngs(0)
+            return MTPLayer(c, self._manual(), Block(c, self._manual(), moe, rngs=r), rngs=r)
+
+        return nnx.split(nnx.eval_shape(make))[0]
 
     def head(self, x_BxSxD):
         """The output head on normed states: logits_BxSxV in f32."""
@@ -260,3 +330,71 @@ class Decoder(nnx.Module):
             depth_stats.append(s)
         mtp_stats = jax.tree.map(lambda *xs: jnp.stack(xs), *depth_stats) if depth_stats else {}
         return (logits, stats), results, mtp_stats
+
+
+def _lookup(table_VxD, tokens_BxS, config: ModelConfig):
+    """Per device (inside a manual map): the embedding rows, cast after the lookup
+    (f32 scatter-add in the backward, as Decoder.embed)."""
+    return jnp.take(table_VxD, tokens_BxS, axis=0).astype(jnp.dtype(config.dtype))
+
+
+def _scan_stack(graphdef, state, x_BxSxD, positions_BxS, segments_BxS, config: ModelConfig):
+    """Per device: stacked blocks `state` (one block's manual `graphdef`) as a scan."""
+
+    def body(x, layer_state):
+        return nnx.merge(graphdef, layer_state)(x, positions_BxS, segments_BxS)
+
+    return jax.lax.scan(_remat(body, config), x_BxSxD, state)
+
+
+def _head_loss(config: ModelConfig, manual: ShardCtx, norm_graphdef, mtp_graphdef, token_nll):
+    """Per device, one microbatch: `(params, h_BxSxD, rows, mtp_scale_D) -> (sums,
+    MTP MoE stats)` of Decoder.pipelined_sums: the final norm, the head and its
+    cross-entropy sums, then each MTP depth's (as Decoder.with_mtp)."""
+    dt = jnp.dtype(config.dtype)
+
+    def logits(p, normed_BxSxD):
+        kernel = p["logits"].astype(dt)
+        return jnp.einsum("bsd,dv->bsv", normed_BxSxD, kernel).astype(jnp.float32)
+
+    def depth(h_BxSxD, e_BxSxD, layer_state, positions_BxS, segments_BxS):
+        layer = nnx.merge(mtp_graphdef, layer_state)
+        h_BxSxD, stats = layer(h_BxSxD, e_BxSxD, positions_BxS, segments_BxS)
+        return h_BxSxD, layer.head_norm(h_BxSxD), stats
+
+    depth = _remat(depth, config)
+
+    def weighted_sums(nll_BxS, weights_BxS):
+        # Per device: plain sums (the caller keeps the devices' partial sums apart).
+        weights_BxS = weights_BxS.astype(jnp.float32)
+        return jnp.sum(nll_BxS * weights_BxS), jnp.sum(weights_BxS)
+
+    def head_loss(p, h_BxSxD, mb, scale_D):
+        normed = nnx.merge(norm_graphdef, p["final_norm"])(h_BxSxD)
+        nll_BxS = token_nll(logits(p, normed), mb["targets"])
+        ce_sum, weight = weighted_sums(nll_BxS, mb["weights"])
+        sums = {"ce_sum": ce_sum, "weight": weight}
+        if mtp_graphdef is None:
+            return sums, {}
+        per_depth, tokens = {"mtp_ce_sum": [], "mtp_weight": [], "mtp_scaled": []}, []
+        for k in range(1, config.mtp_num_layers + 1):
+            inputs_BxS, targets_BxS, weights_BxS = depth_targets(mb, k, manual)
+            h_BxSxD, normed, stats = depth(
+                h_BxSxD,
+                _lookup(p["embedding"], inputs_BxS, config),
+                _layer_slice(p["mtp"], k - 1),
+                mb["positions"],
+                mb["segments"],
+            )
+            nll_BxS = token_nll(logits(p, normed), targets_BxS)
+            ce_k, weight_k = weighted_sums(nll_BxS, weights_BxS)
+            # The scale on the per-token weights, as train_step.make_loss_fn applies it.
+            scaled_k, _ = weighted_sums(nll_BxS, weights_BxS * scale_D[k - 1])
+            for key, v in zip(per_depth, (ce_k, weight_k, scaled_k), strict=True):
+                per_depth[key].append(v)
+            if "tokens_per_expert_by_shard" in stats:
+                tokens.append(stats["tokens_per_expert_by_shard"])
+        mtp_stats = {"tokens_per_expert_by_shard": jnp.stack(tokens)} if tokens else {}
+        return {**sums, **per_depth}, mtp_stats
+
+    return head_loss

@@ -33,11 +33,15 @@ plan defers its reduction), so its cotangent leaves the map `unreduced` over
 collective, and accum's one reduction per step happens after it. The
 activations crossing stages carry no tag (they are sharded over 'data', never
 reduced over it). Everything outside the MoE layers (embedding, dense layers,
-output layer, MTP) runs before or after the pipeline on every stage alike.
+final norm, output layer, loss, MTP) runs before or after the pipeline on every
+stage alike, on the same microbatches one at a time (model/pipeline_ends.py): the
+training step hands `run_stacked` the hidden states already split (m, B/m, S, D)
+and takes its outputs so; `run_pipeline` (the whole batch: evaluation) splits and
+merges around it.
 
 Inside the stages: the batch axes (data, dcn_data; ZeRO-1 after the step), FSDP and
 expert parallelism. FSDP (fsdp, dcn_fsdp): each stage's weights are all-gathered
-over those axes once per step, before the loop (`_gather_fsdp`), whose transpose is
+over those axes once per step, before the loop (`gather_fsdp`), whose transpose is
 the gradients' reduce-scatter once after the backward loop; a device then holds its
 stage's weights whole for the step. Experts: the routed kernels enter as
 P('stage', 'expert', ...) and stay so; the layer (built with the 'manual' ctx,
@@ -83,7 +87,7 @@ def stages(ctx: ShardCtx) -> int:
     return dict(ctx.mesh.shape).get(STAGE_AXIS, 1)
 
 
-def _spec(value: jax.Array, logical: tuple, ctx: ShardCtx) -> P:
+def own_spec(value: jax.Array, logical: tuple, ctx: ShardCtx) -> P:
     """`value`'s own spec, tags included (explicit mode), or its logical one (auto)."""
     spec = pt.spec_of(value)
     if spec is not None:
@@ -96,10 +100,10 @@ def _spec(value: jax.Array, logical: tuple, ctx: ShardCtx) -> P:
 def _stacked_spec(variable: nnx.Variable, ctx: ShardCtx) -> P:
     """A stacked layer variable's spec: its own (explicit mode, tags included), or in
     auto mode its logical axes' ('stage_layers' first, as model.define lays it out)."""
-    return _spec(variable[...], ("stage_layers", *logical_axes_of(variable)), ctx)
+    return own_spec(variable[...], ("stage_layers", *logical_axes_of(variable)), ctx)
 
 
-def _gather_fsdp(w: jax.Array, spec: P) -> jax.Array:
+def gather_fsdp(w: jax.Array, spec: P) -> jax.Array:
     """This device's shard of a stacked weight gathered whole over the FSDP axes (the
     dims `spec` shards over them); 'stage' and 'expert' stay sharded. Once per step,
     before the loop: its transpose, the FSDP reduce-scatter of the gradient, runs once
@@ -112,7 +116,7 @@ def _gather_fsdp(w: jax.Array, spec: P) -> jax.Array:
     return w
 
 
-def _varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+def varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     """`x` (inside the shard_map) typed varying over each of `axes` it is not yet."""
     aval = jax.typeof(x)
     manual = getattr(aval, "manual_axis_type", None)  # JAX 0.10+; earlier: `vma`
@@ -162,7 +166,7 @@ def _circular_chunks(local_state: Any, stage, p: int, r: int, ctx: ShardCtx) -> 
     def relayout(w):
         stored = w.reshape(r, w.shape[0] // r, *w.shape[1:])
         out = jnp.zeros((r + 1, *stored.shape[1:]), w.dtype)
-        out = _varying(out, (STAGE_AXIS, *ctx.token_axes))
+        out = varying(out, (STAGE_AXIS, *ctx.token_axes))
         for d in range(p):
             piece = stored[send[d, stage]]
             if d:
@@ -202,20 +206,43 @@ def run_pipeline(
     remat,
 ) -> tuple[jax.Array, dict]:
     """The stacked layers `state` (layer dim sharded over 'stage') run as a GPipe
-    pipeline over `microbatches` microbatches of the batch.
+    pipeline over `microbatches` microbatches of the batch: `run_stacked` on the
+    batch split as accum splits it, its output merged back (the whole-batch path:
+    evaluation; the training step hands over microbatches, model/pipeline_ends.py).
+    Returns (x_BxSxD, MoE stats stacked over the layers) like the unpipelined scan.
+    """
+    inputs = accum.split_microbatches(
+        {"x": x_BxSxD, "positions": positions_BxS, "segments": segments_BxS}, microbatches
+    )
+    outputs, stats = run_stacked(
+        graphdef, state, inputs, ctx=ctx, repeats=repeats, layout=layout, remat=remat
+    )
+    return _merge_microbatches(outputs, pt.spec_of(x_BxSxD)), stats
+
+
+def run_stacked(
+    graphdef: Any,
+    state: Any,
+    inputs: dict,
+    *,
+    ctx: ShardCtx,
+    repeats: int = 1,
+    layout: Slots | None = None,
+    remat,
+) -> tuple[jax.Array, dict]:
+    """The pipeline on microbatches already split: `inputs` {"x": (m, B/m, S, D),
+    "positions", "segments": (m, B/m, S)}, accum.split_microbatches' layout.
 
     `graphdef`: one layer's module built with the 'manual' ShardCtx (it runs per
     device); `remat`: the configured rematerialization applied to one layer.
     `layout`: uneven stages' padded stack (model/pipeline_slots.py): its padding
     slots pass their input through (zero gradient) and their stats are dropped.
-    Returns (x_BxSxD, MoE stats stacked over the layers) like the unpipelined scan.
+    Returns (outputs (m, B/m, S, D) laid out as inputs["x"], MoE stats stacked
+    over the layers).
     """
-    m, p, r = microbatches, stages(ctx), repeats
-    inputs = accum.split_microbatches(
-        {"x": x_BxSxD, "positions": positions_BxS, "segments": segments_BxS}, m
-    )
-    x_spec = _spec(inputs["x"], (None, "activation_batch", "activation_length", None), ctx)
-    row_spec = _spec(inputs["positions"], (None, "activation_batch", "activation_length"), ctx)
+    m, p, r = inputs["x"].shape[0], stages(ctx), repeats
+    x_spec = own_spec(inputs["x"], (None, "activation_batch", "activation_length", None), ctx)
+    row_spec = own_spec(inputs["positions"], (None, "activation_batch", "activation_length"), ctx)
     in_row_specs = {"x": x_spec, "positions": row_spec, "segments": row_spec}
     state_specs = jax.tree.map(
         lambda v: _stacked_spec(v, ctx), state, is_leaf=lambda x: isinstance(x, nnx.Variable)
@@ -245,18 +272,18 @@ def run_pipeline(
             return y, jax.tree.map(lambda v: jnp.where(is_real, v, jnp.zeros_like(v)), stats)
 
         # The stage's own layers make x its own: varying over 'stage' from the start.
-        return lax.scan(body, _varying(x, (STAGE_AXIS,)), (local_state, real))
+        return lax.scan(body, varying(x, (STAGE_AXIS,)), (local_state, real))
 
     def per_device(local_state, rows):
         # TAG: the layers' parameters cast to vary over the token axes once, before
         # the loop, as the floor step does: each device's gradient then stays its
         # own through the backward loop, and this cast's transpose, after it, leaves
         # it `unreduced` over 'data' (the in_spec's `reduced`), not psummed.
-        local_state = jax.tree.map(lambda w: _varying(w, ctx.token_axes), local_state)
+        local_state = jax.tree.map(lambda w: varying(w, ctx.token_axes), local_state)
         # FSDP: the stage's weights whole on each device, gathered once per step (the
         # transpose: one reduce-scatter per weight after the backward loop, none in it).
         local_state = jax.tree.map(
-            lambda spec, v: jax.tree.map(lambda w: _gather_fsdp(w, spec), v),
+            lambda spec, v: jax.tree.map(lambda w: gather_fsdp(w, spec), v),
             state_specs,
             local_state,
             is_leaf=lambda x: isinstance(x, P),
@@ -264,7 +291,7 @@ def run_pipeline(
         # The microbatches too, over 'stage': stage 0 takes them in, and the cast's
         # transpose sums their cotangents over the stages once, after the backward
         # loop, not once per iteration.
-        rows = jax.tree.map(lambda r: _varying(r, (STAGE_AXIS,)), rows)
+        rows = jax.tree.map(lambda r: varying(r, (STAGE_AXIS,)), rows)
         stage = lax.axis_index(STAGE_AXIS)
         forward = [(i, (i + 1) % p) for i in range(p)]
         # (repeats, layers per chunk, ...): this stage's chunks in the order it runs them.
@@ -324,7 +351,7 @@ def run_pipeline(
         carry = (held, jnp.zeros_like(rows["x"]), zeros)
         # Varying over 'stage' and the token axes from the start: each device's
         # carry is its own (its stage's layers, its own rows).
-        carry = jax.tree.map(lambda v: _varying(v, (STAGE_AXIS, *ctx.token_axes)), carry)
+        carry = jax.tree.map(lambda v: varying(v, (STAGE_AXIS, *ctx.token_axes)), carry)
         iterations = jnp.arange(m * r + p - 1)
         (held, outputs, stats_sum), _ = lax.scan(iteration, carry, iterations)
         # The last microbatch, still on stage p-1: one more permute brings it home.
@@ -355,7 +382,7 @@ def run_pipeline(
     if layout is not None:
         # The real layers' stats, in layer order: per-layer stats stay L long.
         stats = {k: _real_rows(v, layout) for k, v in stats.items()}
-    return _merge_microbatches(outputs, pt.spec_of(x_BxSxD)), stats
+    return outputs, stats
 
 
 def _real_table(layout: Slots, chunks: int) -> np.ndarray:

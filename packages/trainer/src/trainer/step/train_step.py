@@ -36,6 +36,7 @@ def make_loss_fn(
     router: dict,
     mtp_scale_D: jax.Array | None = None,
     frozen: dict | None = None,
+    pipelined: bool = False,
 ) -> Callable:
     """`loss_fn(params, microbatch) -> (loss_sum, aux)` in accum's contract.
 
@@ -43,6 +44,8 @@ def make_loss_fn(
     each depth's cross-entropy sum into its share of the loss sum. With LoRA,
     `frozen` is the base parameters and `params` the adapters: the base is a constant
     of the differentiated function, so no gradient of it is ever computed or reduced.
+    `pipelined` (pipeline stages): the model returns the loss sums itself, computed one
+    pipeline microbatch at a time (model/pipeline_ends.py), not the batch's logits.
     """
     if model.mtp_num_layers and mtp_scale_D is None:
         raise ValueError("mtp_num_layers > 0 needs mtp_scale_D (train_step.mtp_loss_scales)")
@@ -56,42 +59,15 @@ def make_loss_fn(
         aux_loss = bool(model.load_balance_loss_weight and model.num_moe_layers)
 
         keep = not aux_loss
-        mtp_stats: dict = {}
         weights, adapters = (params, None) if frozen is None else (frozen, params)
-        if model.mtp_num_layers:
-            (logits, stats), depths, mtp_stats = model_lib.apply_with_mtp(
-                model_def,
-                weights,
-                router,
-                mb,
-                lambda lg, t, w: (token_cross_entropy(lg, t), w),
-                adapters=adapters,
+        if pipelined:
+            loss_sum, aux, stats, mtp_stats = _pipelined_sums(
+                model, model_def, weights, router, mb, mtp_scale_D, keep
             )
         else:
-            logits, stats = model_lib.apply(
-                model_def,
-                weights,
-                router,
-                mb["inputs"],
-                mb["positions"],
-                mb["segments"],
-                adapters=adapters,
+            loss_sum, aux, stats, mtp_stats = _whole_batch_sums(
+                model, model_def, weights, adapters, router, mb, mtp_scale_D, keep
             )
-        ce_sum, weight = cross_entropy_sum(
-            logits, mb["targets"], mb["weights"], keep_unreduced=keep
-        )
-        aux = {"weight": weight, "ce_sum": ce_sum}
-        loss_sum = ce_sum
-        if model.mtp_num_layers:
-            # Per depth (lists of scalars: accum sums and reduces each leaf once).
-            sums = [weighted_sums(nll, w, keep_unreduced=keep) for nll, w in depths]
-            aux["mtp_ce_sum"] = [s for s, _ in sums]
-            aux["mtp_weight"] = [w for _, w in sums]
-            for k, (nll_BxS, w_BxS) in enumerate(depths):
-                # The scale goes on the per-token weights: an unreduced sum times a
-                # replicated scalar would not type-check.
-                scaled, _ = weighted_sums(nll_BxS, w_BxS * mtp_scale_D[k], keep_unreduced=keep)
-                loss_sum = loss_sum + scaled
         if mtp_stats:
             # The MTP blocks' MoE token counts, (depths, shards, E): their router biases.
             aux["mtp_tokens_per_expert_by_shard"] = mtp_stats["tokens_per_expert_by_shard"]
@@ -116,10 +92,69 @@ def make_loss_fn(
                 loss_sum = loss_sum + _router_z_loss(model, stats, mb, keep, aux)
             if aux_loss:
                 balance = jnp.mean(stats["balance_loss"])
-                loss_sum = loss_sum + model.load_balance_loss_weight * balance * weight
+                loss_sum = loss_sum + model.load_balance_loss_weight * balance * aux["weight"]
         return loss_sum, aux
 
     return loss_fn
+
+
+def _whole_batch_sums(model, model_def, weights, adapters, router, mb, mtp_scale_D, keep):
+    """(loss sum, aux with the loss sums, MoE stats, MTP MoE stats) from the batch's
+    logits (and each MTP depth's)."""
+    mtp_stats: dict = {}
+    if model.mtp_num_layers:
+        (logits, stats), depths, mtp_stats = model_lib.apply_with_mtp(
+            model_def,
+            weights,
+            router,
+            mb,
+            lambda lg, t, w: (token_cross_entropy(lg, t), w),
+            adapters=adapters,
+        )
+    else:
+        logits, stats = model_lib.apply(
+            model_def,
+            weights,
+            router,
+            mb["inputs"],
+            mb["positions"],
+            mb["segments"],
+            adapters=adapters,
+        )
+    ce_sum, weight = cross_entropy_sum(logits, mb["targets"], mb["weights"], keep_unreduced=keep)
+    aux = {"weight": weight, "ce_sum": ce_sum}
+    loss_sum = ce_sum
+    if model.mtp_num_layers:
+        # Per depth (lists of scalars: accum sums and reduces each leaf once).
+        sums = [weighted_sums(nll, w, keep_unreduced=keep) for nll, w in depths]
+        aux["mtp_ce_sum"] = [s for s, _ in sums]
+        aux["mtp_weight"] = [w for _, w in sums]
+        for k, (nll_BxS, w_BxS) in enumerate(depths):
+            # The scale goes on the per-token weights: an unreduced sum times a
+            # replicated scalar would not type-check.
+            scaled, _ = weighted_sums(nll_BxS, w_BxS * mtp_scale_D[k], keep_unreduced=keep)
+            loss_sum = loss_sum + scaled
+    return loss_sum, aux, stats, mtp_stats
+
+
+def _pipelined_sums(model, model_def, weights, router, mb, mtp_scale_D, keep):
+    """`_whole_batch_sums` with pipeline stages: the model's per-token-shard partial
+    sums (Decoder.pipelined_sums), added up here: kept unreduced over the token axes
+    as `keep` says (explicit mode), like the whole-batch path's."""
+    sums, stats, mtp_stats = model_lib.apply_pipelined(
+        model_def, weights, router, mb, token_cross_entropy, mtp_scale_D
+    )
+    # TAG: per-shard partial sums, sharded over the token axes: unreduced_sum leaves
+    # them unreduced for accum's one reduction per step, as cross_entropy_sum does.
+    total = pt.unreduced_sum if keep else jnp.sum
+    aux = {"weight": total(sums["weight"]), "ce_sum": total(sums["ce_sum"])}
+    loss_sum = aux["ce_sum"]
+    if model.mtp_num_layers:
+        aux["mtp_ce_sum"] = [total(s) for s in sums["mtp_ce_sum"]]
+        aux["mtp_weight"] = [total(w) for w in sums["mtp_weight"]]
+        for scaled in sums["mtp_scaled"]:
+            loss_sum = loss_sum + total(scaled)
+    return loss_sum, aux, stats, mtp_stats
 
 
 def _router_z_loss(model: ModelConfig, stats: dict, mb: dict, keep: bool, aux: dict):
@@ -268,7 +303,14 @@ def make_step(
             )
         mtp_scale_D = mtp_loss_scales(model, batch, ctx) if model.mtp_num_layers else None
         loss, aux, grads = accum.accumulate_gradients(
-            make_loss_fn(model, model_def, state["router"], mtp_scale_D, state.get("frozen")),
+            make_loss_fn(
+                model,
+                model_def,
+                state["router"],
+                mtp_scale_D,
+                state.get("frozen"),
+                pipelined=pipeline.stages(ctx) > 1,
+            ),
             params,
             batch,
             num_microbatches=steps,
