@@ -13,10 +13,12 @@ silently. MaxText keys with a meaning of their own here (`hardware`,
 from __future__ import annotations
 
 import os
+import typing
 from collections.abc import Callable
 
 from trainer.config.keys import ConfigError
 from trainer.config.make import parse_overrides
+from trainer.config.model_keys import ModelConfig
 
 TRUE = ("true", "1", "yes")
 FALSE = ("false", "0", "no")
@@ -33,7 +35,8 @@ ATTENTION = {
     "cudnn_flash_te": "cudnn_flash",
     "cudnn_flash_jax": "cudnn_flash",
 }
-OWN_ATTENTION = ("auto", "dot_product", "cudnn_flash", "splash")
+# tagtrain's own values: the `attention` key's (model_keys.ModelConfig), one list.
+OWN_ATTENTION = typing.get_args(typing.get_type_hints(ModelConfig)["attention"])
 
 
 def _attention(value: str) -> tuple[str | None, str | None]:
@@ -86,7 +89,7 @@ def _tokenizer_type(value: str) -> tuple[str | None, str | None]:
 # key -> check(value) -> (the value tagtrain's own key of that name takes, or None:
 # no such key, the value is absorbed; a startup note, or None when tagtrain does
 # exactly that).
-KEY_RULES: dict[str, Callable[[str], str | None]] = {
+KEY_RULES: dict[str, Callable[[str], tuple[str | None, str | None]]] = {
     "attention": _attention,
     "megablox": _megablox,
     "tokenizer_type": _tokenizer_type,

@@ -25,12 +25,13 @@ import jax
 
 import pspec_tags as pt
 from trainer.config import ConfigError, ModelConfig
+from trainer.model import splash_attention
 from trainer.sharding import ShardCtx
 
 CUDNN_MAX_HEAD_DIM = 128
 # Splash's kv tiles are computed 128 lanes at a time (its block_kv_compute must be a
-# multiple of 128 on a TPU), so the sequence must split into 128-row tiles.
-SPLASH_TILE = 128
+# multiple of 128 on a TPU), so the sequence must split into its smallest tile.
+SPLASH_TILE = min(splash_attention.TILES)
 # auto's preference order among the fused kernels.
 FUSED = ("cudnn_flash", "splash")
 

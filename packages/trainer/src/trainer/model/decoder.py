@@ -117,6 +117,16 @@ def _layer_slice(state, i: int):
     return jax.tree.map(lambda leaf: jax.lax.index_in_dim(leaf, i, keepdims=False), state)
 
 
+def _layer_body(graphdef, positions_BxS, segments_BxS, config: ModelConfig):
+    """`(x, one layer's state) -> (x, stats)` for a stack of `graphdef` blocks, with
+    the configured rematerialization: a layer loop's scan body."""
+
+    def body(x, layer_state):
+        return nnx.merge(graphdef, layer_state)(x, positions_BxS, segments_BxS)
+
+    return _remat(body, config)
+
+
 def _run_stack(stack: nnx.Module, x_BxSxD, positions_BxS, segments_BxS, config: ModelConfig):
     """The stacked blocks in order; returns the output and per-layer stats (stacked).
 
@@ -124,11 +134,7 @@ def _run_stack(stack: nnx.Module, x_BxSxD, positions_BxS, segments_BxS, config: 
     otherwise as an unrolled Python loop over layer slices (same numbers).
     """
     graphdef, state = nnx.split(stack)
-
-    def body(x, layer_state):
-        return nnx.merge(graphdef, layer_state)(x, positions_BxS, segments_BxS)
-
-    body = _remat(body, config)
+    body = _layer_body(graphdef, positions_BxS, segments_BxS, config)
     # run.resolve decides scan_layers=auto (config/layer_loop.py); a model defined
     # outside a run (a test, a notebook) scans under auto, as on a TPU or CPU.
     if config.scan_layers is not False:
@@ -340,11 +346,7 @@ def _lookup(table_VxD, tokens_BxS, config: ModelConfig):
 
 def _scan_stack(graphdef, state, x_BxSxD, positions_BxS, segments_BxS, config: ModelConfig):
     """Per device: stacked blocks `state` (one block's manual `graphdef`) as a scan."""
-
-    def body(x, layer_state):
-        return nnx.merge(graphdef, layer_state)(x, positions_BxS, segments_BxS)
-
-    return jax.lax.scan(_remat(body, config), x_BxSxD, state)
+    return jax.lax.scan(_layer_body(graphdef, positions_BxS, segments_BxS, config), x_BxSxD, state)
 
 
 def _head_loss(config: ModelConfig, manual: ShardCtx, norm_graphdef, mtp_graphdef, token_nll):

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 # `jax.experimental.pallas.ops.tpu.splash_attention` is imported on first use (in
 # `_kernel`), not at import time: it pulls in Pallas's TPU lowering.
 
+# Largest first; the smallest is the floor attention_kernel checks (SPLASH_TILE).
 TILES = (512, 256, 128)
 
 
