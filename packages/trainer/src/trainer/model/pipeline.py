@@ -251,18 +251,35 @@ def run_stacked(
     # shard dim over the token axes (each device's own rows).
     token_axes = pt.entry_from_axes(ctx.token_axes)
 
-    def layer(x, layer_state, positions, segments):
-        return nnx.merge(graphdef, layer_state)(x, positions, segments)
+    # One layer's weights picked from the stage's chunks by (repeat, slot) and
+    # recomputed in the backward rather than kept: a picked copy kept as a residual
+    # is stacked by both loops, the stage's whole weights once per pipeline
+    # iteration (deepseek3-671b: about 3.3 GB a device an iteration, most of its
+    # HLO temporaries). Kept, the chunks are a loop constant, saved once.
+    pick = jax.checkpoint(
+        lambda chunks, repeat, slot: jax.tree.map(
+            lambda w: lax.dynamic_index_in_dim(
+                lax.dynamic_index_in_dim(w, repeat, 0, False), slot, 0, False
+            ),
+            chunks,
+        )
+    )
+
+    def layer(x, chunks, repeat, slot, positions, segments):
+        return nnx.merge(graphdef, pick(chunks, repeat, slot))(x, positions, segments)
 
     layer = remat(layer)
 
     # Uneven stages: which slot of each chunk (in layer order) holds a real layer.
     real_table = None if layout is None else jnp.asarray(_real_table(layout, p * r))
 
-    def stage_layers(local_state, x, positions, segments, real=None):
-        def body(x, slot):
-            layer_state, is_real = slot
-            y, stats = layer(x, layer_state, positions, segments)
+    def stage_layers(chunks, repeat, x, positions, segments, real=None):
+        """The layers of chunk `repeat` of this stage's `chunks` on x, in order."""
+        slots = jax.tree.leaves(chunks)[0].shape[1]
+
+        def body(x, slot_real):
+            slot, is_real = slot_real
+            y, stats = layer(x, chunks, repeat, slot, positions, segments)
             stats = {k: stats[k] for k in (*SUMMED_STATS, *MEAN_STATS) if k in stats}
             if is_real is None:
                 return y, stats
@@ -272,7 +289,7 @@ def run_stacked(
             return y, jax.tree.map(lambda v: jnp.where(is_real, v, jnp.zeros_like(v)), stats)
 
         # The stage's own layers make x its own: varying over 'stage' from the start.
-        return lax.scan(body, varying(x, (STAGE_AXIS,)), (local_state, real))
+        return lax.scan(body, varying(x, (STAGE_AXIS,)), (jnp.arange(slots), real))
 
     def per_device(local_state, rows):
         # TAG: the layers' parameters cast to vary over the token axes once, before
@@ -299,7 +316,8 @@ def run_stacked(
         first = jax.tree.map(lambda r_: r_[0], rows)
         _, stats_shape = jax.eval_shape(
             stage_layers,
-            jax.tree.map(lambda w: w[0], chunks),
+            chunks,
+            0,
             first["x"],
             first["positions"],
             first["segments"],
@@ -328,10 +346,9 @@ def run_stacked(
             current = jax.tree.map(lambda n, a: jnp.where(stage == 0, n, a), new, arrived)
             # This stage holds pass t - stage: repeat (t - stage) // m, or the bubble.
             repeat = jnp.clip((t - stage) // m, 0, r - 1)
-            chunk = jax.tree.map(lambda w: lax.dynamic_index_in_dim(w, repeat, 0, False), chunks)
             real = None if real_table is None else real_table[repeat * p + stage]
             y, stats = stage_layers(
-                chunk, current["x"], current["positions"], current["segments"], real
+                chunks, repeat, current["x"], current["positions"], current["segments"], real
             )
             busy = jnp.logical_and(t - stage >= 0, t - stage < m * r)
             stats_sum = jax.tree.map(
