@@ -60,3 +60,17 @@ def test_missing_plugin_says_how_to_install_it(monkeypatch):
 def test_gpu_compiles_get_no_tpu_flags():
     config = make_config({"tpu_async_collectives": "true"})
     assert xla_options.compiler_options(config.parallelism, "gpu") == {}
+
+
+def test_allocator_hint_when_the_step_fits_hbm_but_not_jaxs_default_share():
+    gib = gpu_topology.GIB
+    # deepseek3-h200 at GA=2 compiles to about 127 GiB of a 141 GiB H200: more than
+    # the 75% JAX's allocator takes by default.
+    line = gpu_topology.allocator_line(int(127.0 * gib), 141.0)
+    assert line is not None
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.93" in line and "105.75 GiB" in line
+    # Within the default share, or beyond the chip: no hint.
+    assert gpu_topology.allocator_line(int(100 * gib), 141.0) is None
+    assert gpu_topology.allocator_line(int(150 * gib), 141.0) is None
+    # Close to the whole chip: capped below 1.
+    assert "=0.99" in gpu_topology.allocator_line(int(140.5 * gib), 141.0)

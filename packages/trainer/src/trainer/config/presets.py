@@ -83,15 +83,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         routed_scaling_factor=2.5,
     ),
     # Sized to fill one H200 (141 GB): about 5.0B parameters, 1.2B active per token.
-    # f32 weights and Adam's two moments take 12 bytes a parameter (59.8 GiB of
-    # arguments), the f32 gradient accumulator 4 more at gradient_accumulation_steps
-    # > 1. At per_device_batch_size 8 activations decide the rest: one microbatch
-    # (GA=1) fits with remat_policy=selective, which recomputes dot_product
+    # f32 weights and Adam's two moments take 12 bytes a parameter, the f32 gradient
+    # accumulator 4 more at gradient_accumulation_steps > 1; at per_device_batch_size
+    # 8 activations decide the rest. remat_policy=selective recomputes dot_product
     # attention's (B, H, S, S) scores in the backward (a compile on a CPU host builds
-    # dot_product: no cuDNN there; on the device cuDNN's fused kernel recomputes them
-    # itself, and selective then changes nothing): `train compile_topology=h200-1
-    # model_name=deepseek3-h200 per_device_batch_size=8 gradient_accumulation_steps=1`
-    # compiles to 127.0 GiB; GA=2 needs 143.0 GiB with it, 149.6 without (issue 53).
+    # dot_product, having no cuDNN; on the device cuDNN's fused kernel recomputes them
+    # itself, and selective then changes nothing). `train compile_topology=h200-1
+    # model_name=deepseek3-h200 per_device_batch_size=8 gradient_accumulation_steps=2`
+    # fits the chip's HBM but not the 75% JAX's allocator takes by default: the
+    # report says which XLA_PYTHON_CLIENT_MEM_FRACTION holds it (compiled memory and
+    # the predicted step: benchmarks/results/gpu_estimate.md, its h200 row).
     # Most parameters sit in 32 experts (top-4 plus 2 shared), so the routed
     # matmuls are large enough to keep the GPU's matrix units busy; head dims of at
     # most 128 (96 + 32 for queries and keys, 128 for values) keep cuDNN's fused

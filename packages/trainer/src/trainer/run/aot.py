@@ -267,6 +267,8 @@ def report_lines(result: AotResult) -> list[str]:
         f"  total     {mem['total'] / GIB:9.3f} GiB of {topo.hbm_gib:g} GiB HBM "
         f"({share * 100:.1f}%, {fits})"
     )
+    if topo.platform == "gpu":
+        lines += filter(None, [gpu_topology.allocator_line(mem["total"], topo.hbm_gib)])
     text = result.compiled.as_text()
     lines += report.collective_summary(
         text, config.accumulation, *run_lib.summary_axes(run), shard_mode=config.shard_mode

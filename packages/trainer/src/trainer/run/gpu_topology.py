@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import importlib.util
+import math
 import os
 import shutil
 
@@ -98,6 +99,30 @@ def target_config(chip: Chip) -> str:
         f"gpu_device_info {{ {fields} cuda_compute_capability {{ major: {major} "
         f'minor: {minor} }} }} platform_name: "CUDA" dnn_version_info {{ {dnn} }} '
         f'device_description_str: "{chip.description}"'
+    )
+
+
+# The share of a GPU's memory a JAX process's allocator takes by default (jax's GPU
+# memory docs: XLA_PYTHON_CLIENT_MEM_FRACTION, 75% preallocated at start-up). A step
+# compiled to fit the chip's HBM but not that share runs out of memory on the
+# device unless the variable is raised.
+ALLOCATOR_FRACTION = 0.75
+ALLOCATOR_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+
+
+def allocator_line(total_bytes: int, hbm_gib: float) -> str | None:
+    """The AOT report's hint when a GPU step fits the chip's HBM but not the share
+    JAX's allocator takes by default: the XLA_PYTHON_CLIENT_MEM_FRACTION that holds
+    it (2% headroom, at most 0.99). None when the default share holds it or the
+    chip cannot."""
+    hbm = hbm_gib * GIB
+    if total_bytes <= ALLOCATOR_FRACTION * hbm or total_bytes > hbm:
+        return None
+    needed = min(0.99, math.ceil(total_bytes / hbm * 100 + 2) / 100)
+    return (
+        f"  on the device: JAX's allocator takes {ALLOCATOR_FRACTION:g} of HBM "
+        f"({ALLOCATOR_FRACTION * hbm_gib:.2f} GiB) by default; run with "
+        f"{ALLOCATOR_ENV}={needed:.2f}"
     )
 
 
