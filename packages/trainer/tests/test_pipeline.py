@@ -66,11 +66,27 @@ STAGES = {
         **STAGE2, "ici_data_parallelism": "4", "base_num_decoder_layers": "6",
         "num_pipeline_repeats": "2",
     },
+    # The sequence-wise balance loss: a term per microbatch, weighted by its tokens,
+    # kept per microbatch through the pipeline (circular and uneven: the repeat and
+    # microbatch each iteration writes, the padding slots left out).
+    "stage=2 x data=4, balance loss": {
+        **STAGE2, "ici_data_parallelism": "4", "load_balance_loss_weight": "0.1",
+    },
+    "uneven: 5 layers over stage=2 x expert=2 x data=2, circular, balance loss": {
+        **STAGE2, "ici_expert_parallelism": "2", "ici_data_parallelism": "2",
+        "base_num_decoder_layers": "6", "num_pipeline_repeats": "2",
+        "load_balance_loss_weight": "0.1",
+    },
 }  # fmt: skip
+# Keys of a layout that change the model or its loss: the unpipelined run has them too.
+MODEL_KEYS = ("base_num_decoder_layers", "load_balance_loss_weight")
 
 # The 6-layer model's deeper sums: one embedding entry of 16384 off by 3.2e-10 at
 # rtol 1e-5 (its atol, rtol / 10 of the leaf's largest, 3.05e-10): f32 rounding.
-GRAD_RTOL = {"uneven: 5 layers over stage=2 x data=4, circular (2 repeats)": 2e-5}
+GRAD_RTOL = {
+    "uneven: 5 layers over stage=2 x data=4, circular (2 repeats)": 2e-5,
+    "uneven: 5 layers over stage=2 x expert=2 x data=2, circular, balance loss": 2e-5,
+}
 
 BAD = [
     (
@@ -123,8 +139,8 @@ BAD = [
         r"^gradient_reduction_policy=per_microbatch with 2 pipeline stages would reduce inside",
     ),
     (
-        {**MODEL, "ici_pipeline_parallelism": "2", "load_balance_loss_weight": "0.01"},
-        r"^load_balance_loss_weight=0.01 with 2 pipeline stages is not supported",
+        {**MODEL, "ici_pipeline_parallelism": "2", "moe_z_loss_coeff": "0.001"},
+        r"^moe_z_loss_coeff=0.001 with 2 pipeline stages is not supported",
     ),
     ({"num_pipeline_repeats": "0"}, r"^num_pipeline_repeats=0 must be >= 1"),
 ]
@@ -216,8 +232,9 @@ def test_bubble_fraction():
 @pytest.mark.parametrize("layout", list(STAGES))
 def test_same_numbers_and_one_reduction_after_the_loop(runner, grads_runner, grads_match, layout):
     keys = {**MODEL, **STAGES[layout]}
-    # The unpipelined run of the same model (an uneven layout's own layer count).
-    model = {**MODEL, "base_num_decoder_layers": keys["base_num_decoder_layers"]}
+    # The unpipelined run of the same model and loss (an uneven layout's own layer
+    # count, the balance loss where the layout has it).
+    model = {**MODEL, **{k: keys[k] for k in MODEL_KEYS if k in keys}}
     stages, repeats = keys["ici_pipeline_parallelism"], keys.get("num_pipeline_repeats", "1")
     want_history, _ = runner(1, **model, ici_data_parallelism="8")
     got_history, text = runner(1, **keys)

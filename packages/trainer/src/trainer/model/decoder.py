@@ -273,7 +273,11 @@ class Decoder(nnx.Module):
         x = pipeline_ends.before(embed_dense, params, logical, inputs, ctx=ctx)
         graphdef, state, kwargs = self._pipeline_parts()
         positions = {"positions": rows["positions"], "segments": rows["segments"]}
-        x, stats = pipeline.run_stacked(graphdef, state, {"x": x, **positions}, **kwargs)
+        # The balance loss is a term per microbatch (train_step.make_loss_fn): kept so.
+        balance = bool(c.load_balance_loss_weight and c.num_moe_layers)
+        x, stats = pipeline.run_stacked(
+            graphdef, state, {"x": x, **positions}, **kwargs, per_microbatch_balance=balance
+        )
         params = {"logits": self.logits_DxV[...], "final_norm": nnx.split(self.final_norm)[1]}
         logical = {"logits": NAMES.logits_kernel, "final_norm": False}
         if c.mtp_num_layers:

@@ -70,13 +70,17 @@ from trainer.model.pipeline_slots import Slots
 from trainer.sharding import ShardCtx
 
 # MoE statistics the pipeline returns: per layer and token shard, summed over the
-# microbatches as accum sums them. The others (the per-microbatch balance loss
-# behind load_balance_loss_weight, the per-token router z) are refused with stages
-# (config/pipeline.py).
+# microbatches as accum sums them. (The per-token router z behind moe_z_loss_coeff
+# is refused with stages: config/pipeline.py.)
 SUMMED_STATS = ("tokens_per_expert_by_shard", "dropped_by_shard")
 # Averaged over the microbatches: accum sums it with its term count, which one call
 # of the pipelined loss counts once (train_step.make_loss_fn's metric).
 MEAN_STATS = ("balance_loss_by_shard",)
+# Kept per microbatch, (layers, token shards, microbatches): the balance loss is a
+# term per microbatch, weighted by that microbatch's tokens (train_step's
+# load_balance_loss_weight), so a sum over microbatches would not give it. Only
+# when `run_stacked(per_microbatch_balance=True)`: it is differentiated through.
+BALANCE_BY_MICROBATCH = "balance_loss_by_microbatch"
 # Mesh axes that shard weights the stages gather once per step (fully sharded data
 # parallelism: they shard the batch too).
 FSDP_AXES = ("dcn_fsdp", "fsdp")
@@ -229,6 +233,7 @@ def run_stacked(
     repeats: int = 1,
     layout: Slots | None = None,
     remat,
+    per_microbatch_balance: bool = False,
 ) -> tuple[jax.Array, dict]:
     """The pipeline on microbatches already split: `inputs` {"x": (m, B/m, S, D),
     "positions", "segments": (m, B/m, S)}, accum.split_microbatches' layout.
@@ -238,7 +243,7 @@ def run_stacked(
     `layout`: uneven stages' padded stack (model/pipeline_slots.py): its padding
     slots pass their input through (zero gradient) and their stats are dropped.
     Returns (outputs (m, B/m, S, D) laid out as inputs["x"], MoE stats stacked
-    over the layers).
+    over the layers); with `per_microbatch_balance` also BALANCE_BY_MICROBATCH.
     """
     m, p, r = inputs["x"].shape[0], stages(ctx), repeats
     x_spec = own_spec(inputs["x"], (None, "activation_batch", "activation_length", None), ctx)
@@ -351,6 +356,8 @@ def run_stacked(
                 chunks, repeat, current["x"], current["positions"], current["segments"], real
             )
             busy = jnp.logical_and(t - stage >= 0, t - stage < m * r)
+            by_microbatch = stats_sum.get(BALANCE_BY_MICROBATCH)
+            summed = {k: v for k, v in stats_sum.items() if k != BALANCE_BY_MICROBATCH}
             stats_sum = jax.tree.map(
                 lambda acc, v: lax.dynamic_update_index_in_dim(
                     acc,
@@ -358,13 +365,26 @@ def run_stacked(
                     repeat,
                     0,
                 ),
-                stats_sum,
-                stats,
+                summed,
+                {k: stats[k] for k in summed},
             )
+            if by_microbatch is not None:
+                # This stage's pass t - stage is microbatch (t - stage) mod m.
+                # Written once, while busy: a bubble iteration keeps what is there.
+                index = (repeat, *(0,) * (by_microbatch.ndim - 2), (t - stage) % m)
+                sizes = (1, *by_microbatch.shape[1:-1], 1)
+                held_value = lax.dynamic_slice(by_microbatch, index, sizes)
+                balance = stats["balance_loss_by_shard"][None, ..., None]
+                stats_sum[BALANCE_BY_MICROBATCH] = lax.dynamic_update_slice(
+                    by_microbatch, jnp.where(busy, balance, held_value), index
+                )
             return ({**current, "x": y}, outputs, stats_sum), None
 
         held = jax.tree.map(lambda r_: jnp.zeros_like(r_[0]), rows)
         zeros = jax.tree.map(lambda s: jnp.zeros((r, *s.shape), s.dtype), stats_shape)
+        if per_microbatch_balance:
+            shape = stats_shape["balance_loss_by_shard"]
+            zeros[BALANCE_BY_MICROBATCH] = jnp.zeros((r, *shape.shape, m), shape.dtype)
         carry = (held, jnp.zeros_like(rows["x"]), zeros)
         # Varying over 'stage' and the token axes from the start: each device's
         # carry is its own (its stage's layers, its own rows).
@@ -389,6 +409,8 @@ def run_stacked(
         k: stats_spec(3 if k == "tokens_per_expert_by_shard" else 2)
         for k in (*SUMMED_STATS, *MEAN_STATS)
     }
+    if per_microbatch_balance:
+        out_stats_specs[BALANCE_BY_MICROBATCH] = stats_spec(3)
     mapped = jax.shard_map(
         per_device,
         mesh=ctx.mesh,

@@ -38,6 +38,7 @@ from typing import Any
 import jax
 import numpy as np
 
+import pspec_tags as pt
 from accum import cost as cost_lib
 from accum.hardware import Hardware
 from trainer.config import Config
@@ -48,7 +49,8 @@ from trainer.config.pipeline import (
     stage_count,
 )
 from trainer.config.validate import batch_shard_count
-from trainer.model import flops
+from trainer.model import flops, pipeline
+from trainer.sharding import ShardCtx
 
 POSITION_BYTES = 4  # positions and segments travel beside the activations as int32
 
@@ -85,23 +87,30 @@ def tokens_per_hop(config: Config, sizes: dict[str, int]) -> int:
     return rows * (config.max_target_length // length_shards)
 
 
-def relayout_bytes(leaves: Any, logical: Any, stages: int, repeats: int) -> int:
-    """Bytes circular stages move one way per step for the leaves of `leaves` (arrays or
-    ShapeDtypeStructs, with their `logical` axes) stacked in the pipelined stack
-    ('stage_layers' first): (p - 1) rounds of ceil(r / p) chunks of c slots (the
-    padded stack's rows / (p x r): uneven stages' padding travels too). 0 for GPipe
-    (r = 1)."""
+def relayout_bytes(leaves: Any, logical: Any, stages: int, repeats: int, ctx: ShardCtx) -> int:
+    """Bytes a device's circular stages move one way per step for the leaves of
+    `leaves` (arrays or ShapeDtypeStructs, with their `logical` axes) stacked in the
+    pipelined stack ('stage_layers' first): (p - 1) rounds of ceil(r / p) chunks of c
+    slots (the padded stack's rows / (p x r): uneven stages' padding travels too),
+    each its device's part of the chunk: split over the leaf's other mesh axes (the
+    experts' 'expert'), whole over FSDP's, which the stage gathers before the relayout
+    (model/pipeline.py). 0 for GPipe (r = 1)."""
     if repeats == 1:
         return 0
     width = -(-repeats // stages)
-    pipelined = jax.tree.map(
-        lambda axes: axes[:1] == ("stage_layers",), logical, is_leaf=lambda x: isinstance(x, tuple)
-    )
+    mesh = dict(ctx.mesh.shape)
+    axes_of = jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple))
     total = 0
-    for x, stacked in zip(jax.tree.leaves(leaves), jax.tree.leaves(pipelined), strict=True):
-        if stacked:
-            chunk = math.prod(x.shape) // (stages * repeats) * np.dtype(x.dtype).itemsize
-            total += (stages - 1) * width * chunk
+    for x, axes in zip(jax.tree.leaves(leaves), axes_of, strict=True):
+        if axes[:1] != ("stage_layers",):
+            continue
+        # Dim 0 is the stack's, split by stages x repeats below.
+        entries = pt.partitions(ctx.spec(axes, x.shape))[1:]
+        split = math.prod(
+            mesh[a] for e in entries for a in pt.entry_axes(e) if a not in pipeline.FSDP_AXES
+        )
+        chunk = math.prod(x.shape) // (stages * repeats * split) * np.dtype(x.dtype).itemsize
+        total += (stages - 1) * width * chunk
     return total
 
 

@@ -350,8 +350,8 @@ def stage_terms(
     # Circular stages move every stacked leaf to its stage (the router biases too) and
     # send the trained ones' gradients home.
     _, router = model_lib.abstract_state(trained, ctx)
-    relayout = 2 * pipeline_cost.relayout_bytes(params, trained.param_logical, p, r)
-    relayout += pipeline_cost.relayout_bytes(router, trained.router_logical, p, r)
+    relayout = 2 * pipeline_cost.relayout_bytes(params, trained.param_logical, p, r, ctx)
+    relayout += pipeline_cost.relayout_bytes(router, trained.router_logical, p, r, ctx)
     return pipeline_cost.pipeline_cost(config, dict(ctx.mesh.shape), hw, relayout)
 
 

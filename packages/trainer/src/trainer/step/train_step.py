@@ -91,8 +91,11 @@ def make_loss_fn(
             if model.moe_z_loss_coeff:
                 loss_sum = loss_sum + _router_z_loss(model, stats, mb, keep, aux)
             if aux_loss:
-                balance = jnp.mean(stats["balance_loss"])
-                loss_sum = loss_sum + model.load_balance_loss_weight * balance * aux["weight"]
+                loss_sum = loss_sum + model.load_balance_loss_weight * (
+                    _pipelined_balance(stats, mb)
+                    if pipelined
+                    else jnp.mean(stats["balance_loss"]) * aux["weight"]
+                )
         return loss_sum, aux
 
     return loss_fn
@@ -155,6 +158,16 @@ def _pipelined_sums(model, model_def, weights, router, mb, mtp_scale_D, keep):
         for scaled in sums["mtp_scaled"]:
             loss_sum = loss_sum + total(scaled)
     return loss_sum, aux, stats, mtp_stats
+
+
+def _pipelined_balance(stats: dict, mb: dict) -> jax.Array:
+    """The balance loss term of the step's pipeline microbatches: each microbatch's
+    balance loss (the mean over the MoE layers and token shards) times its own
+    target weight, added up, as accum adds the unpipelined microbatches' terms."""
+    balance_LxNxM = stats[pipeline.BALANCE_BY_MICROBATCH]
+    balance_M = jnp.mean(balance_LxNxM, axis=(0, 1))
+    weights_MxBxS = accum.split_microbatches(mb["weights"], balance_LxNxM.shape[-1])
+    return jnp.sum(balance_M * jnp.sum(weights_MxBxS.astype(jnp.float32), axis=(1, 2)))
 
 
 def _router_z_loss(model: ModelConfig, stats: dict, mb: dict, keep: bool, aux: dict):
