@@ -62,13 +62,9 @@ V5P = {
 }
 ROWS = {
     "v5p-256 x 16 slices: 16 stages x 64 expert x 2 data": V5P,
-    # Where the memory goes: the same layout without the 3 dense layers (61 MoE layers
-    # in the 64 slots), and with half the microbatches (GA=16).
-    "v5p, diagnosis: first_num_dense_layers=0": {
-        **V5P,
-        "first_num_dense_layers": "0",
-    },
-    "v5p, diagnosis: gradient_accumulation_steps=16": {
+    # The same layout with half the microbatches: what the pipeline's microbatches
+    # cost in memory (test_pipeline_memory.py: an extra one costs its activations).
+    "v5p, gradient_accumulation_steps=16": {
         **V5P,
         "gradient_accumulation_steps": "16",
     },
@@ -193,11 +189,11 @@ def main() -> int:
             "program's hop to another slice is a megascale send, 'one-to-one'); 'gradient "
             "reductions in loops': all-reduce/reduce-scatter of float arrays inside any "
             "loop (0: every gradient reduced once per step, after the pipeline loop)",
-            "the diagnosis rows compile the same layout without the 3 dense layers and "
-            "with half the microbatches: how the temporaries move says where they are "
-            "(the embedding, dense layers, output head, loss and MTP run outside the "
-            "pipeline, one pipeline microbatch at a time since model/pipeline_ends.py; "
-            "rows compiled at an earlier tree ran them on the step's whole batch at once)",
+            "the GA=16 row compiles the same layout with half the microbatches: the "
+            "memory an extra pipeline microbatch costs (its activations: the layers' "
+            "weights are picked inside their rematerialized call, model/pipeline.py, so "
+            "no iteration keeps a copy of them; rows compiled before that tree kept the "
+            "stage's weights once per iteration and did not fit)",
             "H100: the expert axis splits inside a host (8 GPUs), not across 8 hosts as "
             "DeepSeek-V3's 64-way expert parallelism did: the trainer's expert axis is an "
             "in-slice axis",
