@@ -140,11 +140,6 @@ def check_pipeline(config: Config, sizes: dict[str, int]) -> None:
         "the pipeline loop; use deferred or auto",
     )
     _require(
-        not config.moe_z_loss_coeff,
-        f"moe_z_loss_coeff={config.moe_z_loss_coeff} with {p} pipeline stages is not "
-        "supported: its per-token terms do not leave the pipeline",
-    )
-    _require(
         not config.lora_rank,
         f"lora_rank={config.lora_rank} with {p} pipeline stages is not supported",
     )

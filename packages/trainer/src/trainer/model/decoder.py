@@ -273,10 +273,16 @@ class Decoder(nnx.Module):
         x = pipeline_ends.before(embed_dense, params, logical, inputs, ctx=ctx)
         graphdef, state, kwargs = self._pipeline_parts()
         positions = {"positions": rows["positions"], "segments": rows["segments"]}
-        # The balance loss is a term per microbatch (train_step.make_loss_fn): kept so.
-        balance = bool(c.load_balance_loss_weight and c.num_moe_layers)
+        # The balance loss is a term per microbatch and the z-loss one per token
+        # (train_step.make_loss_fn): they leave the pipeline so.
+        moe = c.num_moe_layers > 0
         x, stats = pipeline.run_stacked(
-            graphdef, state, {"x": x, **positions}, **kwargs, per_microbatch_balance=balance
+            graphdef,
+            state,
+            {"x": x, **positions},
+            **kwargs,
+            per_microbatch_balance=bool(c.load_balance_loss_weight) and moe,
+            router_z=bool(c.moe_z_loss_coeff) and moe,
         )
         params = {"logits": self.logits_DxV[...], "final_norm": nnx.split(self.final_norm)[1]}
         logical = {"logits": NAMES.logits_kernel, "final_norm": False}

@@ -70,8 +70,7 @@ from trainer.model.pipeline_slots import Slots
 from trainer.sharding import ShardCtx
 
 # MoE statistics the pipeline returns: per layer and token shard, summed over the
-# microbatches as accum sums them. (The per-token router z behind moe_z_loss_coeff
-# is refused with stages: config/pipeline.py.)
+# microbatches as accum sums them.
 SUMMED_STATS = ("tokens_per_expert_by_shard", "dropped_by_shard")
 # Averaged over the microbatches: accum sums it with its term count, which one call
 # of the pipelined loss counts once (train_step.make_loss_fn's metric).
@@ -81,6 +80,11 @@ MEAN_STATS = ("balance_loss_by_shard",)
 # load_balance_loss_weight), so a sum over microbatches would not give it. Only
 # when `run_stacked(per_microbatch_balance=True)`: it is differentiated through.
 BALANCE_BY_MICROBATCH = "balance_loss_by_microbatch"
+# Each token's router z summed over the MoE layers, (m, B/m, S) laid out as the
+# microbatches' rows: the z-loss weighs every token with its target's weight
+# (train_step), so it leaves the pipeline per token. Present when the layers return
+# "router_z_BxS" (moe_z_loss_coeff > 0).
+Z_BY_MICROBATCH = "router_z_by_microbatch"
 # Mesh axes that shard weights the stages gather once per step (fully sharded data
 # parallelism: they shard the batch too).
 FSDP_AXES = ("dcn_fsdp", "fsdp")
@@ -234,6 +238,7 @@ def run_stacked(
     layout: Slots | None = None,
     remat,
     per_microbatch_balance: bool = False,
+    router_z: bool = False,
 ) -> tuple[jax.Array, dict]:
     """The pipeline on microbatches already split: `inputs` {"x": (m, B/m, S, D),
     "positions", "segments": (m, B/m, S)}, accum.split_microbatches' layout.
@@ -243,7 +248,8 @@ def run_stacked(
     `layout`: uneven stages' padded stack (model/pipeline_slots.py): its padding
     slots pass their input through (zero gradient) and their stats are dropped.
     Returns (outputs (m, B/m, S, D) laid out as inputs["x"], MoE stats stacked
-    over the layers); with `per_microbatch_balance` also BALANCE_BY_MICROBATCH.
+    over the layers); with `per_microbatch_balance` also BALANCE_BY_MICROBATCH, with
+    `router_z` (the layers return their tokens' router z) Z_BY_MICROBATCH.
     """
     m, p, r = inputs["x"].shape[0], stages(ctx), repeats
     x_spec = own_spec(inputs["x"], (None, "activation_batch", "activation_length", None), ctx)
@@ -285,7 +291,8 @@ def run_stacked(
         def body(x, slot_real):
             slot, is_real = slot_real
             y, stats = layer(x, chunks, repeat, slot, positions, segments)
-            stats = {k: stats[k] for k in (*SUMMED_STATS, *MEAN_STATS) if k in stats}
+            kept = (*SUMMED_STATS, *MEAN_STATS, "router_z_BxS")
+            stats = {k: stats[k] for k in kept if k in stats}
             if is_real is None:
                 return y, stats
             # A padding slot (zero weights) passes x through: its weights' cotangent
@@ -357,7 +364,8 @@ def run_stacked(
             )
             busy = jnp.logical_and(t - stage >= 0, t - stage < m * r)
             by_microbatch = stats_sum.get(BALANCE_BY_MICROBATCH)
-            summed = {k: v for k, v in stats_sum.items() if k != BALANCE_BY_MICROBATCH}
+            z_sum = stats_sum.get(Z_BY_MICROBATCH)
+            summed = {k: v for k, v in stats_sum.items() if k in (*SUMMED_STATS, *MEAN_STATS)}
             stats_sum = jax.tree.map(
                 lambda acc, v: lax.dynamic_update_index_in_dim(
                     acc,
@@ -378,10 +386,21 @@ def run_stacked(
                 stats_sum[BALANCE_BY_MICROBATCH] = lax.dynamic_update_slice(
                     by_microbatch, jnp.where(busy, balance, held_value), index
                 )
+            if z_sum is not None:
+                # The stage's layers' z of microbatch (t - stage) mod m, added to what
+                # its earlier repeats left (the other stages' layers: the psum below).
+                mb = (t - stage) % m
+                z = jnp.where(busy, jnp.sum(stats["router_z_BxS"], axis=0), 0)
+                stats_sum[Z_BY_MICROBATCH] = lax.dynamic_update_index_in_dim(
+                    z_sum, lax.dynamic_index_in_dim(z_sum, mb, 0, False) + z, mb, 0
+                )
             return ({**current, "x": y}, outputs, stats_sum), None
 
         held = jax.tree.map(lambda r_: jnp.zeros_like(r_[0]), rows)
+        z_shape = stats_shape.pop("router_z_BxS", None)
         zeros = jax.tree.map(lambda s: jnp.zeros((r, *s.shape), s.dtype), stats_shape)
+        if z_shape is not None:
+            zeros[Z_BY_MICROBATCH] = jnp.zeros((m, *z_shape.shape[1:]), z_shape.dtype)
         if per_microbatch_balance:
             shape = stats_shape["balance_loss_by_shard"]
             zeros[BALANCE_BY_MICROBATCH] = jnp.zeros((r, *shape.shape, m), shape.dtype)
@@ -400,7 +419,12 @@ def run_stacked(
         # one activation-sized reduction over 'stage' per step.
         outputs = lax.psum(jnp.where(stage == 0, outputs, jnp.zeros_like(outputs)), STAGE_AXIS)
         stats_sum = {k: v / m if k in MEAN_STATS else v for k, v in stats_sum.items()}
-        return outputs, _stored_order(stats_sum, stage, p, r)
+        z_sum = stats_sum.pop(Z_BY_MICROBATCH, None)
+        stats_sum = _stored_order(stats_sum, stage, p, r)
+        if z_sum is not None:
+            # Each stage holds its own layers' share: one token-sized sum per step.
+            stats_sum[Z_BY_MICROBATCH] = lax.psum(z_sum, STAGE_AXIS)
+        return outputs, stats_sum
 
     def stats_spec(leaf_ndim: int) -> P:
         return P(STAGE_AXIS, token_axes, *(None,) * (leaf_ndim - 2))
@@ -411,6 +435,8 @@ def run_stacked(
     }
     if per_microbatch_balance:
         out_stats_specs[BALANCE_BY_MICROBATCH] = stats_spec(3)
+    if router_z:
+        out_stats_specs[Z_BY_MICROBATCH] = row_spec
     mapped = jax.shard_map(
         per_device,
         mesh=ctx.mesh,
@@ -420,7 +446,7 @@ def run_stacked(
     outputs, stats = mapped(state, inputs)
     if layout is not None:
         # The real layers' stats, in layer order: per-layer stats stay L long.
-        stats = {k: _real_rows(v, layout) for k, v in stats.items()}
+        stats = {k: v if k == Z_BY_MICROBATCH else _real_rows(v, layout) for k, v in stats.items()}
     return outputs, stats
 
 

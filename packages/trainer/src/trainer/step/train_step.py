@@ -89,7 +89,13 @@ def make_loss_fn(
                 # statically whether a cap exists).
                 aux["dropped_by_shard"] = stats["dropped_by_shard"]
             if model.moe_z_loss_coeff:
-                loss_sum = loss_sum + _router_z_loss(model, stats, mb, keep, aux)
+                if pipelined:
+                    # Per pipeline microbatch and token, (m, B/m, S): the weights so too.
+                    z = stats[pipeline.Z_BY_MICROBATCH]
+                    weights = accum.split_microbatches(mb["weights"], z.shape[0])
+                else:
+                    z, weights = jnp.sum(stats["router_z_BxS"], axis=0), mb["weights"]
+                loss_sum = loss_sum + _router_z_loss(model, z, weights, keep, aux)
             if aux_loss:
                 loss_sum = loss_sum + model.load_balance_loss_weight * (
                     _pipelined_balance(stats, mb)
@@ -170,25 +176,26 @@ def _pipelined_balance(stats: dict, mb: dict) -> jax.Array:
     return jnp.sum(balance_M * jnp.sum(weights_MxBxS.astype(jnp.float32), axis=(1, 2)))
 
 
-def _router_z_loss(model: ModelConfig, stats: dict, mb: dict, keep: bool, aux: dict):
+def _router_z_loss(model: ModelConfig, z_BxS, weights_BxS, keep: bool, aux: dict):
     """moe_z_loss_coeff x the router z-loss of every MoE layer, as a loss *sum*.
 
     Megatron-Core's z-loss (ST-MoE): per layer, coeff x mean over tokens of
-    logsumexp(router logits)^2, the layers' terms added. Each token's z counts
-    with its target's weight, as its cross-entropy does (accum divides the loss
-    sum by the step's weight). Summed per token with `weighted_sums`, exactly
-    like the cross-entropy: without the aux loss the sum stays unreduced through
-    the microbatch loop, so the z-loss adds no collective there; the coefficient
-    rides on the per-token weights (an unreduced sum times a scalar would not
+    logsumexp(router logits)^2, the layers' terms added. `z_BxS`: each token's z
+    summed over the MoE layers, laid out like `weights_BxS` (with pipeline stages
+    both are (m, B/m, S), per pipeline microbatch). Each token's z counts with its
+    target's weight, as its cross-entropy does (accum divides the loss sum by the
+    step's weight). Summed per token with `weighted_sums`, exactly like the
+    cross-entropy: without the aux loss the sum stays unreduced through the
+    microbatch loop, so the z-loss adds no collective there; the coefficient rides
+    on the per-token weights (an unreduced sum times a scalar would not
     type-check). `aux["router_z_sum"]` keeps the scaled sum for the metric.
     """
-    z_BxS = jnp.sum(stats["router_z_BxS"], axis=0)  # the MoE layers' terms, per token
-    spec = pt.spec_of(mb["weights"])
+    spec = pt.spec_of(weights_BxS)
     if spec is not None and pt.spec_of(z_BxS) != spec:
         # TAG: an activation (no tag) onto the weights' layout (the residual's may shard
         # the sequence where the batch does not): the product below stays elementwise.
         z_BxS = jax.reshard(z_BxS, spec)
-    weights_BxS = mb["weights"].astype(jnp.float32) * model.moe_z_loss_coeff
+    weights_BxS = weights_BxS.astype(jnp.float32) * model.moe_z_loss_coeff
     z_sum, _ = weighted_sums(z_BxS, weights_BxS, keep_unreduced=keep)
     aux["router_z_sum"] = z_sum
     return z_sum
