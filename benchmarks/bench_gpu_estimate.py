@@ -5,8 +5,9 @@ compile_topology=h200-1`, trainer/run/aot.py) and prices every kernel XLA would
 launch on hlo_tools.gpu_estimate's roofline (trainer/run/gpu_estimate.py: the
 chip's figures, the model's XLA attention priced as cuDNN's). Rows:
 
-- calibration: the measured device run's program, its prediction against the
-  measured step and the profile's per-group ms: the 2026-12-04 run
+- calibration: the measured device run's program (compiled at a tree whose program
+  is the device's: kept with `--keep` and reused, since later trees change it), its
+  prediction against the measured step and the profile's per-group ms: the 2026-12-04 run
   (deepseek3-small, per_device_batch_size=8, GA=4, scan_layers=true;
   device_check.md), or the path device_check_profile.json names once a lent GPU
   has written one (benchmarks/device_check.py); also, held out, the same
@@ -198,8 +199,9 @@ def calibration_lines(row: dict, truth: dict, args) -> list[str]:
     lines = [
         "## Calibration check",
         "",
-        f"Measured: {truth['source']}. Predicted: this tree's deviceless compile of the same "
-        f"shape ({row['title']}).",
+        f"Measured: {truth['source']}. Predicted: the deviceless compile of the same shape "
+        f"({row['title']}) at {row['tree']}, a tree whose program is the device run's (a "
+        "later tree compiles a different program: `--keep DIR --reuse` takes the kept one).",
         "",
     ]
     step = truth["step_ms"]
