@@ -181,6 +181,10 @@ def slice_split_line(module, mesh_shape: dict[str, int], slice_axes: tuple[str, 
     """Collective bytes per step that cross slices vs stay inside one, in / after the loops."""
     import math
 
+    if "expert" in slice_axes:
+        # hlo_tools takes a slice for a contiguous block of the mesh's device order: true
+        # of the outer dcn_ axes, not of the (inner) expert axis' cross-slice part.
+        return "  cross-slice / in-slice split not given: the expert axis crosses slices"
     split = hlo_tools.slice_traffic(module, math.prod(mesh_shape[a] for a in slice_axes))
     return "  " + hlo_tools.format_slice_traffic(split)
 

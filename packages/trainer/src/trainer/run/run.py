@@ -416,7 +416,7 @@ def hlo_report_command(run: Run, path: str) -> str:
     mesh = ",".join(f"{a}={n}" for a, n in mesh_shape.items() if n > 1)
     args = [f"--mesh {mesh}"] if mesh else []
     args += [f"--over {a}" for a in strict]
-    if across:
+    if across and "expert" not in across:  # its slices are no blocks of ids (report.py)
         args.append(f"--slices {math.prod(mesh_shape[a] for a in across)}")
     return " ".join(["hlo-report", path, *args])
 
