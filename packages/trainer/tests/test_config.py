@@ -118,7 +118,8 @@ BAD = [
     (
         {"dcn_tensor_parallelism": "2"},
         r"^dcn_tensor_parallelism=2 is not supported: only dcn_data_parallelism, "
-        r"dcn_fsdp_parallelism and dcn_pipeline_parallelism cross slices here "
+        r"dcn_fsdp_parallelism, dcn_pipeline_parallelism and dcn_expert_parallelism cross "
+        r"slices here "
         r"\(.*per-layer collectives on DCN\)",
     ),
     (

@@ -87,6 +87,7 @@ def test_same_numbers_as_the_one_slice_layout(runner, grads_runner, grads_match)
 
 def test_all_to_all_crosses_slices_and_gradients_reduce_once_per_step(runner):
     from trainer.config import MESH_AXES, dcn_parts, mesh_shape
+    from trainer.run import report
     from trainer.sharding import make_mesh, slices
 
     _, text = runner(1, **DCN_EXPERT)
@@ -107,6 +108,9 @@ def test_all_to_all_crosses_slices_and_gradients_reduce_once_per_step(runner):
     gradients = [c for c in hlo_tools.gradient_reductions_outside(hlo_tools.parse(text))]
     assert gradients and any(hlo_tools.crosses_slices(c, 8, 2, where) for c in gradients)
     assert split["cross_slice"]["outside"] > 0
+    # The startup summary says it leaves out the split its id blocks would get wrong.
+    lines = report.collective_summary(text, config.accumulation, MESH, (), ("expert",))
+    assert "  cross-slice / in-slice split not given: the expert axis crosses slices" in lines
 
 
 @pytest.mark.parametrize(

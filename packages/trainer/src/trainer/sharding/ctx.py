@@ -232,7 +232,8 @@ def reduction_plan(
 
     `params`: arrays or ShapeDtypeStructs in the layout the model computes with
     (before ZeRO-1 shards them). The batch axes are the token axes; the slice
-    axes the dcn_ ones. Per parameter: the model gathers weights sharded over a
+    axes the dcn_ ones, and 'expert' when it crosses slices (`slices.slice_axes`).
+    Per parameter: the model gathers weights sharded over a
     batch axis with a tagged reshard (`ShardCtx.weight`) and the experts enter
     the MoE shard_map, so such a weight reduces that axis per use and defers the others.
 
