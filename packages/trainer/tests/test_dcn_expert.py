@@ -108,7 +108,10 @@ def test_all_to_all_crosses_slices_and_gradients_reduce_once_per_step(runner):
     gradients = [c for c in hlo_tools.gradient_reductions_outside(hlo_tools.parse(text))]
     assert gradients and any(hlo_tools.crosses_slices(c, 8, 2, where) for c in gradients)
     assert split["cross_slice"]["outside"] > 0
-    # The startup summary says it leaves out the split its id blocks would get wrong.
+    # The startup summary splits by each device's slice (run.summary_axes gives it);
+    # without it, it leaves out the split its id blocks would get wrong.
+    lines = report.collective_summary(text, config.accumulation, MESH, (), ("expert",), where)
+    assert "  " + hlo_tools.format_slice_traffic(split) in lines
     lines = report.collective_summary(text, config.accumulation, MESH, (), ("expert",))
     assert "  cross-slice / in-slice split not given: the expert axis crosses slices" in lines
 
@@ -134,3 +137,22 @@ def test_bad_dcn_expert_configs_stop_before_compiling(overrides, message):
 
     with pytest.raises(ConfigError, match=message):
         validate(_config({"num_slices": "2", **overrides}), 8, 2)
+
+
+@pytest.mark.slow  # one more compile of the tiny model
+def test_hierarchical_defers_the_whole_expert_axis_with_the_same_numbers(
+    runner, grads_runner, grads_match
+):
+    """gradient_reduction_policy=hierarchical: the cross-slice expert axis reduced once
+    per step (its in-slice part too), data scattered per microbatch; the numbers are
+    the one-slice layout's."""
+    hierarchical = {**DCN_EXPERT, "gradient_reduction_policy": "hierarchical"}
+    want = runner(1, **ONE_SLICE)[0][0]
+    got, text = runner(1, **hierarchical)
+    np.testing.assert_allclose(got[0]["loss"], want["loss"], rtol=1e-5)
+    np.testing.assert_allclose(got[0]["grad_norm"], want["grad_norm"], rtol=1e-5)
+    grads_match(grads_runner(1, **hierarchical), grads_runner(1, **ONE_SLICE), rtol=1e-5)
+    judged = hlo_tools.verdict(hlo_tools.parse(text), mesh_shape=MESH, over=("expert",))
+    assert judged["status"] == "OK", judged
+    scatters = [c for c in hlo_tools.collectives(text) if c.in_loop and c.kind == "reduce-scatter"]
+    assert scatters and all(hlo_tools.spanned_axes([c], MESH) == ("data",) for c in scatters)
