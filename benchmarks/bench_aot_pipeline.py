@@ -7,10 +7,11 @@ trained (16-way pipeline x 64-way expert x 2-way ZeRO-1 data parallelism):
 - TPU v5p: 16 slices of v5p-256 (128 chips each), the stages across the slices
   (dcn_pipeline_parallelism=16), 64-way expert and 2-way data parallelism inside a
   slice, ZeRO-1 over data;
-- H100: 256 hosts of 8 GPUs (h100-8 x 256), the stages across hosts. The expert axis
-  is an in-slice (here: in-host) axis, so experts split 8 ways inside a host, not 64
-  ways over 8 hosts as DeepSeek did; the batch splits 16 ways over the hosts
-  (dcn_data_parallelism=16), ZeRO-1 over it.
+- H100: 256 hosts of 8 GPUs (h100-8 x 256), DeepSeek-V3's own layout: the stages
+  across hosts (dcn_pipeline_parallelism=16), experts 64 ways over 8 hosts
+  (dcn_expert_parallelism=8 x ici_expert_parallelism=8: one 'expert' mesh axis, its
+  cross-host part major) and the batch 2 ways over the rest (dcn_data_parallelism=2),
+  ZeRO-1 over it.
 
 Both: bf16 weights (f32 optimizer state), capacity_factor 1.25, remat full, one
 4096-token sequence per batch shard per microbatch, 32 microbatches (the bubble
@@ -68,11 +69,12 @@ ROWS = {
         **V5P,
         "gradient_accumulation_steps": "16",
     },
-    "h100-8 x 256 hosts: 16 stages x 8 expert x 16 data": {
+    "h100-8 x 256 hosts: 16 stages x 64 expert (8 hosts x 8) x 2 data": {
         "compile_topology": "h100-8",
         "compile_topology_num_slices": "256",
         "dcn_pipeline_parallelism": "16",
-        "dcn_data_parallelism": "16",
+        "dcn_expert_parallelism": "8",
+        "dcn_data_parallelism": "2",
         "ici_expert_parallelism": "8",
         "ici_data_parallelism": "1",
     },
@@ -92,6 +94,7 @@ def compile_row(overrides: dict) -> dict:
     import hlo_tools
     from trainer.config import make_config
     from trainer.run import aot
+    from trainer.sharding import slices as slices_lib
 
     config = make_config({**overrides, "base_output_directory": tempfile.mkdtemp()})
     start = time.perf_counter()
@@ -116,7 +119,9 @@ def compile_row(overrides: dict) -> dict:
         where: {kind: r["bytes_per_step"] for kind, r in traffic[where].items()}
         for where in ("in_loop", "outside")
     }
-    slices = hlo_tools.slice_traffic(module, result.num_slices, module.num_devices)
+    # The expert axis over several hosts is inner in the mesh: each device's host by name.
+    where = slices_lib.slice_of(result.run.ctx.mesh.devices, result.num_slices)
+    slices = hlo_tools.slice_traffic(module, result.num_slices, module.num_devices, where)
     row["cross_slice"] = slices["cross_slice"] if result.num_slices > 1 else None
     # Gradient reductions inside a loop (float arrays of more than 8 elements): 0 when
     # every gradient is reduced once per step, after the pipeline loop.
@@ -194,9 +199,10 @@ def main() -> int:
             "weights are picked inside their rematerialized call, model/pipeline.py, so "
             "no iteration keeps a copy of them; rows compiled before that tree kept the "
             "stage's weights once per iteration and did not fit)",
-            "H100: the expert axis splits inside a host (8 GPUs), not across 8 hosts as "
-            "DeepSeek-V3's 64-way expert parallelism did: the trainer's expert axis is an "
-            "in-slice axis",
+            "H100: DeepSeek-V3's 64-way expert parallelism over 8 hosts of 8 GPUs "
+            "(dcn_expert_parallelism=8 x ici_expert_parallelism=8, one 'expert' mesh axis "
+            "whose cross-host part is major); 'across slices/hosts' places each device by "
+            "its host (trainer.sharding.slices.slice_of)",
             "compiled at " + ", ".join(dict.fromkeys(r.get("tree", "?") for r in rows.values())),
             *(f"{label}: {r['pipeline']}" for label, r in rows.items() if r.get("pipeline")),
         ],

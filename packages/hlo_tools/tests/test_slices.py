@@ -59,6 +59,17 @@ def test_emulated_slices_split_by_replica_groups():
     assert "cross-slice 256 B/step" in ht.format_slice_traffic(split)
 
 
+def test_slice_of_places_devices_whose_slices_are_no_id_blocks():
+    # Slices {0, 1, 4, 5} and {2, 3, 6, 7} (an inner mesh axis crossing slices): the
+    # first all-reduce now crosses them, the second stays inside each.
+    where = [0, 0, 1, 1, 0, 0, 1, 1]
+    first, second = ht.collectives(EMULATED)
+    assert ht.crosses_slices(first, 8, 2, where) and not ht.crosses_slices(second, 8, 2, where)
+    split = ht.slice_traffic(EMULATED, 2, slice_of=where)
+    assert split["cross_slice"]["outside"] == 256 and split["in_slice"]["outside"] == 256
+    assert ht.split_by_slice([first, second], 2, 8, where) == ([first], [second])
+
+
 def test_cli_prints_the_split(tmp_path, capsys):
     from hlo_tools.cli import main
 

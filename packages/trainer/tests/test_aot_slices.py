@@ -184,3 +184,33 @@ def test_two_v5e8_slices_place_one_slice_per_dcn_block_laid_out_by_ici(sizes):
         seen.add(slice_index)
         assert [tuple(d.coords) for d in block.flat] == want_coords
     assert seen == {0, 1}
+
+
+def test_two_v5e8_slices_split_a_cross_slice_expert_axis_in_halves():
+    """dcn_expert_parallelism=2 on 2 x v5e-8 (no compile): the hybrid mesh gives each
+    slice a contiguous half of the 'expert' axis (its cross-slice part major), laid
+    out inside as jax.make_mesh lays out one slice of the in-slice sizes."""
+    from jax.experimental import topologies
+
+    from trainer.config import MESH_AXES, dcn_parts, make_config, mesh_shape
+    from trainer.sharding import make_mesh
+
+    config = make_config(
+        {"num_slices": "2", "dcn_data_parallelism": "1", "dcn_expert_parallelism": "2",
+         "ici_expert_parallelism": "4", "ici_data_parallelism": "2"}
+    )  # fmt: skip
+    sizes, dcn = mesh_shape(config, 16, 2), dcn_parts(config, 16, 2)
+    topo = aot.TOPOLOGIES["v5e-8"]
+    mesh = make_mesh(sizes, "explicit", aot.devices_for(topo, 2), dcn)
+    expert = np.moveaxis(mesh.devices, MESH_AXES.index("expert"), 0)
+    assert expert.shape[0] == 8
+    halves = [expert[:4], expert[4:]]
+    assert [{d.slice_index for d in half.flat} for half in halves] == [{0}, {1}]
+    ici = tuple(
+        n if a != "expert" else 4 for a, n in zip(MESH_AXES, mesh.devices.shape, strict=True)
+    )
+    one_slice = topologies.get_topology_desc(topo.libtpu_name, "tpu").devices
+    want = jax.make_mesh(ici, MESH_AXES, devices=one_slice).devices
+    for half in halves:
+        got = np.moveaxis(half, 0, MESH_AXES.index("expert"))
+        assert [tuple(d.coords) for d in got.flat] == [tuple(d.coords) for d in want.flat]

@@ -62,6 +62,18 @@ BAD = [
         {"num_experts": "6", "n_routing_groups": "3", "ici_expert_parallelism": "4"},
         r"num_experts=6 is not divisible by ici_expert_parallelism=4",
     ),
+    # The expert axis' cross-slice part counts: 2 x 2 = 4 does not divide 6 experts.
+    (
+        {
+            "num_experts": "6",
+            "n_routing_groups": "3",
+            "num_slices": "2",
+            "dcn_data_parallelism": "1",
+            "dcn_expert_parallelism": "2",
+            "ici_expert_parallelism": "2",
+        },
+        r"^num_experts=6 is not divisible by dcn_expert_parallelism x ici_expert_parallelism=4 ",
+    ),
     # The routing rules are moe_kernels' (its reason), named by the trainer's keys.
     (
         {"num_experts_per_tok": "9"},
@@ -106,7 +118,8 @@ BAD = [
     (
         {"dcn_tensor_parallelism": "2"},
         r"^dcn_tensor_parallelism=2 is not supported: only dcn_data_parallelism, "
-        r"dcn_fsdp_parallelism and dcn_pipeline_parallelism cross slices here "
+        r"dcn_fsdp_parallelism, dcn_pipeline_parallelism and dcn_expert_parallelism cross "
+        r"slices here "
         r"\(.*per-layer collectives on DCN\)",
     ),
     (
@@ -328,7 +341,7 @@ MAXTEXT_DCN_KEYS = (
 )
 
 
-def test_every_maxtext_dcn_key_parses_and_only_data_fsdp_and_pipeline_may_exceed_one():
+def test_every_maxtext_dcn_key_parses_and_only_data_fsdp_pipeline_and_expert_may_exceed_one():
     # A MaxText command line with every dcn_ key at its default parses and validates.
     defaults = {key: "-1" if key == "dcn_data_parallelism" else "1" for key in MAXTEXT_DCN_KEYS}
     assert validate(make_config(parse_overrides([f"{k}={v}" for k, v in defaults.items()])), 8)
@@ -336,6 +349,7 @@ def test_every_maxtext_dcn_key_parses_and_only_data_fsdp_and_pipeline_may_exceed
         "dcn_data_parallelism",
         "dcn_fsdp_parallelism",
         "dcn_pipeline_parallelism",
+        "dcn_expert_parallelism",
     }
     for key in OTHER_DCN_KEYS:
         config = make_config({key: "2", "num_slices": "2", "dcn_data_parallelism": "1"})

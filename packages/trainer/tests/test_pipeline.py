@@ -62,6 +62,12 @@ STAGES = {
         **STAGE2, "ici_expert_parallelism": "2", "ici_data_parallelism": "2",
         "base_num_decoder_layers": "4",
     },
+    # The experts across 2 emulated slices (dcn_expert_parallelism=2), the stages
+    # inside each: the 'expert' axis' cross-slice part in the stages' all-to-alls.
+    "stage=2 x expert=2 (across 2 slices) x data=2": {
+        **STAGE2, "num_slices": "2", "dcn_data_parallelism": "1",
+        "dcn_expert_parallelism": "2", "ici_data_parallelism": "2",
+    },
     "uneven: 5 layers over stage=2 x data=4, circular (2 repeats)": {
         **STAGE2, "ici_data_parallelism": "4", "base_num_decoder_layers": "6",
         "num_pipeline_repeats": "2",
@@ -249,7 +255,8 @@ def test_same_numbers_and_one_reduction_after_the_loop(runner, grads_runner, gra
     assert "moe_layers/ffn/wi_0" in got and "mtp/eh_proj_2xDxD" in got
     grads_match(got, want, rtol=GRAD_RTOL.get(layout, 1e-5))
     module = ht.parse(text)
-    sizes = mesh_shape(make_config({"model_name": "tagtrain-tiny", **keys}), 8)
+    slices = int(keys.get("num_slices", "1"))
+    sizes = mesh_shape(make_config({"model_name": "tagtrain-tiny", **keys}), 8, slices)
     judged = ht.verdict(module, mesh_shape=sizes, over=("data",))
     assert judged["status"] == "OK" and judged["in_loop"] == 0, judged["message"]
     assert judged["outside"] >= 1  # the gradients' one reduction, after the loop
@@ -282,7 +289,7 @@ def assert_predicted_permutes(module, overrides: dict) -> None:
     count of the compiled step's collective-permutes, inside the loop and outside."""
     from trainer.run import spec
 
-    planned = spec.resolve_abstract(make_config(overrides), 8)
+    planned = spec.resolve_abstract(make_config(overrides), 8, int(overrides.get("num_slices", 1)))
     pipe = planned.choice.pipeline
     # The pipeline's own permutes (jax's ppermute), not the ones XLA's partitioner adds
     # to reshard in shard_mode=auto (named collective-permute, outside the loop).

@@ -20,6 +20,7 @@ from trainer.config.config import FIELDS, GROUPS, Config
 from trainer.config.keys import (
     DCN_AXES,
     DTYPES,
+    HYBRID_AXES,
     ICI_AXES,
     MESH_AXES,
     OTHER_DCN_KEYS,
@@ -28,7 +29,7 @@ from trainer.config.keys import (
     ConfigError,
 )
 from trainer.config.make import REPLACED_KEYS, make_config, parse_overrides
-from trainer.config.mesh_shape import mesh_shape
+from trainer.config.mesh_shape import dcn_parts, mesh_shape
 from trainer.config.model_keys import ModelConfig
 from trainer.config.presets import PRESETS
 from trainer.config.run_keys import (
@@ -48,6 +49,7 @@ __all__ = [
     "GROUPS",
     "ICI_AXES",
     "MESH_AXES",
+    "HYBRID_AXES",
     "STAGE_AXIS",
     "OTHER_DCN_KEYS",
     "PRESETS",
@@ -63,6 +65,7 @@ __all__ = [
     "OutputConfig",
     "ParallelismConfig",
     "TrainingConfig",
+    "dcn_parts",
     "make_config",
     "mesh_shape",
     "parse_overrides",

@@ -22,11 +22,17 @@ DCN_AXES = ("dcn_data", "dcn_fsdp")
 # part says (model/pipeline.py).
 STAGE_AXIS = "stage"
 MESH_AXES = (STAGE_AXIS,) + DCN_AXES + ICI_AXES
+# The mesh axes with a cross-slice part folded in (major), keyed by the dcn_ key
+# that sizes it: 'stage' (dcn_pipeline_parallelism) and 'expert'
+# (dcn_expert_parallelism: DeepSeek-V3's expert parallelism over several hosts). One
+# axis each, so the pipeline and the MoE all-to-all read one axis whatever crosses
+# slices (sharding/slices.py lays the cross-slice part out).
+HYBRID_AXES = {"dcn_pipeline": STAGE_AXIS, "dcn_expert": "expert"}
 # MaxText's other cross-slice keys (configs/base.yml), accepted so a MaxText command
-# line parses, and held to 1: only the batch (dcn_data, dcn_fsdp) and the pipeline's
-# stages (dcn_pipeline_parallelism) are split across slices here; tensor, expert or
-# context parallelism across slices would put per-layer collectives on the slow DCN
-# links.
+# line parses, and held to 1: only the batch (dcn_data, dcn_fsdp), the pipeline's
+# stages (dcn_pipeline_parallelism) and the experts (dcn_expert_parallelism) are split
+# across slices here; tensor or context parallelism across slices would put
+# per-layer collectives on the slow DCN links.
 OTHER_DCN_KEYS = tuple(
     f"dcn_{axis}_parallelism"
     for axis in (
@@ -37,7 +43,6 @@ OTHER_DCN_KEYS = tuple(
         "tensor",
         "tensor_transpose",
         "tensor_sequence",
-        "expert",
         "autoregressive",
         "diloco",
     )

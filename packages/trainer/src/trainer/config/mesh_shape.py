@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from trainer.config.keys import OTHER_DCN_KEYS, STAGE_AXIS, ConfigError
+from trainer.config.keys import HYBRID_AXES, OTHER_DCN_KEYS, STAGE_AXIS, ConfigError
 from trainer.config.run_keys import ParallelismConfig
 
 
@@ -46,18 +46,16 @@ def _check_other_dcn_keys(parallelism: ParallelismConfig) -> None:
         if value != 1:
             raise ConfigError(
                 f"{key}={value} is not supported: only dcn_data_parallelism, "
-                "dcn_fsdp_parallelism and dcn_pipeline_parallelism cross slices here "
-                "(cross-slice tensor, expert or context parallelism would put per-layer "
-                "collectives on DCN); set it to 1"
+                "dcn_fsdp_parallelism, dcn_pipeline_parallelism and dcn_expert_parallelism "
+                "cross slices here (cross-slice tensor or context parallelism would put "
+                "per-layer collectives on DCN); set it to 1"
             )
 
 
-def mesh_shape(
-    parallelism: ParallelismConfig, num_devices: int, num_slices: int = 1
-) -> dict[str, int]:
-    """Mesh axis sizes (MESH_AXES order): the dcn_ axes fill `num_slices`, the ici_
-    axes the devices of one slice; a -1 fills what the others leave. MaxText's other
-    dcn_ keys (OTHER_DCN_KEYS) must be 1. (A whole Config is a ParallelismConfig too.)"""
+def _filled(
+    parallelism: ParallelismConfig, num_devices: int, num_slices: int
+) -> tuple[dict[str, int], dict[str, int]]:
+    """(dcn sizes filling `num_slices`, ici sizes filling one slice's devices), -1s filled."""
     _check_other_dcn_keys(parallelism)
     if num_slices < 1 or num_devices % num_slices:
         raise ConfigError(
@@ -66,6 +64,35 @@ def mesh_shape(
     dcn = _fill(parallelism.dcn_parallelism(), num_slices, "dcn_", "slices")
     per_slice = "devices" if num_slices == 1 else "devices per slice"
     ici = _fill(parallelism.ici_parallelism(), num_devices // num_slices, "ici_", per_slice)
-    # One 'stage' axis: its cross-slice part major (slices.device_array).
+    return dcn, ici
+
+
+def mesh_shape(
+    parallelism: ParallelismConfig, num_devices: int, num_slices: int = 1
+) -> dict[str, int]:
+    """Mesh axis sizes (MESH_AXES order): the dcn_ axes fill `num_slices`, the ici_
+    axes the devices of one slice; a -1 fills what the others leave. MaxText's other
+    dcn_ keys (OTHER_DCN_KEYS) must be 1. (A whole Config is a ParallelismConfig too.)"""
+    dcn, ici = _filled(parallelism, num_devices, num_slices)
+    # One 'stage' axis and one 'expert' axis, each with its cross-slice part major
+    # (slices.device_array lays it out).
     stage = dcn.pop("dcn_pipeline") * ici.pop("pipeline")
+    ici["expert"] *= dcn.pop("dcn_expert")
     return {STAGE_AXIS: stage, **dcn, **ici}
+
+
+def dcn_parts(
+    parallelism: ParallelismConfig, num_devices: int, num_slices: int = 1
+) -> dict[str, int]:
+    """The cross-slice part of each HYBRID_AXES mesh axis ({'stage': dcn_pipeline,
+    'expert': dcn_expert}, -1 filled): what slices.device_array spreads over the
+    slices, the rest of the axis staying inside one."""
+    dcn, _ = _filled(parallelism, num_devices, num_slices)
+    return {axis: dcn[name] for name, axis in HYBRID_AXES.items()}
+
+
+def expert_keys(parallelism: ParallelismConfig) -> str:
+    """The keys that size the expert axis, as an error message names them."""
+    if parallelism.dcn_expert_parallelism == 1:
+        return "ici_expert_parallelism"
+    return "dcn_expert_parallelism x ici_expert_parallelism"

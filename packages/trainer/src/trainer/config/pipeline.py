@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from trainer.config.config import Config
 from trainer.config.keys import STAGE_AXIS, ConfigError
+from trainer.config.mesh_shape import expert_keys
 from trainer.config.run_keys import AccumulationConfig, ParallelismConfig
 
 # Mesh axes that split a layer's compute (a matmul's dims, the sequence under
@@ -123,7 +124,7 @@ def check_pipeline(config: Config, sizes: dict[str, int]) -> None:
     _require(
         sizes.get("expert", 1) == 1 or config.expert_shard_attention_option == "fsdp",
         f"expert_shard_attention_option={config.expert_shard_attention_option} with "
-        f"ici_expert_parallelism={sizes.get('expert', 1)} and {p} pipeline stages is not "
+        f"{expert_keys(config)}={sizes.get('expert', 1)} and {p} pipeline stages is not "
         "supported: the expert axis would shard the sequence (context parallelism in "
         "attention); use fsdp",
     )

@@ -36,7 +36,9 @@ class ParallelismConfig:
     dcn_pipeline_parallelism: int = key(
         1, "pipeline stages across slices (the 'stage' axis' cross-slice part)"
     )
-    dcn_expert_parallelism: int = key(1, "MaxText's; must be 1")
+    dcn_expert_parallelism: int = key(
+        1, "experts across slices/hosts (the 'expert' axis' cross-slice part)"
+    )
     dcn_autoregressive_parallelism: int = key(1, "MaxText's; must be 1")
     dcn_diloco_parallelism: int = key(1, "MaxText's; must be 1")
     ici_data_parallelism: int = key(-1, "in-slice data parallelism (-1: fills the devices)")
@@ -104,11 +106,16 @@ class ParallelismConfig:
 
     def dcn_parallelism(self) -> dict[str, int]:
         """Requested size per cross-slice mesh axis (before -1 is filled);
-        'dcn_pipeline': the cross-slice part of the 'stage' axis."""
+        'dcn_pipeline', 'dcn_expert': the cross-slice parts of the 'stage' and
+        'expert' axes (HYBRID_AXES)."""
         sizes = {
             axis: getattr(self, f"dcn_{axis.removeprefix('dcn_')}_parallelism") for axis in DCN_AXES
         }
-        return {"dcn_pipeline": self.dcn_pipeline_parallelism, **sizes}
+        return {
+            "dcn_pipeline": self.dcn_pipeline_parallelism,
+            **sizes,
+            "dcn_expert": self.dcn_expert_parallelism,
+        }
 
 
 LR_SCHEDULERS = ("cosine", "linear", "constant")  # transformers' lr_scheduler_type names

@@ -19,7 +19,7 @@ from trainer.config import lora_targets, moe_map
 from trainer.config.config import Config
 from trainer.config.keys import DTYPES, ROPE_TYPES, ConfigError
 from trainer.config.layer_loop import SCAN_SCHEDULES
-from trainer.config.mesh_shape import mesh_shape
+from trainer.config.mesh_shape import expert_keys, mesh_shape
 from trainer.config.model_keys import ModelConfig
 from trainer.config.pipeline import check_pipeline, pipeline_microbatches
 from trainer.config.run_keys import (
@@ -227,16 +227,16 @@ def _check_moe(model: ModelConfig) -> None:
     )
 
 
-def _check_expert_count(model: ModelConfig, expert: int) -> None:
-    """Experts must split evenly over the expert axis (and into the routing groups):
-    refused with the nearest counts that do."""
+def _check_expert_count(model: ModelConfig, parallelism: ParallelismConfig, expert: int) -> None:
+    """Experts must split evenly over the expert axis, its cross-slice part included
+    (and into the routing groups): refused with the nearest counts that do."""
     if model.num_experts % expert == 0:
         return
     # Multiples of both the axis and the routing groups, so the suggestion is valid.
     step = math.lcm(expert, model.n_routing_groups)
     fits = ", ".join(map(str, moe_kernels.fitting_expert_counts(model.num_experts, step)))
     raise ConfigError(
-        f"num_experts={model.num_experts} is not divisible by ici_expert_parallelism="
+        f"num_experts={model.num_experts} is not divisible by {expert_keys(parallelism)}="
         f"{expert} (the expert axis shards the experts evenly); nearest that fit: {fits}"
     )
 
@@ -271,7 +271,7 @@ def _check_parallelism(
                 f"shard_optimizer_over_data=true (ZeRO-1) cannot be combined with "
                 f"{key}={sizes[axis]} (FSDP already shards the optimizer state)",
             )
-    _check_expert_count(model, sizes["expert"])
+    _check_expert_count(model, parallelism, sizes["expert"])
     _require(
         model.base_num_query_heads % sizes["tensor"] == 0,
         f"base_num_query_heads={model.base_num_query_heads} is not divisible by "
@@ -285,7 +285,7 @@ def _check_parallelism(
         f"max_target_length={data.max_target_length} is not divisible by the {seq_shards} "
         "sequence shards (ici_context_parallelism"
         + (
-            " x ici_expert_parallelism"
+            f" x {expert_keys(parallelism)}"
             if parallelism.expert_shard_attention_option == "context"
             else ""
         )

@@ -126,6 +126,7 @@ def collective_summary(
     mesh_shape: dict[str, int] | None = None,
     strict_axes: tuple[str, ...] = (),
     slice_axes: tuple[str, ...] = (),
+    slice_of: list[int] | None = None,
     shard_mode: str = "explicit",
 ) -> list[str]:
     """Gradient reductions inside vs outside the loops, and bytes per step by kind
@@ -136,7 +137,8 @@ def collective_summary(
     (the plan's `strict_axes`). In-loop reductions over other axes only
     (FSDP's reduce-scatters, hierarchical's in-slice ones) are reported as
     expected, not as a failure. With `slice_axes` (the cross-slice mesh axes,
-    outermost), bytes per step are also split into cross-slice and in-slice. In
+    outermost, or `slice_of`: each device's slice in the mesh's order, where the expert
+    axis crosses slices), bytes per step are also split into cross-slice and in-slice. In
     `shard_mode=auto` the head names the mode instead of a reduction policy: XLA
     places every reduction there, whatever the policy key says.
     """
@@ -152,7 +154,7 @@ def collective_summary(
                 f"{row['bytes_per_step'] / MIB:10.3f} MiB/step"
             )
     if mesh_shape and slice_axes:
-        lines.append(slice_split_line(module, mesh_shape, slice_axes))
+        lines.append(slice_split_line(module, mesh_shape, slice_axes, slice_of))
     outside_mib = sum(c.bytes for c in outside) / MIB
     overlapped = hlo_tools.overlapped_reductions(module)
     during = ""
@@ -177,10 +179,23 @@ def _policy_label(accumulation: AccumulationConfig, shard_mode: str) -> str:
     return f"gradient_reduction_policy={accumulation.gradient_reduction_policy}"
 
 
-def slice_split_line(module, mesh_shape: dict[str, int], slice_axes: tuple[str, ...]) -> str:
-    """Collective bytes per step that cross slices vs stay inside one, in / after the loops."""
+def slice_split_line(
+    module,
+    mesh_shape: dict[str, int],
+    slice_axes: tuple[str, ...],
+    slice_of: list[int] | None = None,
+) -> str:
+    """Collective bytes per step that cross slices vs stay inside one, in / after the
+    loops; `slice_of` (each device's slice) where a slice is no block of the mesh."""
     import math
 
+    if slice_of is not None:
+        split = hlo_tools.slice_traffic(module, len(set(slice_of)), len(slice_of), slice_of)
+        return "  " + hlo_tools.format_slice_traffic(split)
+    if "expert" in slice_axes:
+        # hlo_tools takes a slice for a contiguous block of the mesh's device order: true
+        # of the outer dcn_ axes, not of the (inner) expert axis' cross-slice part.
+        return "  cross-slice / in-slice split not given: the expert axis crosses slices"
     split = hlo_tools.slice_traffic(module, math.prod(mesh_shape[a] for a in slice_axes))
     return "  " + hlo_tools.format_slice_traffic(split)
 

@@ -20,13 +20,14 @@ from jax.sharding import PartitionSpec as P
 import accum
 from trainer import data
 from trainer import model as model_lib
-from trainer.config import Config, ConfigError, ParallelismConfig
+from trainer.config import DCN_AXES, Config, ConfigError, ParallelismConfig
 from trainer.data import eval_data, eval_schedule, input_pipeline, sft_data
 from trainer.io import checkpoint, initial_weights, stop_signals
 from trainer.io import metrics as metrics_lib
 from trainer.model import attention_kernel, flops
 from trainer.run import evaluate, report, xla_options
 from trainer.run.spec import RunSpec, check_built, resolve
+from trainer.sharding import slices
 from trainer.step import reduction_choice
 from trainer.step.optimizer import make_optimizer
 from trainer.step.train_step import make_step
@@ -403,20 +404,29 @@ def startup_lines(run: Run) -> list[str]:
     )
 
 
-def summary_axes(run: Run) -> tuple[dict[str, int], tuple[str, ...], tuple[str, ...]]:
-    """(mesh shape, axes no in-loop gradient reduction may span, slice axes) for the
-    summary: the plan's strict axes (those every gradient reduces once per step)."""
-    return dict(run.ctx.mesh.shape), run.plan.strict_axes, run.plan.slice_axes
+def summary_axes(
+    run: Run,
+) -> tuple[dict[str, int], tuple[str, ...], tuple[str, ...], list[int] | None]:
+    """(mesh shape, axes no in-loop gradient reduction may span, slice axes, the slice
+    of each device in the mesh's order or None) for the summary: the plan's strict
+    axes (those every gradient reduces once per step). The slices are given where
+    the expert axis crosses them: a slice is then no contiguous block of the mesh."""
+    shape, across = dict(run.ctx.mesh.shape), run.plan.slice_axes
+    where = None
+    if "expert" in across:
+        count = math.prod(shape[a] for a in DCN_AXES) * math.prod(dict(run.ctx.dcn_parts).values())
+        where = slices.slice_of(run.ctx.mesh.devices, count)
+    return shape, run.plan.strict_axes, across, where
 
 
 def hlo_report_command(run: Run, path: str) -> str:
     """The `hlo-report` command line that judges a dump of this run's step as the
     startup summary does (mesh axes of size one left out: they move no device)."""
-    mesh_shape, strict, across = summary_axes(run)
+    mesh_shape, strict, across, _ = summary_axes(run)
     mesh = ",".join(f"{a}={n}" for a, n in mesh_shape.items() if n > 1)
     args = [f"--mesh {mesh}"] if mesh else []
     args += [f"--over {a}" for a in strict]
-    if across:
+    if across and "expert" not in across:  # its slices are no blocks of ids (summary_axes)
         args.append(f"--slices {math.prod(mesh_shape[a] for a in across)}")
     return " ".join(["hlo-report", path, *args])
 

@@ -21,7 +21,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 import accum
 from trainer import model as model_lib
-from trainer.config import MESH_AXES, Config
+from trainer.config import MESH_AXES, Config, dcn_parts
 from trainer.config.layer_loop import decide_scan_layers
 from trainer.config.pipeline import pipeline_microbatches
 from trainer.config.validate import global_batch_size, validate
@@ -69,7 +69,9 @@ def resolve(config: Config, devices: list | tuple) -> RunSpec:
     num_slices = slices.num_slices(config.parallelism, devices)
     devices = slices.slice_major(devices) if num_slices > 1 else devices
     sizes = validate(config, len(devices), num_slices)
-    return _decide(config, tuple(devices), sizes, make_mesh(sizes, config.shard_mode, devices))
+    dcn = dcn_parts(config.parallelism, len(devices), num_slices)
+    mesh = make_mesh(sizes, config.shard_mode, devices, dcn)
+    return _decide(config, tuple(devices), sizes, mesh, dcn)
 
 
 def resolve_abstract(config: Config, num_devices: int = 8, num_slices: int = 1) -> RunSpec:
@@ -80,12 +82,16 @@ def resolve_abstract(config: Config, num_devices: int = 8, num_slices: int = 1) 
     kind = AxisType.Explicit if config.shard_mode == "explicit" else AxisType.Auto
     shape = tuple(sizes.get(axis, 1) for axis in MESH_AXES)
     mesh = AbstractMesh(shape, MESH_AXES, axis_types=(kind,) * len(MESH_AXES))
+    dcn = dcn_parts(config.parallelism, num_devices, num_slices)
     with jax.sharding.use_abstract_mesh(mesh):  # the model's specs resolve on it
-        return _decide(config, (), sizes, mesh)
+        return _decide(config, (), sizes, mesh, dcn)
 
 
-def _decide(config: Config, devices: tuple, sizes: dict[str, int], mesh: Any) -> RunSpec:
-    """Everything after the mesh: batch, ctx, model, trained shapes, auto, plan."""
+def _decide(
+    config: Config, devices: tuple, sizes: dict[str, int], mesh: Any, dcn: dict[str, int]
+) -> RunSpec:
+    """Everything after the mesh: batch, ctx, model, trained shapes, auto, plan
+    (`dcn`: the cross-slice parts of the 'stage' and 'expert' axes)."""
     # scan_layers=auto decided for these devices first: the model's definition and
     # auto's policy ranking (which gradients a layer loop sums) both read it.
     config = decide_scan_layers(config, devices)
@@ -96,6 +102,7 @@ def _decide(config: Config, devices: tuple, sizes: dict[str, int], mesh: Any) ->
         config.shard_mode,
         pipeline_microbatches=pipeline_microbatches(config.parallelism, config.accumulation),
         pipeline_repeats=config.num_pipeline_repeats,
+        dcn_parts=tuple(dcn.items()),
     )
     # A fused attention kernel asked for by name that cannot run on this mesh at this
     # sequence length (or in the pipeline's stages, which run per-device code) is

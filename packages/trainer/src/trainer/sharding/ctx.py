@@ -10,7 +10,7 @@ untagged by construction (logical rules know nothing of `reduced`); wherever a
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -31,19 +31,24 @@ from trainer.config import (
 from trainer.sharding.slices import device_array, slice_axes
 
 
-def make_mesh(sizes: dict[str, int], mode: str, devices: Sequence[Any] | None = None) -> Mesh:
+def make_mesh(
+    sizes: dict[str, int],
+    mode: str,
+    devices: Sequence[Any] | None = None,
+    dcn: Mapping[str, int] | None = None,
+) -> Mesh:
     """Every mesh axis (size one when unused or absent from `sizes`), Explicit or Auto.
 
     The cross-slice (dcn_) axes come first and each slice is one block along them
     (`slices.device_array`: the hybrid mesh on devices that report their slice,
-    slice-major order otherwise), so those axes are exactly the ones whose
-    collectives cross slices.
+    slice-major order otherwise); `dcn` (config.dcn_parts): the cross-slice parts
+    of the 'stage' and 'expert' axes, laid out major within each.
     """
     axis_type = AxisType.Explicit if mode == "explicit" else AxisType.Auto
     if devices is None:
         shape = tuple(sizes.get(a, 1) for a in MESH_AXES)
         return jax.make_mesh(shape, MESH_AXES, axis_types=(axis_type,) * len(MESH_AXES))
-    array = device_array(sizes, devices)
+    array = device_array(sizes, devices, dcn)
     return Mesh(array, MESH_AXES, axis_types=(axis_type,) * len(MESH_AXES))
 
 
@@ -103,6 +108,10 @@ class ShardCtx:
     # where the mesh has a 'stage' axis of size > 1.
     pipeline_microbatches: int = 1
     pipeline_repeats: int = 1  # layer chunks per stage (> 1: circular stages)
+    # The cross-slice part of the 'stage' and 'expert' axes ((axis, size) pairs,
+    # config.dcn_parts): the expert axis crosses slices when its part is > 1, and
+    # then counts among the plan's slice axes (slices.slice_axes).
+    dcn_parts: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self):
         if self.mode not in CTX_MODES:
@@ -223,7 +232,8 @@ def reduction_plan(
 
     `params`: arrays or ShapeDtypeStructs in the layout the model computes with
     (before ZeRO-1 shards them). The batch axes are the token axes; the slice
-    axes the dcn_ ones. Per parameter: the model gathers weights sharded over a
+    axes the dcn_ ones, and 'expert' when it crosses slices (`slices.slice_axes`).
+    Per parameter: the model gathers weights sharded over a
     batch axis with a tagged reshard (`ShardCtx.weight`) and the experts enter
     the MoE shard_map, so such a weight reduces that axis per use and defers the others.
 
@@ -241,11 +251,13 @@ def reduction_plan(
             mesh_shape=shape,
             policy=policy,
             mode=mode,
-            slice_axes=slice_axes(shape),
+            slice_axes=slice_axes(shape, dict(ctx.dcn_parts)),
             per_parameter=True,
         )
     except accum.PlanError as error:
         dcn = ", ".join(f"{a}_parallelism={shape.get(a, 1)}" for a in DCN_AXES)
+        if dict(ctx.dcn_parts).get("expert", 1) > 1:
+            dcn += f", dcn_expert_parallelism={dict(ctx.dcn_parts)['expert']}"
         raise ConfigError(
             f"gradient_reduction_policy={policy} with shard_mode={mode}, {dcn} (the "
             f"cross-slice axes: num_slices, or compile_topology_num_slices, > 1): {error}"
