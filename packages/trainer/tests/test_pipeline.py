@@ -507,3 +507,51 @@ def test_v5e8_pipeline_compiles_with_no_reduction_in_its_loop(tmp_path, layout):
     assert any(line.startswith("pipeline: 2 stages") for line in aot.report_lines(result))
     # bf16 activations on the wire, as the cost model prices them.
     assert_predicted_permutes(ht.parse(text), keys)
+
+
+def test_evaluation_lowers_with_the_z_loss_on():
+    """The layers return their router z whenever the z-loss is on; only the training
+    loss takes it out of the pipeline (`run_stacked(router_z=True)`). Evaluation's
+    pipeline (run_pipeline) must not carry it out of its map: it used to, and its
+    shard_map refused the extra output."""
+    import jax
+
+    from trainer.run import run as run_lib
+
+    keys = {**MODEL, **STAGE2, "ici_data_parallelism": "4", "moe_z_loss_coeff": "0.01"}
+    config = make_config(
+        {
+            "model_name": "tagtrain-tiny",
+            **keys,
+            "per_device_batch_size": "2",
+            "eval_interval": "1",
+            "eval_steps": "1",
+        }
+    )
+    run = run_lib.setup(config, jax.devices()[:8])
+    evaluator, state = run.evaluator, run.state
+    with jax.set_mesh(evaluator.ctx.mesh):
+        lowered = evaluator.step_fn.lower(
+            state["params"], state["router"], evaluator.batch(0), evaluator.zeros_fn(), None
+        )
+    # The eval step runs the stages: their activations move by collective-permute.
+    assert "collective_permute" in lowered.as_text()
+
+
+def test_eval_batch_must_split_into_the_pipeline_microbatches():
+    """With stages an eval batch runs as the pipeline's microbatches, each split over
+    the batch shards: a batch that does not is refused before anything compiles
+    (it used to fail inside the compile)."""
+    from trainer.data.eval_data import make_eval_set
+
+    keys = {**MODEL, **STAGE2, "ici_data_parallelism": "4", "eval_interval": "1", "eval_steps": "1"}
+    config = make_config({"model_name": "tagtrain-tiny", **keys, "per_device_batch_size": "1"})
+    with pytest.raises(
+        ConfigError,
+        match=r"^eval batch of 8 sequences .* does not split over "
+        r"the 4 pipeline microbatches x 4 batch shards",
+    ):
+        make_eval_set(config, 8, mesh_shape(config, 8))
+    # 16 sequences: 4 microbatches of 4, one row per data shard.
+    doubled = make_config({"model_name": "tagtrain-tiny", **keys, "per_device_batch_size": "2"})
+    assert make_eval_set(doubled, 8, mesh_shape(doubled, 8)).batch_size == 16

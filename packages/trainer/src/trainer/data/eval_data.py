@@ -33,6 +33,7 @@ from trainer.config import (
     EvaluationConfig,
     ParallelismConfig,
 )
+from trainer.config.pipeline import pipeline_microbatches, stage_count
 from trainer.config.validate import batch_shard_count
 from trainer.data import eval_schedule, input_pipeline
 from trainer.data.input_pipeline import EvalSource
@@ -44,9 +45,12 @@ def eval_batch_size(
     evaluation: EvaluationConfig,
     num_devices: int,
     sizes: dict[str, int],
+    microbatches: int = 1,
 ) -> int:
     """Sequences per eval batch: eval_per_device_batch_size (0: per_device_batch_size)
-    x devices; a whole number that splits over the batch shards, as a microbatch must."""
+    x devices; a whole number that splits over the batch shards, as a microbatch must,
+    into each of `microbatches` (pipeline stages run an eval batch as the pipeline's
+    microbatches, model/pipeline.py's run_pipeline)."""
     per_device = evaluation.eval_per_device_batch_size
     if per_device < 0:
         raise ConfigError(
@@ -61,11 +65,12 @@ def eval_batch_size(
             "number of sequences per eval batch"
         )
     shards = batch_shard_count(parallelism, sizes)
-    if int(total) % shards:
+    if int(total) % (shards * microbatches):
+        into = f"{microbatches} pipeline microbatches x " if microbatches > 1 else ""
         raise ConfigError(
             f"eval batch of {int(total)} sequences ({key}={per_device} x {num_devices} devices) "
-            f"does not split over the {shards} batch shards; set eval_per_device_batch_size so "
-            f"that it does"
+            f"does not split over the {into}{shards} batch shards; set "
+            "eval_per_device_batch_size so that it does"
         )
     return int(total)
 
@@ -88,7 +93,11 @@ def make_eval_set(config: Config, num_devices: int, sizes: dict[str, int]) -> Ev
     evaluation = config.evaluation
     if not eval_schedule.enabled(evaluation):
         return None
-    batch = eval_batch_size(config.parallelism, config.data, evaluation, num_devices, sizes)
+    staged = stage_count(config) > 1
+    microbatches = pipeline_microbatches(config, config.accumulation) if staged else 1
+    batch = eval_batch_size(
+        config.parallelism, config.data, evaluation, num_devices, sizes, microbatches
+    )
     source = input_pipeline.choose_format(config).eval_source(config, batch)
     steps, note = source.num_batches, source.describe()
     if steps is None:  # a stream with no end: eval_source checked eval_steps >= 1

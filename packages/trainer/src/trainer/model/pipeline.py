@@ -249,7 +249,7 @@ def run_stacked(
     slots pass their input through (zero gradient) and their stats are dropped.
     Returns (outputs (m, B/m, S, D) laid out as inputs["x"], MoE stats stacked
     over the layers); with `per_microbatch_balance` also BALANCE_BY_MICROBATCH, with
-    `router_z` (the layers return their tokens' router z) Z_BY_MICROBATCH.
+    `router_z` (the layers must return their tokens' router z) Z_BY_MICROBATCH.
     """
     m, p, r = inputs["x"].shape[0], stages(ctx), repeats
     x_spec = own_spec(inputs["x"], (None, "activation_batch", "activation_length", None), ctx)
@@ -397,9 +397,11 @@ def run_stacked(
             return ({**current, "x": y}, outputs, stats_sum), None
 
         held = jax.tree.map(lambda r_: jnp.zeros_like(r_[0]), rows)
+        # The layers return their z whenever the z-loss is on; it leaves the map only
+        # where asked (`router_z`: the training loss, not evaluation).
         z_shape = stats_shape.pop("router_z_BxS", None)
         zeros = jax.tree.map(lambda s: jnp.zeros((r, *s.shape), s.dtype), stats_shape)
-        if z_shape is not None:
+        if router_z:
             zeros[Z_BY_MICROBATCH] = jnp.zeros((m, *z_shape.shape[1:]), z_shape.dtype)
         if per_microbatch_balance:
             shape = stats_shape["balance_loss_by_shard"]
