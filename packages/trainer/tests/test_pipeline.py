@@ -595,3 +595,34 @@ def test_eval_batch_must_split_into_the_pipeline_microbatches():
     # 16 sequences: 4 microbatches of 4, one row per data shard.
     doubled = make_config({"model_name": "tagtrain-tiny", **keys, "per_device_batch_size": "2"})
     assert make_eval_set(doubled, 8, mesh_shape(doubled, 8)).batch_size == 16
+
+
+@pytest.mark.aot
+@pytest.mark.slow  # slow_aot: one more v5e-8 compile (about a minute on 2 cores)
+def test_v5e8_context_inside_the_stages_compiles(tmp_path):
+    """XLA:TPU with the sequence split inside the stages: the gradients still reduced
+    over 'data' once after the loop; in the loop only activations move over
+    'context' (keys and values gathered, their cotangents summed back, which XLA:TPU
+    writes as all-reduces over 'context')."""
+    from trainer.run import aot
+
+    keys = {
+        **MODEL,
+        "model_name": "tagtrain-tiny",
+        "compile_topology": "v5e-8",
+        **STAGE2,
+        "ici_context_parallelism": "2",
+        "ici_data_parallelism": "2",
+        "per_device_batch_size": "1",
+        "base_output_directory": str(tmp_path),
+    }
+    result = aot.compile_for_topology(make_config(keys))
+    module = ht.parse(result.compiled.as_text())
+    sizes = mesh_shape(make_config(keys), 8)
+    judged = ht.verdict(module, mesh_shape=sizes, over=("data",))
+    assert judged["status"] == "OK" and judged["in_loop"] == 0, judged["message"]
+    assert judged["outside"] >= 1
+    in_loop = [c for c in ht.collectives(module) if c.multiplier > 1]
+    sequence = [c for c in in_loop if c.kind != "collective-permute"]
+    assert sequence and ht.spanned_axes(sequence, sizes) == ("context",)
+    assert result.memory["total"] < result.hbm_bytes
