@@ -52,6 +52,33 @@ STAGES = {
         **STAGE2, "ici_expert_parallelism": "2", "ici_fsdp_parallelism": "2",
         "ici_data_parallelism": "1", "shard_mode": "auto",
     },
+    # Tensor parallelism inside the stages: attention's heads split over 'tensor'
+    # (its output projection's partial sums psummed in the loop), the MoE block whole
+    # over it (its kernels gathered once per step, before the loop).
+    "stage=2 x tensor=2 x data=2": {
+        **STAGE2, "ici_tensor_parallelism": "2", "ici_data_parallelism": "2",
+    },
+    "stage=2 x tensor=2 x data=2, auto": {
+        **STAGE2, "ici_tensor_parallelism": "2", "ici_data_parallelism": "2",
+        "shard_mode": "auto",
+    },
+    # Context parallelism inside the stages: each device its rows' sequence chunk, the
+    # keys and values (and the MTP shift's token ids, in the head) gathered whole
+    # along the sequence over 'context' (ShardCtx.relayout), in the loop.
+    "stage=2 x context=2 x data=2": {
+        **STAGE2, "ici_context_parallelism": "2", "ici_data_parallelism": "2",
+    },
+    "stage=2 x context=2 x tensor=2, auto": {
+        **STAGE2, "ici_context_parallelism": "2", "ici_tensor_parallelism": "2",
+        "ici_data_parallelism": "1", "shard_mode": "auto",
+    },
+    # With experts split over 'expert' (a batch axis: the routed rows' all-to-all) and
+    # circular stages (the attention's head-split chunks and the MoE's whole ones
+    # relayed to their stages once per step).
+    "stage=2 x tensor=2 x expert=2, circular (2 repeats)": {
+        **STAGE2, "ici_tensor_parallelism": "2", "ici_expert_parallelism": "2",
+        "ici_data_parallelism": "1", "num_pipeline_repeats": "2",
+    },
     # Uneven stages: 3 MoE layers over 2 stages (2 chunks of 2 slots, the last one's
     # second padding), and 5 over 2 stages x 2 repeats (4 chunks of 2 slots, 3 padded).
     "uneven: 3 layers over stage=2 x data=4": {
@@ -120,13 +147,9 @@ BAD = [
         r"^num_pipeline_microbatches=8 must equal gradient_accumulation_steps=4",
     ),
     (
-        {**MODEL, "ici_pipeline_parallelism": "2", "ici_tensor_parallelism": "2"},
-        r"^ici_tensor_parallelism=2 with 2 pipeline stages is not supported: it splits a "
-        r"layer's compute",
-    ),
-    (
-        {**MODEL, "ici_pipeline_parallelism": "2", "ici_context_parallelism": "2"},
-        r"^ici_context_parallelism=2 with 2 pipeline stages is not supported",
+        {**MODEL, "ici_pipeline_parallelism": "2", "ici_tensor_transpose_parallelism": "2"},
+        r"^ici_tensor_transpose_parallelism=2 with 2 pipeline stages is not supported: it "
+        r"splits a layer's compute",
     ),
     (
         {
@@ -274,7 +297,24 @@ def test_same_numbers_and_one_reduction_after_the_loop(runner, grads_runner, gra
     per_iteration = slots_per_chunk(moe_layers, int(stages), int(repeats))
     rest = {(c.kind, c.multiplier) for c in in_loop if c.kind != "collective-permute"}
     expert = sizes.get("expert", 1) > 1
-    assert rest == ({("all-to-all", trips * per_iteration), ("all-to-all", 4)} if expert else set())
+    want = {("all-to-all", trips * per_iteration), ("all-to-all", 4)} if expert else set()
+    if sizes.get("tensor", 1) > 1:
+        # Tensor parallelism's own: attention's partial sums over its split heads, in
+        # each stage's layer scan (forward, and the input's cotangent in the backward),
+        # over 'tensor' alone; the ends and the MoE blocks run whole over it.
+        tensor = [c for c in in_loop if c.kind == "all-reduce"]
+        assert tensor and ht.spanned_axes(tensor, sizes) == ("tensor",)
+        want.add(("all-reduce", trips * per_iteration))
+    if sizes.get("context", 1) > 1:
+        # Context parallelism's own, over 'context' alone: the keys and values gathered
+        # along the sequence (their cotangents reduce-scattered back) in each stage's
+        # layers and in the ends' scans over the 4 microbatches (the dense layer, the
+        # MTP shift's token ids); the positions once per pipeline iteration.
+        sequence = [c for c in in_loop if c.kind in ("all-gather", "reduce-scatter")]
+        assert sequence and ht.spanned_axes(sequence, sizes) == ("context",)
+        assert {c.multiplier for c in sequence} <= {trips * per_iteration, trips, 4}
+        rest -= {(c.kind, c.multiplier) for c in sequence}
+    assert rest == want
     if sizes.get("fsdp", 1) > 1:
         once = {c.kind for c in ht.collectives(module) if c.multiplier == 1}
         assert {"all-gather", "reduce-scatter"} <= once
@@ -555,3 +595,34 @@ def test_eval_batch_must_split_into_the_pipeline_microbatches():
     # 16 sequences: 4 microbatches of 4, one row per data shard.
     doubled = make_config({"model_name": "tagtrain-tiny", **keys, "per_device_batch_size": "2"})
     assert make_eval_set(doubled, 8, mesh_shape(doubled, 8)).batch_size == 16
+
+
+@pytest.mark.aot
+@pytest.mark.slow  # slow_aot: one more v5e-8 compile (about a minute on 2 cores)
+def test_v5e8_context_inside_the_stages_compiles(tmp_path):
+    """XLA:TPU with the sequence split inside the stages: the gradients still reduced
+    over 'data' once after the loop; in the loop only activations move over
+    'context' (keys and values gathered, their cotangents summed back, which XLA:TPU
+    writes as all-reduces over 'context')."""
+    from trainer.run import aot
+
+    keys = {
+        **MODEL,
+        "model_name": "tagtrain-tiny",
+        "compile_topology": "v5e-8",
+        **STAGE2,
+        "ici_context_parallelism": "2",
+        "ici_data_parallelism": "2",
+        "per_device_batch_size": "1",
+        "base_output_directory": str(tmp_path),
+    }
+    result = aot.compile_for_topology(make_config(keys))
+    module = ht.parse(result.compiled.as_text())
+    sizes = mesh_shape(make_config(keys), 8)
+    judged = ht.verdict(module, mesh_shape=sizes, over=("data",))
+    assert judged["status"] == "OK" and judged["in_loop"] == 0, judged["message"]
+    assert judged["outside"] >= 1
+    in_loop = [c for c in ht.collectives(module) if c.multiplier > 1]
+    sequence = [c for c in in_loop if c.kind != "collective-permute"]
+    assert sequence and ht.spanned_axes(sequence, sizes) == ("context",)
+    assert result.memory["total"] < result.hbm_bytes

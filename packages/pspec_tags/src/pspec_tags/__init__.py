@@ -10,6 +10,7 @@ from pspec_tags.ops import (
     shard,
     to_varying,
     unreduced_sum,
+    varying_axes,
 )
 from pspec_tags.specs import (
     check_spec,
@@ -25,6 +26,7 @@ from pspec_tags.specs import (
     untagged,
     with_reduced,
     with_unreduced,
+    without_axes,
 )
 from pspec_tags.values import is_explicit, spec_of
 
@@ -56,6 +58,8 @@ __all__ = [
     "unreduced_axes",
     "unreduced_sum",
     "untagged",
+    "varying_axes",
     "with_reduced",
     "with_unreduced",
+    "without_axes",
 ]

@@ -171,6 +171,34 @@ def unreduced_sum(x: jax.Array) -> jax.Array:
     return jnp.einsum(f"{letters}->", x, out_sharding=with_unreduced(P(), axes))
 
 
+def varying_axes(x: jax.Array) -> frozenset[str]:
+    """Inside `jax.shard_map`: the manual mesh axes `x` is typed varying over.
+
+    A value computed from a shard that differs per device (a weight split over
+    'tensor', a device's own rows) varies over that axis; one every device holds
+    alike is invariant. JAX 0.10+ keeps the type in `aval.manual_axis_type`,
+    earlier releases in `aval.vma`. Outside a shard_map: the empty set.
+
+    Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import AxisType, PartitionSpec as P
+    >>> import pspec_tags as pt
+    >>> mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    >>> def body(w_1):  # the same on every device (in_specs=P())
+    ...     v_1 = pt.to_varying(w_1, "data")
+    ...     return jnp.stack([len(pt.varying_axes(w_1)), len(pt.varying_axes(v_1))])
+    >>> f = jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P("data"))
+    >>> f(jnp.ones(1)).tolist()[:2]
+    [0, 1]
+    """
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return frozenset(getattr(manual, "varying", None) or ())
+    return frozenset(getattr(aval, "vma", None) or ())
+
+
 def to_varying(x: jax.Array, axis: str) -> jax.Array:
     """Inside `jax.shard_map`: mark an invariant value as varying over `axis`.
 

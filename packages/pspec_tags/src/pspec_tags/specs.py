@@ -242,6 +242,29 @@ def remove_size_one_mesh_axes(spec: P | None, mesh: Any) -> P | None:
     return _rebuild(spec, (keep(e) for e in partitions(spec)))
 
 
+def without_axes(spec: P | None, axes: Iterable[str]) -> P | None:
+    """Drop `axes` from every entry (those dims are then whole over them); tags kept.
+
+    Example:
+
+    >>> from jax.sharding import PartitionSpec as P
+    >>> import pspec_tags as pt
+    >>> pt.without_axes(P("stage", ("expert", "tensor"), reduced={"data"}), {"tensor"})
+    P('stage', 'expert', reduced={'data'})
+    """
+    if spec is None:
+        return None
+    drop = frozenset(axes)
+
+    def keep(entry: Entry) -> Entry:
+        if entry is P.UNCONSTRAINED:
+            return entry
+        return entry_from_axes([a for a in entry_axes(entry) if a not in drop])
+
+    # TAG: _rebuild copies the reduced/unreduced sets: only the entries change.
+    return _rebuild(spec, (keep(e) for e in partitions(spec)))
+
+
 def fit_to_shape(spec: P | None, shape: Sequence[int], mesh: Any) -> P | None:
     """Shard each dimension over the longest prefix of its mesh axes that divides it.
 

@@ -4,9 +4,11 @@ The stages are the 'stage' mesh axis (ici_pipeline_parallelism x
 dcn_pipeline_parallelism, `mesh_shape`); the MoE layers split over them
 (model/pipeline.py), in stages x repeats chunks of equal slots, padded where they do
 not divide the layers (`layer_slots`). Inside the stages compose: data, dcn_data, ZeRO-1, fsdp and
-dcn_fsdp (weights gathered once per step) and expert (expert parallelism, with
-expert_shard_attention_option=fsdp). tensor, tensor_transpose and context split a
-layer's compute and are refused. What does not compose is refused here in one line
+dcn_fsdp (weights gathered once per step), expert (expert parallelism, with
+expert_shard_attention_option=fsdp), tensor (attention's heads split, the MoE
+block whole over it) and context (the sequence split, keys and values gathered).
+tensor_transpose splits the embed dim, which the stages do not sum by hand, and is
+refused. What does not compose is refused here in one line
 naming the key and its value.
 """
 
@@ -17,12 +19,14 @@ from trainer.config.keys import STAGE_AXIS, ConfigError
 from trainer.config.mesh_shape import expert_keys
 from trainer.config.run_keys import AccumulationConfig, ParallelismConfig
 
-# Mesh axes that split a layer's compute (a matmul's dims, the sequence under
-# attention): the stages run their layers per device in one manual shard_map
-# (model/pipeline.py), where these would need every layer's collectives written by
-# hand. fsdp and dcn_fsdp compose (each stage's weights gathered once per step before
-# the loop), as does expert (the MoE layers' own all-to-all, moe_kernels.ManualExperts).
-LAYER_AXES = ("tensor", "tensor_transpose", "context")
+# Mesh axes that split a layer's compute in a way the stages do not write by hand:
+# the embed dim (every norm and projection would sum over it). The stages run their
+# layers per device in one manual shard_map (model/pipeline.py). fsdp and dcn_fsdp
+# compose (each stage's weights gathered once per step before the loop), as do
+# expert (the MoE layers' own all-to-all, moe_kernels.ManualExperts), tensor
+# (attention's head split, psummed by ShardCtx.einsum in manual mode) and context
+# (keys and values gathered along the sequence by ShardCtx.relayout).
+LAYER_AXES = ("tensor_transpose",)
 # Reduction policies that reduce inside the loop by design (per microbatch, or
 # in-slice reduce-scatters per microbatch): inside the pipeline loop that would
 # be once per iteration.
@@ -119,7 +123,7 @@ def check_pipeline(config: Config, sizes: dict[str, int]) -> None:
             sizes.get(axis, 1) == 1,
             f"{key}={sizes.get(axis, 1)} with {p} pipeline stages is not supported: it "
             "splits a layer's compute, which the stages' per-device layers would do by "
-            "hand (data, fsdp, expert and ZeRO-1 compose)",
+            "hand (data, fsdp, tensor, context, expert and ZeRO-1 compose)",
         )
     _require(
         sizes.get("expert", 1) == 1 or config.expert_shard_attention_option == "fsdp",

@@ -143,10 +143,11 @@ class MLA(nnx.Module):
 
         # Context parallelism: queries keep their sequence shard, keys and values
         # are gathered over it (activation_kv_length maps to no mesh axis).
-        k_BxUxHxK = ctx.act(k_BxSxHxK, NAMES.kv)
-        v_BxUxHxO = ctx.act(v_BxSxHxO, NAMES.kv)
-        kv_positions_BxU = ctx.act(positions_BxS, NAMES.kv[:2])
-        kv_segments_BxU = ctx.act(segments_BxS, NAMES.kv[:2])
+        # Per device (the pipeline's manual ctx): all-gathered over 'context' here.
+        k_BxUxHxK = ctx.relayout(k_BxSxHxK, NAMES.q, NAMES.kv)
+        v_BxUxHxO = ctx.relayout(v_BxSxHxO, NAMES.q, NAMES.kv)
+        kv_positions_BxU = ctx.relayout(positions_BxS, NAMES.q[:2], NAMES.kv[:2])
+        kv_segments_BxU = ctx.relayout(segments_BxS, NAMES.q[:2], NAMES.kv[:2])
 
         # qk_head_dim^-0.5, with YaRN's mscale correction when rope_type=yarn.
         scale = softmax_scale(c)

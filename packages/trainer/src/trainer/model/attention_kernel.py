@@ -45,7 +45,9 @@ def _platforms(ctx: ShardCtx) -> set[str]:
 
 
 def _sequence_sharded(ctx: ShardCtx) -> bool:
-    return not ctx.manual and bool(pt.mesh_axes_used(ctx.spec(("activation_length",))))
+    # Manual mode too: inside the pipeline's stages each device holds its sequence
+    # chunk, and a fused kernel's causal mask by index would ignore the chunk's offset.
+    return bool(pt.mesh_axes_used(ctx.spec(("activation_length",))))
 
 
 def cudnn_flash_blockers(config: ModelConfig, ctx: ShardCtx) -> list[str]:

@@ -93,9 +93,9 @@ def shift_left(x_BxS: jax.Array, k: int, ctx: ShardCtx, fill=0) -> jax.Array:
     first (under context parallelism it is sharded), shifted, and laid out like
     the tokens again.
     """
-    whole_BxS = ctx.act(x_BxS, NAMES.whole_rows)
+    whole_BxS = ctx.relayout(x_BxS, NAMES.tokens, NAMES.whole_rows)
     shifted_BxS = jnp.pad(whole_BxS[:, k:], ((0, 0), (0, k)), constant_values=fill)
-    return ctx.act(shifted_BxS, NAMES.tokens)
+    return ctx.relayout(shifted_BxS, NAMES.whole_rows, NAMES.tokens)
 
 
 def depth_targets(batch: dict, k: int, ctx: ShardCtx) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -47,8 +47,23 @@ stage's weights whole for the step. Experts: the routed kernels enter as
 P('stage', 'expert', ...) and stay so; the layer (built with the 'manual' ctx,
 `model/moe_block.py`) runs moe_kernels' manual mode (`ManualExperts`), the routed
 rows moved to their experts' devices by all-to-all over 'expert' inside the loop
-(activations: nothing reduced). tensor, tensor_transpose and context split a
-layer's compute and are refused (config/pipeline.py).
+(activations: nothing reduced). Tensor parallelism: the attention's head-split
+weights (wq_b, wkv_b, wo over 'tensor') enter split and the layer runs Megatron's
+way, `ShardCtx.einsum` (manual mode) psumming over 'tensor' the output projection's
+partial sums, in the loop (activations, never a gradient); the MoE block runs whole
+over 'tensor', as it does outside the pipeline, its weights gathered over it once per
+step before the map (`whole_over_tensor`), the gather's transpose a slice. The
+weights that enter whole over 'tensor' (norms, the latent projections, the MoE
+block's) are invariant over it: their gradients come out alike on every tensor
+device with no collective (the head-split projection's input cotangent is psummed,
+as in Megatron, by the implicit cast to varying its invariant input takes there).
+Context parallelism: the rows' sequence is split over 'context' (the hidden states
+crossing stages too); attention gathers its keys and values whole along it
+(`ShardCtx.relayout`: an all-gather in the loop, its transpose a reduce-scatter of
+activation cotangents) and masks by position, so a query chunk sees its own
+offset; fused kernels (cuDNN, splash) are not chosen on a chunk. tensor_transpose
+splits the embed dim, which every norm and projection would have to sum by hand,
+and is refused (config/pipeline.py).
 """
 
 from __future__ import annotations
@@ -67,6 +82,13 @@ import pspec_tags as pt
 from trainer.config import STAGE_AXIS
 from trainer.model.params import logical_axes_of
 from trainer.model.pipeline_slots import Slots
+from trainer.model.stage_weights import (
+    gather_fsdp,
+    own_spec,
+    varying,
+    whole_over_tensor,
+    whole_over_tensor_leaf,
+)
 from trainer.sharding import ShardCtx
 
 # MoE statistics the pipeline returns: per layer and token shard, summed over the
@@ -85,9 +107,6 @@ BALANCE_BY_MICROBATCH = "balance_loss_by_microbatch"
 # (train_step), so it leaves the pipeline per token. Present when the layers return
 # "router_z_BxS" (moe_z_loss_coeff > 0).
 Z_BY_MICROBATCH = "router_z_by_microbatch"
-# Mesh axes that shard weights the stages gather once per step (fully sharded data
-# parallelism: they shard the batch too).
-FSDP_AXES = ("dcn_fsdp", "fsdp")
 
 
 def stages(ctx: ShardCtx) -> int:
@@ -95,42 +114,10 @@ def stages(ctx: ShardCtx) -> int:
     return dict(ctx.mesh.shape).get(STAGE_AXIS, 1)
 
 
-def own_spec(value: jax.Array, logical: tuple, ctx: ShardCtx) -> P:
-    """`value`'s own spec, tags included (explicit mode), or its logical one (auto)."""
-    spec = pt.spec_of(value)
-    if spec is not None:
-        # TAG: the value's spec as it is, `reduced` included: shard_map refuses any
-        # other, and without it the cotangent would be psummed over 'data' per use.
-        return spec
-    return ctx.spec(logical, value.shape)
-
-
 def _stacked_spec(variable: nnx.Variable, ctx: ShardCtx) -> P:
     """A stacked layer variable's spec: its own (explicit mode, tags included), or in
     auto mode its logical axes' ('stage_layers' first, as model.define lays it out)."""
     return own_spec(variable[...], ("stage_layers", *logical_axes_of(variable)), ctx)
-
-
-def gather_fsdp(w: jax.Array, spec: P) -> jax.Array:
-    """This device's shard of a stacked weight gathered whole over the FSDP axes (the
-    dims `spec` shards over them); 'stage' and 'expert' stay sharded. Once per step,
-    before the loop: its transpose, the FSDP reduce-scatter of the gradient, runs once
-    after the backward loop. check_pipeline refuses tensor_transpose, the one axis
-    that could share an entry with them, so each gathered entry is FSDP axes only."""
-    for dim, entry in enumerate(pt.partitions(spec)):
-        axes = tuple(a for a in pt.entry_axes(entry) if a in FSDP_AXES)
-        if axes:
-            w = lax.all_gather(w, pt.entry_from_axes(axes), axis=dim, tiled=True)
-    return w
-
-
-def varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    """`x` (inside the shard_map) typed varying over each of `axes` it is not yet."""
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)  # JAX 0.10+; earlier: `vma`
-    have = getattr(manual, "varying", None) if manual is not None else getattr(aval, "vma", None)
-    extra = tuple(a for a in axes if a not in (have or ()))
-    return pt.to_varying(x, extra) if extra else x
 
 
 def _merge_microbatches(x: jax.Array, spec: P | None) -> jax.Array:
@@ -258,6 +245,7 @@ def run_stacked(
     state_specs = jax.tree.map(
         lambda v: _stacked_spec(v, ctx), state, is_leaf=lambda x: isinstance(x, nnx.Variable)
     )
+    state, state_specs = whole_over_tensor(state, state_specs, ctx, whole_over_tensor_leaf)
     # Per-layer stats, (layers, token shards, ...): the layer dim over 'stage', the
     # shard dim over the token axes (each device's own rows).
     token_axes = pt.entry_from_axes(ctx.token_axes)

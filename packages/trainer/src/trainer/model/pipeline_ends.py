@@ -15,7 +15,7 @@ Each end is one `jax.shard_map` over every mesh axis, per device, as the
 pipeline's loop (the model's 'manual' ShardCtx), with the same handling of the
 parameters it reads (embedding, dense layers, final norm, head, MTP):
 
-- TAG: each enters with its own spec (`pipeline.own_spec`: `reduced={'data'}`
+- TAG: each enters with its own spec (`stage_weights.own_spec`: `reduced={'data'}`
   where the plan defers its reduction) and is cast to vary over the token axes
   once, before the scan. Each device then differentiates its own rows against
   its own copy: the scan's backward sums the microbatches' cotangents per
@@ -23,8 +23,12 @@ parameters it reads (embedding, dense layers, final norm, head, MTP):
   leaves them `unreduced` over the deferred axes (explicit mode) or psums them
   once (auto mode, whose types carry no tags: outside a manual map XLA's
   partitioner would place each gradient's reduction itself).
+- tensor: the ends run whole over 'tensor' (their weights gathered over it once
+  per step, before the map; `stage_weights.whole_over_tensor`): the embedding's and the
+  head's vocab splits would need a masked lookup and a vocab-split cross-entropy
+  written by hand, and the ends are a few layers of the model's depth.
 - FSDP: a weight sharded over fsdp / dcn_fsdp is gathered once per step, before
-  the scan (`pipeline.gather_fsdp`); its transpose, the gradient's reduce-scatter,
+  the scan (`stage_weights.gather_fsdp`); its transpose, the gradient's reduce-scatter,
   runs once after the backward loop.
 
 The loss comes out as per-device partial sums, one entry per token shard: the
@@ -45,7 +49,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import pspec_tags as pt
-from trainer.model import pipeline
+from trainer.model import stage_weights
 from trainer.model.params import logical_axes_of
 from trainer.sharding import ShardCtx
 
@@ -64,13 +68,13 @@ def param_specs(params: dict, logical: dict, ctx: ShardCtx) -> dict:
     def of_state(state, stacked: bool):
         def one(v):
             axes = logical_axes_of(v, stacked=stacked)
-            return pipeline.own_spec(v[...], axes, ctx)
+            return stage_weights.own_spec(v[...], axes, ctx)
 
         return jax.tree.map(one, state, is_leaf=_is_variable)
 
     return {
         k: of_state(v, logical[k]) if isinstance(logical[k], bool) else (
-            pipeline.own_spec(v, logical[k], ctx)
+            stage_weights.own_spec(v, logical[k], ctx)
         )
         for k, v in params.items()
     }  # fmt: skip
@@ -81,9 +85,9 @@ def _local_params(params: dict, specs: dict, ctx: ShardCtx) -> dict:
     # TAG: the cast to varying before the scan: each device's gradient stays its
     # own through the backward loop; the cast's transpose, after the loop, leaves it
     # unreduced over the in_spec's `reduced` axes (psummed once in auto mode).
-    params = jax.tree.map(lambda w: pipeline.varying(w, ctx.token_axes), params)
+    params = jax.tree.map(lambda w: stage_weights.varying(w, ctx.token_axes), params)
     return jax.tree.map(
-        lambda spec, v: jax.tree.map(lambda w: pipeline.gather_fsdp(w, spec), v),
+        lambda spec, v: jax.tree.map(lambda w: stage_weights.gather_fsdp(w, spec), v),
         specs,
         params,
         is_leaf=lambda x: isinstance(x, P),
@@ -92,7 +96,7 @@ def _local_params(params: dict, specs: dict, ctx: ShardCtx) -> dict:
 
 def row_spec(rows: jax.Array, ctx: ShardCtx) -> P:
     """The (m, B/m, S) microbatch rows' spec: their own (explicit) or the logical one."""
-    return pipeline.own_spec(rows, ROWS, ctx)
+    return stage_weights.own_spec(rows, ROWS, ctx)
 
 
 def hidden_spec(rows_spec: P) -> P:
@@ -111,7 +115,7 @@ def before(
 ) -> jax.Array:
     """`embed_dense(local params, one microbatch's rows) -> x (B/m, S, D)` per device,
     scanned over the microbatches: the stacked hidden states (m, B/m, S, D)."""
-    specs = param_specs(params, logical, ctx)
+    params, specs = stage_weights.whole_over_tensor(params, param_specs(params, logical, ctx), ctx)
     rspec = row_spec(rows["inputs"], ctx)
     rows_specs = jax.tree.map(lambda _: rspec, rows)
 
@@ -147,7 +151,7 @@ def after(
     returned with that dim over the token axes (like the pipeline's MoE stats).
     `consts`: replicated values every microbatch reads (the MTP loss scales).
     """
-    specs = param_specs(params, logical, ctx)
+    params, specs = stage_weights.whole_over_tensor(params, param_specs(params, logical, ctx), ctx)
     rspec = row_spec(rows["inputs"], ctx)
     rows_specs = jax.tree.map(lambda _: rspec, rows)
     entry = shard_entry(ctx)
@@ -159,7 +163,7 @@ def after(
         shapes = jax.eval_shape(one, *first)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
         # TAG: the sums are each device's own (its rows): varying from the start.
-        zeros = jax.tree.map(lambda v: pipeline.varying(v, ctx.token_axes), zeros)
+        zeros = jax.tree.map(lambda v: stage_weights.varying(v, ctx.token_axes), zeros)
 
         def iteration(total, xs):
             return jax.tree.map(jnp.add, total, one(*xs)), None

@@ -10,11 +10,13 @@ untagged by construction (logical rules know nothing of `reduced`); wherever a
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -88,6 +90,9 @@ def logical_rules(parallelism: ParallelismConfig) -> tuple[tuple[str, Any], ...]
 
 
 CTX_MODES = (*pt.MODES, "manual")
+# Mesh axes a manual region's einsums may split a contraction over (ShardCtx.einsum):
+# 'tensor', as inside the pipeline's stages (model/pipeline.py).
+SPLIT_AXES = ("tensor",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +144,46 @@ class ShardCtx:
             return x
         # TAG: activations only: a rebuilt, untagged spec is right for them.
         return pt.shard(x, self.spec(logical, x.shape), self.mode)
+
+    def relayout(
+        self, x: jax.Array, source: Sequence[str | None], target: Sequence[str | None]
+    ) -> jax.Array:
+        """An activation laid out as `source` moved to `target` (the keys and values
+        gathered whole along the sequence for attention, the MTP shift's token ids).
+
+        Explicit and auto: `act(x, target)` (the partitioner moves the data). Manual
+        (every axis manual: the pipeline's stages and ends): each dim's mesh axes
+        `source` places and `target` does not are all-gathered along it, and those
+        `target` places and `source` does not are sliced to this device's part (a
+        value whole over them). The all-gather's transpose sums the cotangent's
+        pieces back (a reduce-scatter), the slice's pads them.
+        """
+        if not self.manual:
+            return self.act(x, target)
+        sizes = dict(self.mesh.shape)
+        have = pt.partitions(self.spec(source))
+        want = pt.partitions(self.spec(target))
+        for dim in range(x.ndim):
+            had = [a for a in pt.entry_axes(have[dim] if dim < len(have) else None)]
+            wanted = [a for a in pt.entry_axes(want[dim] if dim < len(want) else None)]
+            if had == wanted:
+                continue
+            if wanted[: len(had)] != had and had[: len(wanted)] != wanted:
+                raise ValueError(
+                    f"relayout of dim {dim}: {had} to {wanted} is neither a gather nor a slice"
+                )
+            if len(had) > len(wanted):
+                gone = [a for a in had[len(wanted) :] if sizes.get(a, 1) > 1]
+                if gone:
+                    x = lax.all_gather(x, pt.entry_from_axes(gone), axis=dim, tiled=True)
+            else:
+                new = [a for a in wanted[len(had) :] if sizes.get(a, 1) > 1]
+                if new:
+                    parts = math.prod(sizes[a] for a in new)
+                    index = lax.axis_index(pt.entry_from_axes(new))
+                    size = x.shape[dim] // parts
+                    x = lax.dynamic_slice_in_dim(x, index * size, size, dim)
+        return x
 
     @property
     def token_axes(self) -> tuple[str, ...]:
@@ -205,13 +250,33 @@ class ShardCtx:
         there, so it constrains the result instead.
         """
         if self.manual:
-            return jnp.einsum(equation, *operands)
+            return self._sum_split(jnp.einsum(equation, *operands), out)
         if self.explicit:
             out_shape = _einsum_out_shape(equation, operands)
             # TAG: explicit mode must name where a contraction over a sharded dim
             # lands (JAX raises otherwise); an untagged logical spec suits activations.
             return jnp.einsum(equation, *operands, out_sharding=self.spec(out, out_shape))
         return self.act(jnp.einsum(equation, *operands), out)
+
+    def _sum_split(self, y: jax.Array, out: Sequence[str | None]) -> jax.Array:
+        """Manual mode: `y` summed over each SPLIT_AXES axis it varies over but `out`
+        does not place on a dim. Only a contraction over a dim split over that axis
+        (attention's output projection over its heads) makes such a value: each
+        device holds a partial sum. A value split over it on one of `out`'s dims (a
+        head-split projection) is a shard, left alone; an invariant one is whole."""
+        sizes = dict(self.mesh.shape)
+        # No shape given: the logical spec as mapped, whatever the local shape (a
+        # local dim need not divide again by the axis it is already split over).
+        placed = pt.mesh_axes_used(self.spec(out))
+        axes = tuple(
+            a
+            for a in SPLIT_AXES
+            if sizes.get(a, 1) > 1 and a in pt.varying_axes(y) and a not in placed
+        )
+        # Forward: Megatron's all-reduce after the row-split matmul. Its transpose
+        # moves nothing; the column-split matmul's implicit cast to varying (its
+        # invariant input meeting a split weight) psums the input's cotangent.
+        return lax.psum(y, axes) if axes else y
 
 
 def _einsum_out_shape(equation: str, operands: Sequence[jax.Array]) -> tuple[int, ...]:

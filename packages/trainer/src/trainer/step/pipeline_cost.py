@@ -49,7 +49,7 @@ from trainer.config.pipeline import (
     stage_count,
 )
 from trainer.config.validate import batch_shard_count
-from trainer.model import flops, pipeline
+from trainer.model import flops, stage_weights
 from trainer.sharding import ShardCtx
 
 POSITION_BYTES = 4  # positions and segments travel beside the activations as int32
@@ -93,22 +93,27 @@ def relayout_bytes(leaves: Any, logical: Any, stages: int, repeats: int, ctx: Sh
     pipelined stack ('stage_layers' first): (p - 1) rounds of ceil(r / p) chunks of c
     slots (the padded stack's rows / (p x r): uneven stages' padding travels too),
     each its device's part of the chunk: split over the leaf's other mesh axes (the
-    experts' 'expert'), whole over FSDP's, which the stage gathers before the relayout
-    (model/pipeline.py). 0 for GPipe (r = 1)."""
+    experts' 'expert', attention's 'tensor'), whole over FSDP's and, in the MoE block,
+    'tensor', which the stage gathers before the relayout (model/pipeline.py). 0 for
+    GPipe (r = 1)."""
     if repeats == 1:
         return 0
     width = -(-repeats // stages)
     mesh = dict(ctx.mesh.shape)
     axes_of = jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple))
     total = 0
-    for x, axes in zip(jax.tree.leaves(leaves), axes_of, strict=True):
+    for (path, x), axes in zip(jax.tree_util.tree_leaves_with_path(leaves), axes_of, strict=True):
         if axes[:1] != ("stage_layers",):
             continue
+        # Gathered before the relayout: FSDP's axes, and 'tensor' for the sub-modules
+        # that run whole over it (the MoE block).
+        gathered = (
+            *stage_weights.FSDP_AXES,
+            *(("tensor",) if stage_weights.whole_over_tensor_leaf(path) else ()),
+        )
         # Dim 0 is the stack's, split by stages x repeats below.
         entries = pt.partitions(ctx.spec(axes, x.shape))[1:]
-        split = math.prod(
-            mesh[a] for e in entries for a in pt.entry_axes(e) if a not in pipeline.FSDP_AXES
-        )
+        split = math.prod(mesh[a] for e in entries for a in pt.entry_axes(e) if a not in gathered)
         chunk = math.prod(x.shape) // (stages * repeats * split) * np.dtype(x.dtype).itemsize
         total += (stages - 1) * width * chunk
     return total
