@@ -72,6 +72,12 @@ STAGES = {
         **STAGE2, "ici_context_parallelism": "2", "ici_tensor_parallelism": "2",
         "ici_data_parallelism": "1", "shard_mode": "auto",
     },
+    # With FSDP: attention's weights gathered over fsdp inside the map, still split
+    # over 'tensor'; the MoE block's gathered over both.
+    "stage=2 x tensor=2 x fsdp=2": {
+        **STAGE2, "ici_tensor_parallelism": "2", "ici_fsdp_parallelism": "2",
+        "ici_data_parallelism": "1",
+    },
     # With experts split over 'expert' (a batch axis: the routed rows' all-to-all) and
     # circular stages (the attention's head-split chunks and the MoE's whole ones
     # relayed to their stages once per step).
