@@ -72,6 +72,12 @@ STAGES = {
         **STAGE2, "ici_context_parallelism": "2", "ici_tensor_parallelism": "2",
         "ici_data_parallelism": "1", "shard_mode": "auto",
     },
+    # The expert axis sharding attention's sequence (expert_shard_attention_option=
+    # context), the MoE's tokens split over it as well.
+    "stage=2 x expert=2 (sharding the sequence) x data=2": {
+        **STAGE2, "ici_expert_parallelism": "2", "ici_data_parallelism": "2",
+        "expert_shard_attention_option": "context",
+    },
     # With FSDP: attention's weights gathered over fsdp inside the map, still split
     # over 'tensor'; the MoE block's gathered over both.
     "stage=2 x tensor=2 x fsdp=2": {
@@ -156,16 +162,6 @@ BAD = [
         {**MODEL, "ici_pipeline_parallelism": "2", "ici_tensor_transpose_parallelism": "2"},
         r"^ici_tensor_transpose_parallelism=2 with 2 pipeline stages is not supported: it "
         r"splits a layer's compute",
-    ),
-    (
-        {
-            **MODEL,
-            "ici_pipeline_parallelism": "2",
-            "ici_expert_parallelism": "2",
-            "expert_shard_attention_option": "context",
-        },
-        r"^expert_shard_attention_option=context with ici_expert_parallelism=2 and 2 "
-        r"pipeline stages is not supported: the expert axis would shard the sequence",
     ),
     (
         {**MODEL, "ici_pipeline_parallelism": "2", "gradient_accumulation_schedule": "overlapped"},
@@ -311,13 +307,18 @@ def test_same_numbers_and_one_reduction_after_the_loop(runner, grads_runner, gra
         tensor = [c for c in in_loop if c.kind == "all-reduce"]
         assert tensor and ht.spanned_axes(tensor, sizes) == ("tensor",)
         want.add(("all-reduce", trips * per_iteration))
-    if sizes.get("context", 1) > 1:
-        # Context parallelism's own, over 'context' alone: the keys and values gathered
+    # The axes splitting the sequence: context, and expert where it shards attention's
+    # sequence (expert_shard_attention_option=context).
+    sequence_axes = {a for a in ("context", "expert") if sizes.get(a, 1) > 1} - (
+        set() if keys.get("expert_shard_attention_option") == "context" else {"expert"}
+    )
+    if sequence_axes:
+        # Context parallelism's own, over those axes alone: the keys and values gathered
         # along the sequence (their cotangents reduce-scattered back) in each stage's
         # layers and in the ends' scans over the 4 microbatches (the dense layer, the
         # MTP shift's token ids); the positions once per pipeline iteration.
         sequence = [c for c in in_loop if c.kind in ("all-gather", "reduce-scatter")]
-        assert sequence and ht.spanned_axes(sequence, sizes) == ("context",)
+        assert sequence and set(ht.spanned_axes(sequence, sizes)) <= sequence_axes
         assert {c.multiplier for c in sequence} <= {trips * per_iteration, trips, 4}
         rest -= {(c.kind, c.multiplier) for c in sequence}
     assert rest == want

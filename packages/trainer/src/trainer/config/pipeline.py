@@ -3,20 +3,19 @@
 The stages are the 'stage' mesh axis (ici_pipeline_parallelism x
 dcn_pipeline_parallelism, `mesh_shape`); the MoE layers split over them
 (model/pipeline.py), in stages x repeats chunks of equal slots, padded where they do
-not divide the layers (`layer_slots`). Inside the stages compose: data, dcn_data, ZeRO-1, fsdp and
-dcn_fsdp (weights gathered once per step), expert (expert parallelism, with
-expert_shard_attention_option=fsdp), tensor (attention's heads split, the MoE
-block whole over it) and context (the sequence split, keys and values gathered).
-tensor_transpose splits the embed dim, which the stages do not sum by hand, and is
-refused. What does not compose is refused here in one line
-naming the key and its value.
+not divide the layers (`layer_slots`). Inside the stages compose: data, dcn_data,
+ZeRO-1, fsdp and dcn_fsdp (weights gathered once per step), expert (expert
+parallelism; with expert_shard_attention_option=context it splits attention's
+sequence too), tensor (attention's heads split, the MoE block whole over it) and
+context (the sequence split, keys and values gathered). tensor_transpose splits the
+embed dim, which the stages do not sum by hand, and is refused. What does not
+compose is refused here in one line naming the key and its value.
 """
 
 from __future__ import annotations
 
 from trainer.config.config import Config
 from trainer.config.keys import STAGE_AXIS, ConfigError
-from trainer.config.mesh_shape import expert_keys
 from trainer.config.run_keys import AccumulationConfig, ParallelismConfig
 
 # Mesh axes that split a layer's compute in a way the stages do not write by hand:
@@ -125,13 +124,6 @@ def check_pipeline(config: Config, sizes: dict[str, int]) -> None:
             "splits a layer's compute, which the stages' per-device layers would do by "
             "hand (data, fsdp, tensor, context, expert and ZeRO-1 compose)",
         )
-    _require(
-        sizes.get("expert", 1) == 1 or config.expert_shard_attention_option == "fsdp",
-        f"expert_shard_attention_option={config.expert_shard_attention_option} with "
-        f"{expert_keys(config)}={sizes.get('expert', 1)} and {p} pipeline stages is not "
-        "supported: the expert axis would shard the sequence (context parallelism in "
-        "attention); use fsdp",
-    )
     schedule = config.gradient_accumulation_schedule
     _require(
         schedule in SCHEDULES,
