@@ -184,6 +184,27 @@ def test_an_unrolled_run_resumes_a_scanned_checkpoint(resumed):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def test_float32_moments_restore_into_a_bf16_moment_run_cast(resumed, capfd):
+    """mu_dtype / nu_dtype changed since the save: the moments are read as saved
+    (checksums on the saved bytes), then cast; the parameters are restored as they were."""
+    out = resumed["ckpt"].parent.parent
+    bf16 = run_lib.setup(_config(out, mu_dtype="bfloat16", nu_dtype="bfloat16"))
+    assert bf16.start_step == 6
+    err = capfd.readouterr().err
+    assert "optimizer arrays cast float32 -> bfloat16 (mu_dtype, nu_dtype)" in err
+    assert "resuming from" in err and "mu_dtype='' (now 'bfloat16')" in err
+    saved = resumed["restarted"].state  # its state after step 6, saved
+    for part in ("params", "opt_state"):
+        for got, want in zip(
+            jax.tree.leaves(bf16.state[part]), jax.tree.leaves(saved[part]), strict=True
+        ):
+            cast = np.asarray(want).astype(got.dtype)
+            np.testing.assert_array_equal(np.asarray(got), cast)
+            assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
+    moments = [x for x in jax.tree.leaves(bf16.state["opt_state"]) if x.ndim]
+    assert moments and {x.dtype for x in moments} == {np.dtype(jax.numpy.bfloat16)}
+
+
 def test_text_data_trains_through_the_same_step(resumed, tmp_path):
     # A tokenizer.json with 256 ids keeps the compiled shapes: the executable is reused.
     tokenizers = pytest.importorskip("tokenizers")

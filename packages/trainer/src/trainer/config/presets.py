@@ -118,6 +118,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_target_length=1024,
         routed_scaling_factor=2.5,
         remat_policy="selective",
+        # AdamW's moments in bf16, as DeepSeek-V3 trains (its report, 3.3.2, "without
+        # observable performance degradation"): half the optimizer state's bytes, read
+        # and written every step. nu too: with adam_b2=0.95 (V3's), 1 - b2 = 0.05 is far
+        # above the 2^-8 under which b2 x nu would round back to nu in bf16 and never
+        # decay (trainer.config.validate refuses that); each update is computed in f32.
+        mu_dtype="bfloat16",
+        nu_dtype="bfloat16",
     ),
     # MaxText's deepseek3-tiny: 61 layers (3 dense) of emb 64, 16 experts top-8.
     "deepseek3-tiny": dict(

@@ -143,6 +143,22 @@ class TrainingConfig:
     adam_b2: float = key(0.95, "AdamW beta2")
     adam_eps: float = key(1e-8, "AdamW epsilon")
     adam_weight_decay: float = key(0.1, "AdamW weight decay")
+    # Adam's moments' storage dtypes ('': each parameter's dtype, weight_dtype):
+    # mu_dtype is MaxText's key (the first moment), nu_dtype ours (the second).
+    # bfloat16 halves their bytes and the optimizer's memory traffic; each step's
+    # update is computed in float32 and rounded once (step/adam_moments.py), as
+    # DeepSeek-V3 keeps both in bf16 (its report, 3.3.2). A bf16 moment decays by
+    # beta per step only while 1 - beta >= 2^-8 (half a bf16 spacing): with
+    # adam_b2=0.999, b2 x nu rounds back to nu and the second moment never decays,
+    # so bfloat16 is refused there (trainer.config.validate).
+    mu_dtype: Literal["", "float32", "bfloat16"] = key(
+        "", "AdamW first moment dtype ('': the parameters'; bfloat16 needs 1 - adam_b1 >= 2^-8)"
+    )
+    nu_dtype: Literal["", "float32", "bfloat16"] = key(
+        "",
+        "AdamW second moment dtype ('': the parameters'; bfloat16 needs 1 - adam_b2 >= 2^-8: "
+        "below, b2 x nu rounds back to nu in bf16 and it never decays)",
+    )
     gradient_clipping_threshold: float = key(1.0, "global gradient norm clip (<= 0: off)")
     seed: int = key(0, "seed of the initial weights and the data order")
 

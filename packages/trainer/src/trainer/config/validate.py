@@ -28,6 +28,7 @@ from trainer.config.run_keys import (
     DataConfig,
     EvaluationConfig,
     ParallelismConfig,
+    TrainingConfig,
 )
 
 
@@ -143,6 +144,34 @@ def _check_training(config: Config) -> None:
         config.gradient_clipping_threshold >= 0,
         f"gradient_clipping_threshold={config.gradient_clipping_threshold} must be >= 0",
     )
+    _check_moment_dtypes(config.training, config.weight_dtype)
+
+
+# 1 - beta below this: a bf16 moment's decay rounds away (tests/test_adam_moments.py
+# checks the threshold over every positive normal bf16 value).
+MIN_BF16_DECAY = 2.0**-8
+
+
+def _check_moment_dtypes(training: TrainingConfig, weight_dtype: str) -> None:
+    """AdamW's moment dtypes: one of the dtype names, and bf16 (asked for, or the
+    weights' through '') only where its decay shows.
+
+    Refused rather than computed some other way: the moment is computed in float32
+    already (step/adam_moments.py); it is the rounding of beta x m back to bf16 that
+    returns m when 1 - beta is under half a bf16 spacing, at any precision of the
+    product, so only a wider storage dtype (or stochastic rounding) keeps the decay.
+    """
+    for key, beta_key in (("mu_dtype", "adam_b1"), ("nu_dtype", "adam_b2")):
+        value, beta = getattr(training, key), getattr(training, beta_key)
+        _require(value in ("", *DTYPES), f"{key}={value!r} is not one of {('', *DTYPES)}")
+        stored = f"{key}=bfloat16" if value else f"{key}='' with weight_dtype=bfloat16"
+        _require(
+            (value or weight_dtype) != "bfloat16" or 1 - beta >= MIN_BF16_DECAY,
+            f"{stored} and {beta_key}={beta}: 1 - {beta_key} = {1 - beta:.2g} is under 2^-8 "
+            f"({MIN_BF16_DECAY:.2g}), half a bf16 spacing, so {beta_key} x moment rounds "
+            f"back to the moment in bf16 and it never decays; use {key}=float32 or "
+            f"{beta_key} <= {1 - MIN_BF16_DECAY}",
+        )
 
 
 def _check_model(config: Config) -> None:

@@ -21,7 +21,8 @@ metadata or without our checksums (moved aside to `N.incomplete`, so it cannot
 shadow the complete ones), is skipped with a warning naming it.
 
 A restore that fails for any reason (an array that does not read or decode,
-metadata that does not parse, a shape or dtype the model does not have, a
+metadata that does not parse, a shape or dtype the model does not have (the
+optimizer state's float dtypes are cast instead: checkpoint_dtypes.py), a
 checksum that does not match) warns naming the step, the item and the cause,
 moves the step to `checkpoints/quarantine/N` and tries the next older one; the
 run's state is replaced only by a checkpoint that read and verified whole. A
@@ -43,8 +44,8 @@ from typing import Any
 import jax
 
 from trainer.config import Config, ConfigError
+from trainer.io import checkpoint_dtypes, checksums
 from trainer.io import checkpoint_files as files
-from trainer.io import checksums
 from trainer.io.checkpoint_files import (
     CHECKSUMS,
     Damaged,
@@ -270,20 +271,14 @@ class Checkpointer:
             raise Damaged("meta", f"says step {meta.get('step')!r}")
         changed = self._check_compatible(meta.get("config", {}), path)
         expected = record.get("arrays", {}) if record is not None else None
-        for name, (shape, dtype) in checksums.shapes(state).items() if record is not None else ():
-            saved = expected.get(name)
-            if saved is None:
-                raise Damaged(f"state/{name}", "not in the checkpoint")
-            if (saved["shape"], saved["dtype"]) != (shape, dtype):
-                raise Damaged(
-                    f"state/{name}",
-                    f"{saved['dtype']}{saved['shape']} in the checkpoint, the model has "
-                    f"{dtype}{shape}",
-                )
+        # Read as saved: the optimizer state's float arrays in the saved dtype (cast below).
+        reading, casts = (
+            (state, {}) if record is None else checkpoint_dtypes.as_saved(state, expected)
+        )
         # Each process reads its own shards: agree before anyone goes on.
         handler = ocp.StandardCheckpointHandler()
         try:
-            args = ocp.args.StandardRestore(_abstract(state, mesh))
+            args = ocp.args.StandardRestore(_abstract(reading, mesh))
             restored, failure = handler.restore(epath.Path(path) / "state", args=args), None
         except Exception as error:  # any reason: it is not used
             restored, failure = None, files.one_line(error)
@@ -298,6 +293,11 @@ class Checkpointer:
             warn(
                 f"checkpoint step {step} has no checksum record (saved before tagtrain "
                 "recorded them): read whole, not checksum-verified"
+            )
+        if casts:  # mu_dtype / nu_dtype changed since the save
+            restored = checkpoint_dtypes.cast_like(restored, state)
+            warn(
+                f"checkpoint step {step}: {checkpoint_dtypes.describe(casts)} (mu_dtype, nu_dtype)"
             )
         if changed:  # only now: a damaged checkpoint is not the one resumed from
             warn(f"resuming from {path} with changed settings: {changed}")

@@ -31,7 +31,9 @@ MODEL_KEYS = (
     "lora_targets",
 )
 # Keys a checkpoint written before they existed did not save: their value then was this.
-KEY_DEFAULTS = {key: FIELDS[key].default for key in ("lora_rank", "lora_targets")}
+KEY_DEFAULTS = {
+    key: FIELDS[key].default for key in ("lora_rank", "lora_targets", "mu_dtype", "nu_dtype")
+}
 # State entries never saved: a LoRA run's frozen base, loaded again at every start
 # (from hf_model_path, load_parameters_path or the seed), like the initial weights.
 NOT_SAVED = ("frozen",)
@@ -53,6 +55,9 @@ TRAJECTORY_KEYS = (
     "use_sft",
     "sft_train_on_completion_only",
     "lora_alpha",
+    # The moments are cast on restore (checkpoint_dtypes.py): the run goes on, rounded.
+    "mu_dtype",
+    "nu_dtype",
 )
 
 

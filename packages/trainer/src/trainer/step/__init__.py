@@ -2,7 +2,8 @@
 is reduced.
 
 - train_step.py: `make_step` (the jitted step, each gradient reduced where the plan
-  says), loss.py (cross-entropy sums), optimizer.py (`make_optimizer`).
+  says), loss.py (cross-entropy sums), optimizer.py (`make_optimizer`), with
+  adam_moments.py (Adam's scaling, each moment stored in its own dtype).
 - reduction_choice.py: `gradient_reduction_policy=auto`'s choice from accum's cost
   model; reduction_bytes.py: the gradient reductions the compiled step runs, counted.
 """

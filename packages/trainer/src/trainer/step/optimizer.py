@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import optax
 
 from trainer.config import TrainingConfig
+from trainer.step.adam_moments import scale_by_adam_moments
 
 
 def warmup_steps(training: TrainingConfig) -> int:
@@ -43,17 +45,29 @@ def learning_rate_schedule(training: TrainingConfig) -> optax.Schedule:
 def make_optimizer(training: TrainingConfig) -> optax.GradientTransformation:
     """The optimizer chain; clipping first so the norm is of the raw gradient.
 
-    Takes the training group (`config.training`; a whole Config also works)."""
+    AdamW as `optax.adamw` composes it (Adam's scaling, decoupled weight decay, the
+    learning rate), with Adam's moments stored in mu_dtype / nu_dtype ('': each
+    parameter's dtype; step/adam_moments.py). Takes the training group
+    (`config.training`; a whole Config also works)."""
     chain = []
     if training.gradient_clipping_threshold > 0:
         chain.append(optax.clip_by_global_norm(training.gradient_clipping_threshold))
-    chain.append(
-        optax.adamw(
-            learning_rate_schedule(training),
+    # Nested as optax.adamw's own chain, so the state's tree (and a checkpoint's array
+    # names) is the one optax.adamw gave.
+    adamw = optax.chain(
+        scale_by_adam_moments(
             b1=training.adam_b1,
             b2=training.adam_b2,
             eps=training.adam_eps,
-            weight_decay=training.adam_weight_decay,
-        )
+            mu_dtype=moment_dtype(training.mu_dtype),
+            nu_dtype=moment_dtype(training.nu_dtype),
+        ),
+        optax.add_decayed_weights(training.adam_weight_decay),
+        optax.scale_by_learning_rate(learning_rate_schedule(training)),
     )
-    return optax.chain(*chain)
+    return optax.chain(*chain, adamw)
+
+
+def moment_dtype(name: str):
+    """A moment dtype key's value as a dtype; None for '' (the parameter's own)."""
+    return jnp.dtype(name) if name else None
