@@ -5,7 +5,9 @@
 accum divides the summed `loss_sum` by the summed `weight` once per step. What
 goes wrong otherwise, and what is said instead:
 
-- a batch leaf that is not an array (a Python float): accum splits every leaf's
+- a batch leaf that is not an array (a Python float), a 0-d PRNG key (every
+  microbatch would draw the same numbers), leaves with different leading
+  dimensions (a (1, ...) row, a legacy PRNGKey): accum splits every leaf's
   first dimension, so it names the leaf (`check_batch`);
 - a loss without aux, an aux without "weight", a `loss_sum` that is not a scalar
   (per-example losses): one line each, with the shape the user returned for the
@@ -27,6 +29,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from accum.microbatch import check_rows
+
 CONTRACT = (
     "loss_fn(params, microbatch[, rng]) must return (loss_sum, aux): loss_sum the sum "
     "of the microbatch's per-target losses (a scalar), aux a dict with aux['weight'] the "
@@ -34,8 +38,12 @@ CONTRACT = (
 )
 
 
-def check_batch(batch: Any) -> None:
-    """TypeError, one line naming the leaf, for a batch leaf that is not an array."""
+def check_batch(batch: Any, num_microbatches: int | None = None) -> None:
+    """One line naming the leaf, before any tracing, for a batch leaf accum cannot
+    split as the user meant: not an array (`TypeError`), a 0-d PRNG key (`TypeError`:
+    every microbatch would draw the same numbers), and with `num_microbatches` a
+    leading dimension other leaves do not share or that does not divide
+    (`ValueError`, accum.microbatch.check_rows)."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
         if not hasattr(leaf, "ndim") or not hasattr(leaf, "shape"):
             raise TypeError(
@@ -44,6 +52,17 @@ def check_batch(batch: Any) -> None:
                 "leaf's first dimension into microbatches: make it jnp.asarray(value) "
                 "(a 0-d array goes to every microbatch) or close over it in loss_fn"
             )
+        if leaf.ndim == 0 and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            # A 0-d leaf is copied to every microbatch: the same key draws the same
+            # dropout masks for each, where the full batch draws one per row.
+            raise TypeError(
+                f"accum: batch leaf {jax.tree_util.keystr(path)} is a PRNG key; a 0-d batch "
+                "leaf goes to every microbatch as it is, so each would draw the same random "
+                "numbers: pass it as accumulate_gradients(rng=...), which folds in the "
+                "microbatch index, or give the batch one key per row"
+            )
+    if num_microbatches is not None:
+        check_rows(batch, num_microbatches)
 
 
 def _shape_text(shape: tuple, rows: int, scale: int) -> str:
@@ -75,6 +94,13 @@ def check_output(out: Any, microbatch: Any, devices: int = 1) -> tuple[Any, Any]
         raise KeyError(
             f"loss_fn's aux must hold 'weight' (the number of counted targets); got {what}"
         )
+    for path, value in jax.tree_util.tree_flatten_with_path(aux)[0]:
+        if not hasattr(value, "dtype") and not isinstance(value, int | float | complex):
+            raise TypeError(
+                f"accum: loss_fn's aux{jax.tree_util.keystr(path)} is a {type(value).__name__} "
+                f"({value!r}); accum sums every aux value over microbatches and devices, so "
+                "each must be a number or an array (report other values outside loss_fn)"
+            )
     shape = jnp.shape(loss_sum)
     if shape != ():
         rows = _rows(microbatch) or 0

@@ -259,6 +259,17 @@ def is_floating(leaf: Any) -> bool:
     return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
 
 
+def accumulator_dtype(leaf: Any, accum_dtype: Any) -> Any:
+    """The dtype `leaf`'s gradient is accumulated in: `accum_dtype` for a floating
+    leaf, promoted so that it never narrows the leaf's own (a complex64 leaf keeps
+    its imaginary part, an f64 one its precision under f32 accumulation; bf16 goes
+    up to f32); a leaf's own dtype otherwise or where `accum_dtype` is None."""
+    own = jnp.result_type(leaf)
+    if accum_dtype is None or not is_floating(leaf):
+        return own
+    return jnp.promote_types(accum_dtype, own)
+
+
 def _when(
     axis: str,
     used: set[str],
