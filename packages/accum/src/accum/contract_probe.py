@@ -9,18 +9,19 @@ result then depends on the number of microbatches and devices, without an error)
   is divided twice, once per microbatch. Found on the jaxpr: `loss_sum` is a
   division (through casts and `jit`/`checkpoint`/custom-derivative calls) by a
   value computed from the batch's rows and not from the parameters, or by a
-  constant that changes when the microbatch's rows halve (a per-sequence mean,
+  constant that changes when the microbatch's rows double (a per-sequence mean,
   divided by the sequence length, is a sum over rows and passes). `ValueError`.
   A weight that counts nothing (`{"weight": 1}`) is `contract.check_weight`'s warning;
 - an aux value with a row per example (per-example predictions): summed
   elementwise, it would add different examples' values together. `ValueError`
-  naming the key, where its leading dimension halves with the rows;
+  naming the key, where its leading dimension doubles with the rows;
 - an aux value that is a constant (a learning rate, a config number logged):
   summed, it comes back multiplied by the number of microbatches and devices.
   A warning naming the key.
 
 One trace of `loss_fn` on the first microbatch's shape (no compute), and a second
-on half its rows only where a verdict needs it. Best effort: a `loss_fn` that does
+on twice its rows (a split that stays divisible by the devices sharding them)
+only where a verdict needs it. Best effort: a `loss_fn` that does
 not trace outside the loop (a collective over a batch axis) is left to the checks
 that run inside it.
 """
@@ -166,27 +167,27 @@ def check_loss_fn(
     per_row = [p for p, (_, s) in aux.items() if len(s.shape) and s.shape[0] == rows]
     constants = {p: full.constant(p) for p in aux if full.constant(p) is not None}
     weight = full.constant(weight_path)
-    half = None
+    more = None
     wanted = full.divisor is not None and full.divisor[0] == "const"
-    if rows >= 2 and (wanted or per_row or constants or weight is not None):
-        halved = jax.tree.map(lambda x: _struct(x, rows // 2), batch)
-        traced_half = _trace(loss_fn, params, halved, key)
-        half = None if traced_half is None else _Traced(traced_half, params, halved, key)
-        half = half if half is not None and half.ok and half.out.keys() == full.out.keys() else None
+    if rows >= 1 and (wanted or per_row or constants or weight is not None):
+        doubled = jax.tree.map(lambda x: _struct(x, 2 * rows), batch)
+        traced_more = _trace(loss_fn, params, doubled, key)
+        more = None if traced_more is None else _Traced(traced_more, params, doubled, key)
+        more = more if more is not None and more.ok and more.out.keys() == full.out.keys() else None
     # A weight that counts nothing is check_weight's warning (accum.contract).
-    counts = weight is None or (half is not None and half.constant(weight_path) != weight)
-    _check_mean(full, half, rows, counts)
-    for path in per_row if half is not None else ():
-        shape = half.out[path][1].shape
-        if len(shape) and shape[0] == rows // 2:
+    counts = weight is None or (more is not None and more.constant(weight_path) != weight)
+    _check_mean(full, more, rows, counts)
+    for path in per_row if more is not None else ():
+        shape = more.out[path][1].shape
+        if len(shape) and shape[0] == 2 * rows:
             raise ValueError(
                 f"accum: loss_fn's {_aux_name(path)} has shape {tuple(full.out[path][1].shape)}, "
                 f"a row per example of the microbatch's {rows}; accum sums every aux value over "
                 "microbatches and devices, which adds different examples' values together: "
                 "return its sum over the rows, or compute per-example outputs outside accum"
             )
-    for path, value in constants.items() if half is not None else ():
-        if half.constant(path) == value:
+    for path, value in constants.items() if more is not None else ():
+        if more.constant(path) == value:
             warnings.warn(
                 f"accum: loss_fn's {_aux_name(path)} is the constant {value:g} for any rows; "
                 "accum sums every aux value over microbatches and devices, so it comes back "
@@ -197,13 +198,13 @@ def check_loss_fn(
             )
 
 
-def _check_mean(full: _Traced, half: _Traced | None, rows: int, counts: bool) -> None:
+def _check_mean(full: _Traced, more: _Traced | None, rows: int, counts: bool) -> None:
     """`ValueError` where loss_sum is a mean over the microbatch's rows (module docstring)."""
     if not counts or full.divisor is None:
         return
     kind, value = full.divisor
     if kind == "const":
-        if half is None or half.divisor is None or half.divisor == full.divisor:
+        if more is None or more.divisor is None or more.divisor == full.divisor:
             return  # a divisor that does not change with the rows: not a mean over them
         what = f"the constant {value:g}, which changes with the microbatch's {rows} rows"
     else:
