@@ -3,6 +3,8 @@ full batch's loss and gradients (num_microbatches=2 equal to 1 and to `jax.grad`
 over the whole batch) or is refused (or warned about) at trace time, naming the
 key: never a silently different result. docs/accum.md, "The loss contract"."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,7 +65,8 @@ def _assert_full_batch(loss_fn, params, batch, **kw):
     for n in (1, 2):
         loss, _, got = _run(loss_fn, params, batch, n, **kw)
         np.testing.assert_allclose(loss, total / weight, rtol=1e-5)
-        pairs = zip(jax.tree.leaves(got), jax.tree.leaves(grads), jax.tree.leaves(params))
+        leaves = (jax.tree.leaves(got), jax.tree.leaves(grads), jax.tree.leaves(params))
+        pairs = zip(*leaves, strict=True)
         for g, want, p in pairs:
             if want.dtype == jax.dtypes.float0:  # an integer leaf: zeros of its own dtype
                 assert g.dtype == p.dtype and not np.any(g)
@@ -137,13 +140,29 @@ def test_a_constant_aux_value_warns():
         _trace(logs_lr, W, B)
 
 
-def test_a_prng_key_batch_leaf_is_refused():
-    def dropout(p, mb):
-        keep = jax.random.bernoulli(mb["k"], 0.5, mb["x"].shape)
-        return jnp.sum(((mb["x"] * keep) @ p["w"] - mb["y"]) ** 2), _rows(mb)
+def _dropped(p, mb, key):
+    keep = jax.random.bernoulli(key, 0.5, mb["x"].shape)
+    return jnp.sum(((mb["x"] * keep) @ p["w"] - mb["y"]) ** 2), _rows(mb)
 
-    with pytest.raises(TypeError, match=r"batch leaf \['k'\] is a PRNG key.*rng="):
-        _trace(dropout, W, {**B, "k": jax.random.key(3)})
+
+def test_a_prng_key_batch_leaf_warns():
+    with pytest.warns(RuntimeWarning, match=r"batch leaf \['k'\] is a 0-d PRNG key.*rng="):
+        _trace(lambda p, mb: _dropped(p, mb, mb["k"]), W, {**B, "k": jax.random.key(3)})
+
+
+def test_a_closed_over_prng_key_warns():
+    """Closed over (a jitted step's argument), the key is the same in every microbatch."""
+
+    def step(p, b, key):
+        return accum.accumulate_gradients(
+            lambda p, mb: _dropped(p, mb, key), p, b, num_microbatches=2
+        )
+
+    with pytest.warns(RuntimeWarning, match=r"closes over 1 PRNG key\(s\) \(key<fry>\[\]\)"):
+        jax.eval_shape(step, W, B, jax.random.key(3))
+    with warnings.catch_warnings():  # passed as rng=: folded per microbatch, no warning
+        warnings.simplefilter("error")
+        _trace(_dropped, W, B, rng=jax.random.key(3))
 
 
 @pytest.mark.parametrize(
@@ -225,8 +244,21 @@ def test_both_key_kinds_fold_per_microbatch(key):
 
     loss, _, _ = _run(noisy, W, B, 2, rng=key)
     want = sum(
-        jnp.sum(_sq(W, jax.tree.map(lambda x: x[i::2], B)))
+        jnp.sum(_sq(W, jax.tree.map(lambda x, i=i: x[i::2], B)))
         * jax.random.uniform(jax.random.fold_in(key, i))
         for i in range(2)
     )
     np.testing.assert_allclose(loss, want / ROWS, rtol=1e-5)
+
+
+def test_an_array_constant_in_aux_is_a_count_and_summed_silently():
+    """`jnp.float32(1)` per microbatch (the trainer's balance_loss_terms) is meant to be
+    summed: no warning, and it comes back as the number of microbatches."""
+
+    def counts_calls(p, mb):
+        return jnp.sum(_sq(p, mb)), {**_rows(mb), "calls": jnp.float32(1)}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, aux, _ = _run(counts_calls, W, B, 2)
+    assert float(aux["calls"]) == 2.0

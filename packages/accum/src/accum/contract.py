@@ -5,10 +5,10 @@
 accum divides the summed `loss_sum` by the summed `weight` once per step. What
 goes wrong otherwise, and what is said instead:
 
-- a batch leaf that is not an array (a Python float), a 0-d PRNG key (every
-  microbatch would draw the same numbers), leaves with different leading
-  dimensions (a (1, ...) row, a legacy PRNGKey): accum splits every leaf's
-  first dimension, so it names the leaf (`check_batch`);
+- a batch leaf that is not an array (a Python float), leaves with different
+  leading dimensions (a (1, ...) row, a legacy PRNGKey): accum splits every
+  leaf's first dimension, so it names the leaf (`check_batch`); a 0-d PRNG key
+  (every microbatch draws the same numbers) is warned about;
 - a loss without aux, an aux without "weight", a `loss_sum` that is not a scalar
   (per-example losses): one line each, with the shape the user returned for the
   whole microbatch (on the local path the function sees one device's rows; the
@@ -40,8 +40,8 @@ CONTRACT = (
 
 def check_batch(batch: Any, num_microbatches: int | None = None) -> None:
     """One line naming the leaf, before any tracing, for a batch leaf accum cannot
-    split as the user meant: not an array (`TypeError`), a 0-d PRNG key (`TypeError`:
-    every microbatch would draw the same numbers), and with `num_microbatches` a
+    split as the user meant: not an array (`TypeError`), a 0-d PRNG key (a warning:
+    every microbatch draws the same numbers), and with `num_microbatches` a
     leading dimension other leaves do not share or that does not divide
     (`ValueError`, accum.microbatch.check_rows)."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
@@ -54,12 +54,15 @@ def check_batch(batch: Any, num_microbatches: int | None = None) -> None:
             )
         if leaf.ndim == 0 and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
             # A 0-d leaf is copied to every microbatch: the same key draws the same
-            # dropout masks for each, where the full batch draws one per row.
-            raise TypeError(
-                f"accum: batch leaf {jax.tree_util.keystr(path)} is a PRNG key; a 0-d batch "
-                "leaf goes to every microbatch as it is, so each would draw the same random "
-                "numbers: pass it as accumulate_gradients(rng=...), which folds in the "
-                "microbatch index, or give the batch one key per row"
+            # dropout masks for each, where the full batch draws one per row. A
+            # warning, not an error: the same key everywhere may be what is meant.
+            warnings.warn(
+                f"accum: batch leaf {jax.tree_util.keystr(path)} is a 0-d PRNG key; it goes "
+                "to every microbatch as it is, so each draws the same random numbers (the "
+                "full batch draws one set for all its rows): pass it as "
+                "accumulate_gradients(rng=...), which folds in the microbatch index",
+                RuntimeWarning,
+                stacklevel=3,
             )
     if num_microbatches is not None:
         check_rows(batch, num_microbatches)

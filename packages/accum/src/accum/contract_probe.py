@@ -15,9 +15,12 @@ result then depends on the number of microbatches and devices, without an error)
 - an aux value with a row per example (per-example predictions): summed
   elementwise, it would add different examples' values together. `ValueError`
   naming the key, where its leading dimension doubles with the rows;
-- an aux value that is a constant (a learning rate, a config number logged):
-  summed, it comes back multiplied by the number of microbatches and devices.
-  A warning naming the key.
+- a PRNG key `loss_fn` closes over (or a 0-d key batch leaf, accum.contract):
+  every microbatch draws the same numbers. A warning;
+- an aux value that is a Python number the rows do not change (a learning rate,
+  a config number logged): summed, it comes back multiplied by the number of
+  microbatches and devices. A warning naming the key (an array, `jnp.float32(1)`,
+  is taken as a count meant to be summed).
 
 One trace of `loss_fn` on the first microbatch's shape (no compute), and a second
 on twice its rows (a split that stays divisible by the devices sharding them)
@@ -159,13 +162,20 @@ def check_loss_fn(
     traced = _trace(loss_fn, params, microbatch, key)
     if traced is None:
         return
+    _check_closed_keys(traced[0])
     full = _Traced(traced, params, microbatch, key)
     if not full.ok:
         return  # the contract's own one-line errors come from the loop (accum.contract)
     weight_path = next(p for p in full.out if p[1:] == (jax.tree_util.DictKey("weight"),))
     aux = {p: v for p, v in full.aux().items() if p != weight_path}
     per_row = [p for p, (_, s) in aux.items() if len(s.shape) and s.shape[0] == rows]
-    constants = {p: full.constant(p) for p in aux if full.constant(p) is not None}
+    # Python numbers only (weak-typed): an array constant is taken as a count meant to
+    # be summed (the trainer's jnp.float32(terms) per microbatch).
+    constants = {
+        p: full.constant(p)
+        for p, (_, struct) in aux.items()
+        if getattr(struct, "weak_type", False) and full.constant(p) is not None
+    }
     weight = full.constant(weight_path)
     more = None
     wanted = full.divisor is not None and full.divisor[0] == "const"
@@ -191,8 +201,9 @@ def check_loss_fn(
             warnings.warn(
                 f"accum: loss_fn's {_aux_name(path)} is the constant {value:g} for any rows; "
                 "accum sums every aux value over microbatches and devices, so it comes back "
-                "multiplied by their number: report it outside loss_fn, or return it times "
-                "aux['weight'] and divide by the summed weight",
+                "multiplied by their number: report it outside loss_fn, return it times "
+                "aux['weight'] and divide by the summed weight, or, where that count is "
+                "meant, return it as an array (jnp.float32(v))",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -215,3 +226,25 @@ def _check_mean(full: _Traced, more: _Traced | None, rows: int, counts: bool) ->
         "so return the sum of the per-target losses (jnp.sum, not jnp.mean; no division) with "
         "aux['weight'] their number"
     )
+
+
+def _check_closed_keys(closed: Any) -> None:
+    """Warn where `loss_fn` closes over a PRNG key (a typed key among the jaxpr's
+    constants): every microbatch then starts from that key and draws the same dropout
+    masks, where the full batch draws one per row. An nnx model closed over with its
+    `Rngs` does the same. (A legacy uint32 key cannot be told from data.)"""
+    keys = [
+        v
+        for v in closed.jaxpr.constvars
+        if jax.dtypes.issubdtype(v.aval.dtype, jax.dtypes.prng_key)
+    ]
+    if keys:
+        warnings.warn(
+            f"accum: loss_fn closes over {len(keys)} PRNG key(s) "
+            f"({', '.join(str(v.aval) for v in keys)}); every microbatch starts from the "
+            "same key and draws the same random numbers (dropout masks), where the full "
+            "batch draws one set for all its rows: pass the key as "
+            "accumulate_gradients(rng=...) and take it as loss_fn's third argument",
+            RuntimeWarning,
+            stacklevel=3,
+        )
