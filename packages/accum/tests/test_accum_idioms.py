@@ -262,3 +262,8 @@ def test_an_array_constant_in_aux_is_a_count_and_summed_silently():
         warnings.simplefilter("error")
         _, aux, _ = _run(counts_calls, W, B, 2)
     assert float(aux["calls"]) == 2.0
+
+
+def test_start_refuses_a_mean_as_accumulate_gradients_does():
+    with pytest.raises(ValueError, match=r"loss_sum is a mean"):
+        jax.eval_shape(lambda p, mb: accum.start(mean_over_rows, p, mb), W, B)

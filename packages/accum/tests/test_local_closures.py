@@ -191,10 +191,11 @@ def test_a_closed_over_dropout_key():
         )
 
     with jax.set_mesh(mesh):
-        assert mechanism(closed, (params, batch, key)) == "converted"
         # Both warn (accum.contract_probe, accum.contract): each microbatch draws the
-        # same masks; that is the behaviour compared here.
+        # same masks; that is the behaviour compared here. (The first trace warns:
+        # compile_checked reuses it.)
         with pytest.warns(RuntimeWarning, match="PRNG key") as caught:
+            assert mechanism(closed, (params, batch, key)) == "converted"
             compiled = [accum.compile_checked(f, params, batch, key) for f in (closed, passed)]
         assert {"closes over" in str(w.message) for w in caught} == {True, False}
         (loss_c, _, grads_c), (loss_p, _, grads_p) = (c(params, batch, key) for c in compiled)

@@ -44,19 +44,28 @@ _PASS = {"convert_element_type", "neg", "copy", "copy_p", "reshape", "squeeze", 
 _ROWS, _PARAM = "rows", "param"
 
 
-def _struct(x: Any, rows: int | None) -> Any:
-    """A stand-in for `x` (its type kept) with `rows` rows; 0-d leaves as they are."""
-    if jnp.ndim(x) == 0:
+def _struct(x: Any, rows: int | None, typed: bool) -> Any:
+    """A stand-in for `x` with `rows` rows (0-d leaves as they are); `typed`: with its
+    sharding, else a plain shape (one device's view of the same program)."""
+    if rows is not None and jnp.ndim(x) == 0:
         return x
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    return jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype, sharding=sharding)
+    shape = x.shape if rows is None else (rows, *x.shape[1:])
+    sharding = getattr(jax.typeof(x), "sharding", None) if typed else None
+    return jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding)
 
 
-def _trace(loss_fn: Callable, params: Any, microbatch: Any, rng: tuple) -> Any:
-    """(closed jaxpr, output shapes) of `loss_fn` on `microbatch`, or None where it does
-    not trace here (a collective over a batch axis, a layer needing the real shape)."""
+def _trace(loss_fn: Callable, params: Any, batch: Any, rows: int, rng: tuple, typed: bool) -> Any:
+    """(closed jaxpr, output shapes, microbatch stand-in) of `loss_fn` on `rows` rows
+    of `batch`, or None where it does not trace here (a collective over a batch axis)."""
+    microbatch = jax.tree.map(lambda x: _struct(x, rows, typed), batch)
+    if not typed:
+        # A model JAX's explicit sharding rules refuse on the global microbatch (stock
+        # Flax layers, run on the local path) still traces on plain shapes.
+        params = jax.tree.map(
+            lambda p: _struct(p, None, False) if hasattr(p, "shape") else p, params
+        )
     try:
-        return jax.make_jaxpr(loss_fn, return_shape=True)(params, microbatch, *rng)
+        return (*jax.make_jaxpr(loss_fn, return_shape=True)(params, microbatch, *rng), microbatch)
     except Exception:  # noqa: BLE001 - best effort: the loop's own checks still run
         return None
 
@@ -158,12 +167,15 @@ def check_loss_fn(
         return
     rows = leaves[0].shape[0] // int(num_microbatches)
     key = () if rng is None else (rng,)
-    microbatch = jax.tree.map(lambda x: _struct(x, rows), batch)
-    traced = _trace(loss_fn, params, microbatch, key)
+    typed = True
+    traced = _trace(loss_fn, params, batch, rows, key, typed)
+    if traced is None:
+        typed = False
+        traced = _trace(loss_fn, params, batch, rows, key, typed)
     if traced is None:
         return
     _check_closed_keys(traced[0])
-    full = _Traced(traced, params, microbatch, key)
+    full = _Traced(traced[:2], params, traced[2], key)
     if not full.ok:
         return  # the contract's own one-line errors come from the loop (accum.contract)
     weight_path = next(p for p in full.out if p[1:] == (jax.tree_util.DictKey("weight"),))
@@ -180,9 +192,8 @@ def check_loss_fn(
     more = None
     wanted = full.divisor is not None and full.divisor[0] == "const"
     if rows >= 1 and (wanted or per_row or constants or weight is not None):
-        doubled = jax.tree.map(lambda x: _struct(x, 2 * rows), batch)
-        traced_more = _trace(loss_fn, params, doubled, key)
-        more = None if traced_more is None else _Traced(traced_more, params, doubled, key)
+        traced_more = _trace(loss_fn, params, batch, 2 * rows, key, typed)
+        more = None if traced_more is None else _Traced(traced_more[:2], params, batch, key)
         more = more if more is not None and more.ok and more.out.keys() == full.out.keys() else None
     # A weight that counts nothing is check_weight's warning (accum.contract).
     counts = weight is None or (more is not None and more.constant(weight_path) != weight)
