@@ -267,3 +267,15 @@ def test_an_array_constant_in_aux_is_a_count_and_summed_silently():
 def test_start_refuses_a_mean_as_accumulate_gradients_does():
     with pytest.raises(ValueError, match=r"loss_sum is a mean"):
         jax.eval_shape(lambda p, mb: accum.start(mean_over_rows, p, mb), W, B)
+
+
+def test_a_prng_key_among_the_params_is_named():
+    """An nnx model's whole state (`nnx.split(model)`) holds its Rngs' keys: named, not
+    JAX's "Cannot determine dtype of key<fry>"."""
+    params = {**W, "rngs": {"dropout": {"key": jax.random.key(0)}}}
+
+    def loss(p, mb):
+        return jnp.sum(_sq(p, mb)), _rows(mb)
+
+    with pytest.raises(TypeError, match=r"params leaf \['rngs'\]\['dropout'\]\['key'\] is a PRNG"):
+        _trace(loss, params, B)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from accum.blame import add_marked
-from accum.contract import check_batch, checked
+from accum.contract import check_batch, check_params, checked
 from accum.contract_probe import check_loss_fn
 from accum.fused_accumulate import fused_microbatch
 from accum.gating import plan_for
@@ -190,6 +190,7 @@ def accumulate_gradients(
     """
     _check_option(on_tag_lost)
     check_batch(batch, num_microbatches)  # a leaf accum cannot split, named before tracing
+    check_params(params)
     user_fn, loss_fn = loss_fn, checked(loss_fn)  # its results checked (accum.contract)
     if plan is None:
         plan = plan_for(params, batch)  # reads linen's boxes' annotations

@@ -68,6 +68,20 @@ def check_batch(batch: Any, num_microbatches: int | None = None) -> None:
         check_rows(batch, num_microbatches)
 
 
+def check_params(params: Any) -> None:
+    """`TypeError`, one line naming the leaf, for a PRNG key among the parameters
+    (an nnx model's whole state, `nnx.split(model)`, holds its `Rngs`' keys): a key
+    has no gradient and no zeros for one, and JAX's own error names no leaf."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+            raise TypeError(
+                f"accum: params leaf {jax.tree_util.keystr(path)} is a PRNG key; differentiate "
+                "the trainable state only (nnx: graphdef, params, rest = nnx.split(model, "
+                "nnx.Param, ...), merging rest inside loss_fn) and pass a key as rng="
+            )
+
+
 def _shape_text(shape: tuple, rows: int, scale: int) -> str:
     """`shape` as the user wrote it for the whole microbatch: a leading dimension of
     one device's `rows` is scaled by the `scale` devices that split the rows."""
