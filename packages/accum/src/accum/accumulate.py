@@ -129,8 +129,10 @@ def accumulate_gradients(
     `loss_fn(params, microbatch[, rng]) -> (loss_sum, aux)`, `loss_sum` the SUM
     of the microbatch's per-target losses and `aux["weight"]` the number of
     targets counted (accum.contract checks it: one line per breach, a warning
-    for a weight that counts nothing). Returns `loss = Σ loss_sum / Σ weight`,
-    `aux` summed over microbatches (weight included) and
+    for a weight that counts nothing; accum.contract_probe refuses a mean as
+    `loss_sum` and an aux value with a row per example before the loop).
+    Returns `loss = Σ loss_sum / Σ weight`,
+    `aux` summed over microbatches (every value, weight included) and
     `grads = Σ ∇loss_sum / Σ weight`: the full batch's token-weighted mean and
     its gradient for row-wise layers. What is computed across rows sees a group
     of them: BatchNorm statistics the microbatch (tags path) or each device's
