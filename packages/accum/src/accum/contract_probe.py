@@ -178,7 +178,9 @@ def check_loss_fn(
     full = _Traced(traced[:2], params, traced[2], key)
     if not full.ok:
         return  # the contract's own one-line errors come from the loop (accum.contract)
-    weight_path = next(p for p in full.out if p[1:] == (jax.tree_util.DictKey("weight"),))
+    weight_path = next((p for p in full.out if p[1:] == (jax.tree_util.DictKey("weight"),)), None)
+    if weight_path is None:
+        return  # a Mapping whose keys flatten otherwise: nothing to compare
     aux = {p: v for p, v in full.aux().items() if p != weight_path}
     per_row = [p for p, (_, s) in aux.items() if len(s.shape) and s.shape[0] == rows]
     # Python numbers only (weak-typed): an array constant is taken as a count meant to
@@ -191,7 +193,9 @@ def check_loss_fn(
     weight = full.constant(weight_path)
     more = None
     wanted = full.divisor is not None and full.divisor[0] == "const"
-    if rows >= 1 and (wanted or per_row or constants or weight is not None):
+    # The second trace only where a verdict needs it (a weight fixed at trace time,
+    # `jnp.float32(rows)`, matters only beside a division).
+    if wanted or per_row or constants or (weight is not None and full.divisor is not None):
         traced_more = _trace(loss_fn, params, batch, 2 * rows, key, typed)
         more = None if traced_more is None else _Traced(traced_more[:2], params, batch, key)
         more = more if more is not None and more.ok and more.out.keys() == full.out.keys() else None
@@ -257,5 +261,5 @@ def _check_closed_keys(closed: Any) -> None:
             "batch draws one set for all its rows: pass the key as "
             "accumulate_gradients(rng=...) and take it as loss_fn's third argument",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,  # the caller of accumulate_gradients
         )

@@ -103,8 +103,8 @@ def _varying_sums(tree: Any, axes: tuple[str, ...]) -> Any:
 
 
 def _zeros(p: jax.Array, accum_dtype: Any) -> jax.Array:
-    """A zero accumulator like `p`, in `accum_dtype` for floating leaves (never
-    narrower than `p`'s own: accum.plan.accumulator_dtype)."""
+    """A zero accumulator like `p`, in `accum_dtype` for floating leaves (complex
+    ones keep their imaginary part: accum.plan.accumulator_dtype)."""
     return jnp.zeros_like(p, accumulator_dtype(p, accum_dtype))
 
 
