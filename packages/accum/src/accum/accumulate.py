@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from accum.blame import add_marked
-from accum.contract import check_batch, checked
+from accum.contract import check_batch, check_params, checked
+from accum.contract_probe import check_loss_fn
 from accum.fused_accumulate import fused_microbatch
 from accum.gating import plan_for
 from accum.guard import find_dropped_tags, report_dropped_tags
@@ -128,8 +129,10 @@ def accumulate_gradients(
     `loss_fn(params, microbatch[, rng]) -> (loss_sum, aux)`, `loss_sum` the SUM
     of the microbatch's per-target losses and `aux["weight"]` the number of
     targets counted (accum.contract checks it: one line per breach, a warning
-    for a weight that counts nothing). Returns `loss = Σ loss_sum / Σ weight`,
-    `aux` summed over microbatches (weight included) and
+    for a weight that counts nothing; accum.contract_probe refuses a mean as
+    `loss_sum` and an aux value with a row per example before the loop).
+    Returns `loss = Σ loss_sum / Σ weight`,
+    `aux` summed over microbatches (every value, weight included) and
     `grads = Σ ∇loss_sum / Σ weight`: the full batch's token-weighted mean and
     its gradient for row-wise layers. What is computed across rows sees a group
     of them: BatchNorm statistics the microbatch (tags path) or each device's
@@ -188,7 +191,8 @@ def accumulate_gradients(
     (8.0, [1.0, 1.0], 16.0)
     """
     _check_option(on_tag_lost)
-    check_batch(batch)  # a non-array leaf named before any tracing
+    check_batch(batch, num_microbatches)  # a leaf accum cannot split, named before tracing
+    check_params(params)
     user_fn, loss_fn = loss_fn, checked(loss_fn)  # its results checked (accum.contract)
     if plan is None:
         plan = plan_for(params, batch)  # reads linen's boxes' annotations
@@ -197,6 +201,8 @@ def accumulate_gradients(
     raw, rebox = unboxed(params)
     if raw is not params:  # the same leaves in the same order: only the tree differs
         params, plan = raw, dataclasses.replace(plan, treedef=jax.tree.structure(raw))
+    # A mean as loss_sum, a per-example aux value: found on one trace, before the loop.
+    check_loss_fn(user_fn, params, batch, num_microbatches, rng)
     loss, aux, grads = _accumulate(
         loss_fn,
         user_fn,

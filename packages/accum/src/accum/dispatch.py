@@ -25,6 +25,7 @@ from accum.accumulate import (
     microbatch_grads,
     normalize,
 )
+from accum.contract_probe import check_loss_fn
 from accum.fused_accumulate import fused_microbatch
 from accum.gating import plan_for
 from accum.local import local_add, local_finish, local_zeros
@@ -94,6 +95,8 @@ def start(
     """
     if plan is None:
         plan = plan_for(params, microbatch)
+    # A mean as loss_sum, a per-example aux value: as accumulate_gradients refuses them.
+    check_loss_fn(loss_fn, params, microbatch, 1, rng)
     plan = choose_path(loss_fn, params, microbatch, num_microbatches=1, plan=plan, rng=rng)
     args = (microbatch,) if rng is None else (microbatch, rng)
     if plan.path == "local":  # per-device sums in a leading device dimension (accum.local)

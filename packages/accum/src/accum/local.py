@@ -57,7 +57,7 @@ from accum.closure import lift_closure
 from accum.device_grads import device_grads, device_key
 from accum.jaxpr_types import manual_axes
 from accum.local_mapped import batch_devices, mapped_accumulate, mapped_add
-from accum.plan import ReductionPlan, is_floating
+from accum.plan import ReductionPlan, accumulator_dtype, is_floating
 from accum.tags import reduce_to, safe_inverse
 from accum.trace_record import record_params, traced
 from accum.verdict import ADD_SCOPE, LOOP_SCOPE, marked
@@ -103,8 +103,9 @@ def _varying_sums(tree: Any, axes: tuple[str, ...]) -> Any:
 
 
 def _zeros(p: jax.Array, accum_dtype: Any) -> jax.Array:
-    """A zero accumulator like `p`, in `accum_dtype` for floating leaves."""
-    return jnp.zeros_like(p, accum_dtype if is_floating(p) and accum_dtype else None)
+    """A zero accumulator like `p`, in `accum_dtype` for floating leaves (complex
+    ones keep their imaginary part: accum.plan.accumulator_dtype)."""
+    return jnp.zeros_like(p, accumulator_dtype(p, accum_dtype))
 
 
 _CLOSURE = "Closing over inputs to shard_map"
@@ -280,7 +281,14 @@ def local_accumulate(
         record_params(params)
         sums = _local_run(run, loss_fn, _local_args(params, rows, rng), mapped, plan)
     loss, aux, grads = _normalized(*sums)
-    return loss, aux, _placed(grads, plan, grad_shardings)
+    return loss, aux, _placed(_own_dtypes(grads, params), plan, grad_shardings)
+
+
+def _own_dtypes(grads: Any, params: Any) -> Any:
+    """Each non-floating leaf's "gradient" as zeros of its own dtype, as on the tags
+    path: the step's psum turns a bool leaf's zeros into int32, and an optimizer's
+    update would then turn the bool parameter (a flag, a mask) into an int32 one."""
+    return jax.tree.map(lambda g, p: g if is_floating(p) else jnp.zeros_like(p), grads, params)
 
 
 def _placed(grads: Any, plan: ReductionPlan, grad_shardings: Any) -> Any:

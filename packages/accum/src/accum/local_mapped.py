@@ -42,7 +42,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from accum.device_grads import device_grads, device_key
-from accum.plan import ReductionPlan, is_floating
+from accum.plan import ReductionPlan, accumulator_dtype
 from accum.verdict import LOOP_SCOPE, marked
 from pspec_tags import entry_axes, partitions, spec_of
 
@@ -107,7 +107,7 @@ def _keys(rng: jax.Array, index: jax.Array, devices: jax.Array) -> jax.Array:
 def _row_zeros(p: jax.Array, devices: int, axes: tuple, accum_dtype: Any) -> jax.Array:
     """A (D, *p.shape) zero accumulator, rows over the batch axes, in
     `accum_dtype` for floating leaves."""
-    dtype = accum_dtype if is_floating(p) and accum_dtype else p.dtype
+    dtype = accumulator_dtype(p, accum_dtype)
     spec = P(axes, *_without(spec_of(p), axes, p.ndim))
     return jnp.zeros((devices, *p.shape), dtype, out_sharding=spec)
 

@@ -13,11 +13,43 @@ from jax.sharding import PartitionSpec as P
 from pspec_tags import entry_axes, partitions, spec_of
 
 
-def _lead_size(leaves: list[Any]) -> int:
-    sizes = {leaf.shape[0] for leaf in leaves}
-    if len(sizes) != 1:
-        raise ValueError(f"batch leaves disagree on the leading (batch) dimension: {sorted(sizes)}")
-    return sizes.pop()
+def _lead_size(batch: Any) -> int:
+    """The batch's row count: the leading dimension every leaf with one shares.
+
+    A leaf whose leading dimension differs is named beside the majority's: a
+    per-step constant (a (1, ...) broadcast row, a table, a legacy PRNGKey's two
+    words) would otherwise be split into microbatches as if it had a row per example.
+    """
+    rows: dict[int, list[str]] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        if jnp.ndim(leaf) > 0:
+            rows.setdefault(leaf.shape[0], []).append(jax.tree_util.keystr(path))
+    if len(rows) > 1:
+        common = max(rows, key=lambda size: len(rows[size]))
+        odd = ", ".join(
+            f"{paths[0]} has {size}" for size, paths in sorted(rows.items()) if size != common
+        )
+        raise ValueError(
+            f"batch leaves disagree on the leading (batch) dimension: {sorted(rows)} "
+            f"({rows[common][0]} has {common} rows, {odd}); accum splits every leaf's first "
+            "dimension into microbatches: a value with no row per example must be 0-d "
+            "(it goes to every microbatch) or closed over in loss_fn"
+        )
+    return rows.popitem()[0]
+
+
+def check_rows(batch: Any, num_microbatches: int) -> int:
+    """The batch's row count, checked: one leading dimension (`_lead_size`),
+    divisible by `num_microbatches`; `ValueError` naming the numbers otherwise."""
+    n = int(num_microbatches)
+    if n < 1:
+        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    if not any(jnp.ndim(leaf) > 0 for leaf in jax.tree.leaves(batch)):
+        raise ValueError("batch has no array leaves with a batch dimension")
+    b = _lead_size(batch)
+    if b % n:
+        raise ValueError(f"batch size {b} is not divisible by num_microbatches {n}")
+    return b
 
 
 def _axis_product(entry: Any, mesh_shape: dict[str, int]) -> int:
@@ -64,14 +96,7 @@ def split_microbatches(batch: Any, num_microbatches: int) -> Any:
     (2, 8, 8)
     """
     n = int(num_microbatches)
-    if n < 1:
-        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
-    leaves = [leaf for leaf in jax.tree.leaves(batch) if jnp.ndim(leaf) > 0]
-    if not leaves:
-        raise ValueError("batch has no array leaves with a batch dimension")
-    b = _lead_size(leaves)
-    if b % n:
-        raise ValueError(f"batch size {b} is not divisible by num_microbatches {n}")
+    check_rows(batch, n)
     # A 0-d leaf (a temperature, a step number) has no rows to split: every
     # microbatch gets the same value.
     return jax.tree.map(

@@ -259,6 +259,20 @@ def is_floating(leaf: Any) -> bool:
     return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
 
 
+def accumulator_dtype(leaf: Any, accum_dtype: Any) -> Any:
+    """The dtype `leaf`'s gradient is accumulated in: `accum_dtype` for a real floating
+    leaf (narrower than the leaf's own where asked: a bf16 accumulator for f32 weights
+    is a memory choice); for a complex leaf `accum_dtype` promoted with its own, so the
+    imaginary part is kept (a real accumulator dropped it); a leaf's own dtype
+    otherwise or where `accum_dtype` is None."""
+    own = jnp.result_type(leaf)
+    if accum_dtype is None or not is_floating(leaf):
+        return own
+    if jnp.issubdtype(own, jnp.complexfloating):
+        return jnp.promote_types(accum_dtype, own)
+    return jnp.dtype(accum_dtype)
+
+
 def _when(
     axis: str,
     used: set[str],

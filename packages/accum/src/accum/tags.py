@@ -14,7 +14,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from accum.plan import ReductionPlan, is_floating, make_plan, mesh_shape_of
+from accum.plan import ReductionPlan, accumulator_dtype, is_floating, make_plan, mesh_shape_of
 from pspec_tags import (
     entry_axes,
     entry_from_axes,
@@ -87,7 +87,7 @@ def unreduced_zeros(params: Any, plan: Any, dtype: Any | None) -> Any:
     plan = as_plan(params, plan) if plan else None
 
     def zeros(leaf_plan, p):
-        dt = dtype if dtype is not None and is_floating(p) else jnp.result_type(p)
+        dt = accumulator_dtype(p, dtype)
         if spec_of(p) is None or leaf_plan is None or not leaf_plan.tagged:
             return jnp.zeros_like(p, dtype=dt)
         # TAG: the accumulator's type comes from the plan (partitions, unreduced

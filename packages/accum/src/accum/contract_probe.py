@@ -1,0 +1,265 @@
+"""The loss contract's breaches that only the traced `loss_fn` shows, found before the loop.
+
+accum adds `loss_sum` and every aux value over microbatches and devices and divides
+by the summed `aux["weight"]` once per step. Three idioms break that silently (the
+result then depends on the number of microbatches and devices, without an error):
+
+- a *mean* as `loss_sum` (`jnp.mean(losses)`, `optax....(...).mean()`,
+  `sum(l * mask) / mask.sum()`) beside a weight that counts the targets: the loss
+  is divided twice, once per microbatch. Found on the jaxpr: `loss_sum` is a
+  division (through casts and `jit`/`checkpoint`/custom-derivative calls) by a
+  value computed from the batch's rows and not from the parameters, or by a
+  constant that changes when the microbatch's rows double (a per-sequence mean,
+  divided by the sequence length, is a sum over rows and passes). `ValueError`.
+  A weight that counts nothing (`{"weight": 1}`) is `contract.check_weight`'s warning;
+- an aux value with a row per example (per-example predictions): summed
+  elementwise, it would add different examples' values together. `ValueError`
+  naming the key, where its leading dimension doubles with the rows;
+- a PRNG key `loss_fn` closes over (or a 0-d key batch leaf, accum.contract):
+  every microbatch draws the same numbers. A warning;
+- an aux value that is a Python number the rows do not change (a learning rate,
+  a config number logged): summed, it comes back multiplied by the number of
+  microbatches and devices. A warning naming the key (an array, `jnp.float32(1)`,
+  is taken as a count meant to be summed).
+
+One trace of `loss_fn` on the first microbatch's shape (no compute), and a second
+on twice its rows (a split that stays divisible by the devices sharding them)
+only where a verdict needs it. Best effort: a `loss_fn` that does
+not trace outside the loop (a collective over a batch axis) is left to the checks
+that run inside it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Literal
+
+# Ops through which `loss_sum` is still the value of their first operand.
+_PASS = {"convert_element_type", "neg", "copy", "copy_p", "reshape", "squeeze", "reduce_precision"}
+_ROWS, _PARAM = "rows", "param"
+
+
+def _struct(x: Any, rows: int | None, typed: bool) -> Any:
+    """A stand-in for `x` with `rows` rows (0-d leaves as they are); `typed`: with its
+    sharding, else a plain shape (one device's view of the same program)."""
+    if rows is not None and jnp.ndim(x) == 0:
+        return x
+    shape = x.shape if rows is None else (rows, *x.shape[1:])
+    sharding = getattr(jax.typeof(x), "sharding", None) if typed else None
+    return jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding)
+
+
+def _trace(loss_fn: Callable, params: Any, batch: Any, rows: int, rng: tuple, typed: bool) -> Any:
+    """(closed jaxpr, output shapes, microbatch stand-in) of `loss_fn` on `rows` rows
+    of `batch`, or None where it does not trace here (a collective over a batch axis)."""
+    microbatch = jax.tree.map(lambda x: _struct(x, rows, typed), batch)
+    if not typed:
+        # A model JAX's explicit sharding rules refuse on the global microbatch (stock
+        # Flax layers, run on the local path) still traces on plain shapes.
+        params = jax.tree.map(
+            lambda p: _struct(p, None, False) if hasattr(p, "shape") else p, params
+        )
+    try:
+        return (*jax.make_jaxpr(loss_fn, return_shape=True)(params, microbatch, *rng), microbatch)
+    except Exception:  # noqa: BLE001 - best effort: the loop's own checks still run
+        return None
+
+
+def _inner(eqn: Any) -> Any:
+    """The jaxpr a call-like equation runs (jit, checkpoint, custom_jvp/vjp), or None."""
+    for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        found = eqn.params.get(name)
+        if found is not None and not callable(found):
+            return getattr(found, "jaxpr", found)
+    return None
+
+
+def _label(labels: dict, var: Any) -> frozenset:
+    """What `var` is computed from; nothing for a literal (literals are unhashable)."""
+    return frozenset() if isinstance(var, Literal) else labels.get(var, frozenset())
+
+
+def _labels(jaxpr: Any, in_labels: list[frozenset]) -> dict:
+    """{var: what it is computed from} (parameters, batch rows), over the equations."""
+    labels = dict(zip(jaxpr.invars, in_labels, strict=True))
+    for eqn in jaxpr.eqns:
+        found = frozenset().union(*(_label(labels, v) for v in eqn.invars))
+        labels.update(dict.fromkeys(eqn.outvars, found))
+    return labels
+
+
+def _divisor(jaxpr: Any, var: Any, in_labels: list[frozenset]) -> Any:
+    """What `var` (the loss) is finally divided by: ("const", value), ("rows", None)
+    for a value computed from the batch's rows and not the parameters, else None."""
+    labels = _labels(jaxpr, in_labels)
+    producers = {out: eqn for eqn in jaxpr.eqns for out in eqn.outvars}
+    while not isinstance(var, Literal) and var in producers:
+        eqn = producers[var]
+        name = eqn.primitive.name
+        if name in _PASS or (name == "mul" and isinstance(eqn.invars[1], Literal)):
+            var = eqn.invars[0]
+        elif name == "div":
+            denominator = eqn.invars[1]
+            if isinstance(denominator, Literal):
+                return ("const", float(denominator.val))
+            found = labels.get(denominator, frozenset())
+            return ("rows", None) if _ROWS in found and _PARAM not in found else None
+        elif (inner := _inner(eqn)) is not None and len(inner.outvars) == len(eqn.outvars):
+            inner_labels = [_label(labels, v) for v in eqn.invars]
+            if len(inner_labels) != len(inner.invars):
+                return None
+            return _divisor(inner, inner.outvars[eqn.outvars.index(var)], inner_labels)
+        else:
+            return None
+    return None
+
+
+class _Traced:
+    """One trace of `loss_fn`: its output leaves by path and what `loss_sum` is divided by."""
+
+    def __init__(self, traced: Any, params: Any, microbatch: Any, rng: tuple):
+        closed, shapes = traced
+        jaxpr = closed.jaxpr
+        n_params = len(jax.tree.leaves(params))
+        rows = [
+            frozenset({_ROWS}) if jnp.ndim(x) > 0 else frozenset()
+            for x in jax.tree.leaves(microbatch)
+        ]
+        in_labels = [frozenset({_PARAM})] * n_params + rows
+        in_labels += [frozenset()] * (len(jaxpr.invars) - len(in_labels))
+        self.ok = isinstance(shapes, tuple | list) and len(shapes) == 2
+        self.ok = self.ok and isinstance(shapes[1], Mapping) and "weight" in shapes[1]
+        if not self.ok or len(in_labels) != len(jaxpr.invars):
+            self.ok = False
+            return
+        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]]
+        self.out = dict(
+            zip(paths, zip(jaxpr.outvars, jax.tree.leaves(shapes), strict=True), strict=True)
+        )
+        self.divisor = _divisor(jaxpr, jaxpr.outvars[0], in_labels)
+
+    def aux(self) -> dict:
+        """{aux key path: (jaxpr outvar, shape struct)} for the aux leaves."""
+        return {p: v for p, v in self.out.items() if p and p[0] == jax.tree_util.SequenceKey(1)}
+
+    def constant(self, path: Any) -> float | None:
+        """The value of the output at `path` when the trace fixed it (a Literal)."""
+        var = self.out[path][0]
+        return float(var.val) if isinstance(var, Literal) and jnp.ndim(var.val) == 0 else None
+
+
+def _aux_name(path: Any) -> str:
+    return "aux" + jax.tree_util.keystr(path[1:])
+
+
+def check_loss_fn(
+    loss_fn: Callable, params: Any, batch: Any, num_microbatches: int, rng: Any
+) -> None:
+    """Raise (a mean as loss_sum, an aux value with a row per example) or warn (a
+    constant aux value) before the loop; module docstring. `batch` the whole step's."""
+    leaves = [x for x in jax.tree.leaves(batch) if jnp.ndim(x) > 0]
+    if not leaves:
+        return
+    rows = leaves[0].shape[0] // int(num_microbatches)
+    key = () if rng is None else (rng,)
+    typed = True
+    traced = _trace(loss_fn, params, batch, rows, key, typed)
+    if traced is None:
+        typed = False
+        traced = _trace(loss_fn, params, batch, rows, key, typed)
+    if traced is None:
+        return
+    _check_closed_keys(traced[0])
+    full = _Traced(traced[:2], params, traced[2], key)
+    if not full.ok:
+        return  # the contract's own one-line errors come from the loop (accum.contract)
+    weight_path = next((p for p in full.out if p[1:] == (jax.tree_util.DictKey("weight"),)), None)
+    if weight_path is None:
+        return  # a Mapping whose keys flatten otherwise: nothing to compare
+    aux = {p: v for p, v in full.aux().items() if p != weight_path}
+    per_row = [p for p, (_, s) in aux.items() if len(s.shape) and s.shape[0] == rows]
+    # Python numbers only (weak-typed): an array constant is taken as a count meant to
+    # be summed (the trainer's jnp.float32(terms) per microbatch).
+    constants = {
+        p: full.constant(p)
+        for p, (_, struct) in aux.items()
+        if getattr(struct, "weak_type", False) and full.constant(p) is not None
+    }
+    weight = full.constant(weight_path)
+    more = None
+    wanted = full.divisor is not None and full.divisor[0] == "const"
+    # The second trace only where a verdict needs it (a weight fixed at trace time,
+    # `jnp.float32(rows)`, matters only beside a division).
+    if wanted or per_row or constants or (weight is not None and full.divisor is not None):
+        traced_more = _trace(loss_fn, params, batch, 2 * rows, key, typed)
+        more = None if traced_more is None else _Traced(traced_more[:2], params, batch, key)
+        more = more if more is not None and more.ok and more.out.keys() == full.out.keys() else None
+    # A weight that counts nothing is check_weight's warning (accum.contract).
+    counts = weight is None or (more is not None and more.constant(weight_path) != weight)
+    _check_mean(full, more, rows, counts)
+    for path in per_row if more is not None else ():
+        shape = more.out[path][1].shape
+        if len(shape) and shape[0] == 2 * rows:
+            raise ValueError(
+                f"accum: loss_fn's {_aux_name(path)} has shape {tuple(full.out[path][1].shape)}, "
+                f"a row per example of the microbatch's {rows}; accum sums every aux value over "
+                "microbatches and devices, which adds different examples' values together: "
+                "return its sum over the rows, or compute per-example outputs outside accum"
+            )
+    for path, value in constants.items() if more is not None else ():
+        if more.constant(path) == value:
+            warnings.warn(
+                f"accum: loss_fn's {_aux_name(path)} is the constant {value:g} for any rows; "
+                "accum sums every aux value over microbatches and devices, so it comes back "
+                "multiplied by their number: report it outside loss_fn, return it times "
+                "aux['weight'] and divide by the summed weight, or, where that count is "
+                "meant, return it as an array (jnp.float32(v))",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+
+def _check_mean(full: _Traced, more: _Traced | None, rows: int, counts: bool) -> None:
+    """`ValueError` where loss_sum is a mean over the microbatch's rows (module docstring)."""
+    if not counts or full.divisor is None:
+        return
+    kind, value = full.divisor
+    if kind == "const":
+        if more is None or more.divisor is None or more.divisor == full.divisor:
+            return  # a divisor that does not change with the rows: not a mean over them
+        what = f"the constant {value:g}, which changes with the microbatch's {rows} rows"
+    else:
+        what = "a value computed from the batch's rows (a mask's sum, a token count)"
+    raise ValueError(
+        f"accum: loss_fn's loss_sum is a mean: it is divided by {what}; accum adds loss_sum "
+        "over microbatches and devices and divides by the summed aux['weight'] once per step, "
+        "so return the sum of the per-target losses (jnp.sum, not jnp.mean; no division) with "
+        "aux['weight'] their number"
+    )
+
+
+def _check_closed_keys(closed: Any) -> None:
+    """Warn where `loss_fn` closes over a PRNG key (a typed key among the jaxpr's
+    constants): every microbatch then starts from that key and draws the same dropout
+    masks, where the full batch draws one per row. An nnx model closed over with its
+    `Rngs` does the same. (A legacy uint32 key cannot be told from data.)"""
+    keys = [
+        v
+        for v in closed.jaxpr.constvars
+        if jax.dtypes.issubdtype(v.aval.dtype, jax.dtypes.prng_key)
+    ]
+    if keys:
+        warnings.warn(
+            f"accum: loss_fn closes over {len(keys)} PRNG key(s) "
+            f"({', '.join(str(v.aval) for v in keys)}); every microbatch starts from the "
+            "same key and draws the same random numbers (dropout masks), where the full "
+            "batch draws one set for all its rows: pass the key as "
+            "accumulate_gradients(rng=...) and take it as loss_fn's third argument",
+            RuntimeWarning,
+            stacklevel=4,  # the caller of accumulate_gradients
+        )
