@@ -164,8 +164,8 @@ class ShardCtx:
         have = pt.partitions(self.spec(source))
         want = pt.partitions(self.spec(target))
         for dim in range(x.ndim):
-            had = [a for a in pt.entry_axes(have[dim] if dim < len(have) else None)]
-            wanted = [a for a in pt.entry_axes(want[dim] if dim < len(want) else None)]
+            had = list(pt.entry_axes(have[dim] if dim < len(have) else None))
+            wanted = list(pt.entry_axes(want[dim] if dim < len(want) else None))
             if had == wanted:
                 continue
             if wanted[: len(had)] != had and had[: len(wanted)] != wanted:

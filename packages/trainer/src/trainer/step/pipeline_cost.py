@@ -109,7 +109,7 @@ def relayout_bytes(leaves: Any, logical: Any, stages: int, repeats: int, ctx: Sh
         # that run whole over it (the MoE block).
         gathered = (
             *stage_weights.FSDP_AXES,
-            *(("tensor",) if stage_weights.whole_over_tensor_leaf(path) else ()),
+            *((stage_weights.TENSOR_AXIS,) if stage_weights.whole_over_tensor_leaf(path) else ()),
         )
         # Dim 0 is the stack's, split by stages x repeats below.
         entries = pt.partitions(ctx.spec(axes, x.shape))[1:]
