@@ -14,8 +14,9 @@ chip's figures, the model's XLA attention priced as cuDNN's). Rows:
   program priced with XLA's attention against the measured attention=dot_product
   path (a compile-only GPU compiles XLA's attention, so that is the device's program).
 - default: deepseek3-small with today's defaults (layers unrolled on GPUs).
-- h200: deepseek3-h200 at per_device_batch_size=8, GA=2 (estimated whether it fits
-  in HBM or not: the compiled GiB column says).
+- h200: deepseek3-h200 with the preset's batch (per_device_batch_size=16, GA=1);
+  h200-ga2: the same 16 sequences a step as 8 x GA 2, the preset's shape before
+  (estimated whether they fit in HBM or not: the compiled GiB column says).
 
     JAX_PLATFORMS=cpu uv run --extra tpu --extra gpu python benchmarks/bench_gpu_estimate.py \
         [--only default] [--layers 4] [--set key=value] [--keep DIR] [--refit]
@@ -69,7 +70,11 @@ ROWS = {
     # The policy pinned: auto stops with a config error when no policy fits in HBM,
     # and the estimate is wanted either way (the memory column says whether it fits).
     "h200": (
-        "deepseek3-h200 pdbs 8 GA 2, defaults",
+        "deepseek3-h200 pdbs 16 GA 1, defaults (the preset's batch)",
+        {"model_name": "deepseek3-h200", "gradient_reduction_policy": "deferred"},
+    ),
+    "h200-ga2": (
+        "deepseek3-h200 pdbs 8 GA 2 (the same 16 sequences in two microbatches)",
         {
             "model_name": "deepseek3-h200",
             "per_device_batch_size": "8",

@@ -64,9 +64,9 @@ def test_gpu_compiles_get_no_tpu_flags():
 
 def test_allocator_hint_when_the_step_fits_hbm_but_not_jaxs_default_share():
     gib = gpu_topology.GIB
-    # deepseek3-h200 at GA=2 compiled to about 127 GiB of a 141 GiB H200 with f32
-    # AdamW moments (about 107.5 with the preset's bf16 ones): both more than the 75%
-    # JAX's allocator takes by default.
+    # deepseek3-h200 at pdbs 8 GA 2 compiled to about 127 GiB of a 141 GiB H200 with
+    # f32 AdamW moments (the preset's bf16 moments and batch: gpu_estimate.md's h200
+    # rows): more than the 75% JAX's allocator takes by default.
     line = gpu_topology.allocator_line(int(127.0 * gib), 141.0)
     assert line is not None
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.93" in line and "105.75 GiB" in line

@@ -83,17 +83,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         routed_scaling_factor=2.5,
     ),
     # Sized to fill one H200 (141 GB): about 5.0B parameters, 1.2B active per token.
-    # f32 weights and Adam's two moments take 12 bytes a parameter, the f32 gradient
-    # accumulator 4 more at gradient_accumulation_steps > 1; at per_device_batch_size
-    # 8 activations decide the rest. remat_policy=selective recomputes dot_product
-    # attention's (B, H, S, S) scores in the backward (a compile on a CPU host builds
-    # dot_product, having no cuDNN; on the device cuDNN's fused kernel recomputes them
-    # itself, and selective then changes nothing). `train compile_topology=h200-1
-    # model_name=deepseek3-h200 per_device_batch_size=8 gradient_accumulation_steps=2`
-    # fits the chip's HBM but not the 75% JAX's allocator takes by default: the
-    # report says which XLA_PYTHON_CLIENT_MEM_FRACTION holds it (compiled memory and
-    # the predicted step: benchmarks/results/gpu_estimate.md, its h200 row).
-    # Most parameters sit in 32 experts (top-4 plus 2 shared), so the routed
+    # f32 weights take 4 bytes a parameter and Adam's two moments (bf16, below) 4 more;
+    # activations decide the rest. The 16 sequences a step trains run as ONE microbatch
+    # (per_device_batch_size=16, gradient_accumulation_steps=1) rather than 8 x GA 2:
+    # no f32 gradient accumulator (4 bytes a parameter) and no bf16 weight copy held
+    # through a microbatch loop, which leaves room for twice the activations, and no
+    # accumulation adds, the costliest non-matmul kernels of the GA=2 step (each reads
+    # and writes the f32 accumulator of every parameter per microbatch). Both programs
+    # and their predicted step times: benchmarks/results/gpu_estimate.md (h200 rows);
+    # `train compile_topology=h200-1 model_name=deepseek3-h200` prints the memory and
+    # which XLA_PYTHON_CLIENT_MEM_FRACTION holds it (more than JAX's default 75%).
+    # remat_policy=selective recomputes dot_product attention's (B, H, S, S) scores in
+    # the backward (a compile on a CPU host builds dot_product, having no cuDNN; on the
+    # device cuDNN's fused kernel recomputes them itself, and selective then changes
+    # nothing). Most parameters sit in 32 experts (top-4 plus 2 shared), so the routed
     # matmuls are large enough to keep the GPU's matrix units busy; head dims of at
     # most 128 (96 + 32 for queries and keys, 128 for values) keep cuDNN's fused
     # attention available.
@@ -125,6 +128,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         # decay (trainer.config.validate refuses that); each update is computed in f32.
         mu_dtype="bfloat16",
         nu_dtype="bfloat16",
+        per_device_batch_size=16,
     ),
     # MaxText's deepseek3-tiny: 61 layers (3 dense) of emb 64, 16 experts top-8.
     "deepseek3-tiny": dict(
