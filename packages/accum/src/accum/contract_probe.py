@@ -16,7 +16,7 @@ result then depends on the number of microbatches and devices, without an error)
   meant, so it warns, once, saying what to return. A Python number is always
   compared; an array constant (`jnp.float32(1.0)`; `jnp.float32(rows)` is one
   too, fixed at trace time) only where the second trace is made anyway (beside a
-  division), so the common idiom costs no trace;
+  division), so the common idiom costs no second trace;
 - an aux value with a row per example (per-example predictions): summed
   elementwise, it would add different examples' values together. `ValueError`
   naming the key, where its leading dimension doubles with the rows;
