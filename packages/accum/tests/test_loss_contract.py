@@ -2,8 +2,8 @@
 reduced over a batch axis inside loss_fn (pmap-era `pmean`) is refused in one
 line naming the axis and the primitive, on every path and through nested jaxprs,
 before it could give gradients divided by the device count; the other mistakes
-(no aux, per-example losses, a Python float in the batch, a weight that counts
-nothing) get one line each."""
+(no aux, per-example losses, a Python float in the batch) get one line each (a
+weight that counts nothing: test_weight_contract.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -151,15 +151,6 @@ def test_a_python_float_batch_leaf_is_named(mesh):
             lambda p, mb: (_sq(p, mb), _rows(mb)), params, batch, num_microbatches=2
         )
     assert "\n" not in str(info.value)
-
-
-@pytest.mark.parametrize("bias", [False, True], ids=["tags", "local"])
-def test_a_weight_that_counts_nothing_warns(mesh, bias):
-    def mean_loss(p, mb):
-        return _sq(p, mb) / mb["x"].shape[0], {"weight": 1}
-
-    with pytest.warns(RuntimeWarning, match=r"aux\['weight'\] is 1 for a microbatch's"):
-        _run(mesh, mean_loss, bias=bias)
 
 
 def test_nested_reasons_are_cut_at_a_word_end():

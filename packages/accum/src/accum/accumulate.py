@@ -128,9 +128,9 @@ def accumulate_gradients(
 
     `loss_fn(params, microbatch[, rng]) -> (loss_sum, aux)`, `loss_sum` the SUM
     of the microbatch's per-target losses and `aux["weight"]` the number of
-    targets counted (accum.contract checks it: one line per breach, a warning
-    for a weight that counts nothing; accum.contract_probe refuses a mean as
-    `loss_sum` and an aux value with a row per example before the loop).
+    targets counted (accum.contract checks it: one line per breach;
+    accum.contract_probe, before the loop, refuses a mean as `loss_sum` and an
+    aux value with a row per example, and warns for a weight that counts nothing).
     Returns `loss = Σ loss_sum / Σ weight`,
     `aux` summed over microbatches (every value, weight included) and
     `grads = Σ ∇loss_sum / Σ weight`: the full batch's token-weighted mean and
@@ -201,7 +201,8 @@ def accumulate_gradients(
     raw, rebox = unboxed(params)
     if raw is not params:  # the same leaves in the same order: only the tree differs
         params, plan = raw, dataclasses.replace(plan, treedef=jax.tree.structure(raw))
-    # A mean as loss_sum, a per-example aux value: found on one trace, before the loop.
+    # A mean as loss_sum, a per-example aux value, a weight that counts nothing: found
+    # on one trace (two where a verdict needs it), before the loop.
     check_loss_fn(user_fn, params, batch, num_microbatches, rng)
     loss, aux, grads = _accumulate(
         loss_fn,

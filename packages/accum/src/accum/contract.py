@@ -12,12 +12,11 @@ goes wrong otherwise, and what is said instead:
 - a loss without aux, an aux without "weight", a `loss_sum` that is not a scalar
   (per-example losses): one line each, with the shape the user returned for the
   whole microbatch (on the local path the function sees one device's rows; the
-  shape is scaled back to the microbatch's) (`checked`);
-- a `weight` that does not grow with the microbatch's rows (`{"weight": 1}`
-  beside a mean): the result then depends on the number of microbatches and
-  devices, since each call's mean is added as if it were a sum. accum cannot
-  know the mean was meant, so it warns once, saying what to return
-  (`check_weight`).
+  shape is scaled back to the microbatch's) (`checked`).
+
+What only `loss_fn`'s trace shows (a mean as `loss_sum`, a weight that counts
+nothing, a per-example aux value) is found once, before the loop, by
+accum.contract_probe.
 """
 
 from __future__ import annotations
@@ -137,68 +136,9 @@ def _kind(value: Any) -> str:
 
 
 def checked(loss_fn: Callable, devices: int = 1) -> Callable:
-    """`loss_fn` whose every result is checked by `check_output` and, where the
-    weight is a constant, `check_weight` (same values)."""
+    """`loss_fn` whose every result is checked by `check_output` (same values)."""
 
     def loss_with_contract(params: Any, microbatch: Any, *rng: Any) -> tuple[Any, Any]:
-        loss_sum, aux = check_output(loss_fn(params, microbatch, *rng), microbatch, devices)
-        check_weight(loss_fn, aux["weight"], params, microbatch, *rng)
-        return loss_sum, aux
+        return check_output(loss_fn(params, microbatch, *rng), microbatch, devices)
 
     return loss_with_contract
-
-
-def _constant(value: Any) -> float | None:
-    """`value` as a Python float when it is known while tracing (a constant), else None."""
-    if isinstance(value, int | float):
-        return float(value)
-    if isinstance(value, jax.core.Tracer):
-        return None
-    try:
-        return float(jnp.asarray(value))
-    except (TypeError, jax.errors.ConcretizationTypeError):
-        return None
-
-
-def _half(x: Any, rows: int) -> Any:
-    """A stand-in for the first `rows` rows of `x` (its type kept), for tracing only."""
-    if jnp.ndim(x) == 0:
-        return x
-    return jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype, sharding=jax.typeof(x).sharding)
-
-
-def check_weight(loss_fn: Callable, weight: Any, params: Any, microbatch: Any, *rng: Any) -> None:
-    """Warn when aux['weight'] is a constant that does not change with the rows.
-
-    A weight computed from the data (a mask's sum) is not a constant and passes.
-    A constant one (`jnp.float32(rows)`, `{"weight": 1}`) is compared with the
-    weight `loss_fn` gives for the first half of the rows, traced (no compute):
-    the same constant for both is not a count of targets, and with a mean as
-    loss_sum the step's result would depend on the number of microbatches and
-    devices. Where the half cannot be traced (a layer needs the full shape) no
-    warning is given.
-    """
-    full, rows = _constant(weight), _rows(microbatch)
-    if full is None or full == 0 or rows is None or rows < 2:
-        return
-    half = jax.tree.map(lambda x: _half(x, rows // 2), microbatch)
-    found = []
-
-    def probe(params, half, *rng):
-        found.append(_constant(loss_fn(params, half, *rng)[1]["weight"]))
-        return jnp.zeros(())
-
-    try:
-        jax.eval_shape(probe, params, half, *rng)
-    except Exception:  # noqa: BLE001 - a best-effort warning: no half, no verdict
-        return
-    if found != [full]:
-        return
-    warnings.warn(
-        f"accum: aux['weight'] is {full:g} for a microbatch's {rows} rows and for half of "
-        "them: a weight that does not count the targets makes the result depend on the "
-        "number of microbatches and devices; return loss_sum = the sum of per-target "
-        "losses and aux['weight'] = the number of targets (e.g. mask.sum())",
-        RuntimeWarning,
-        stacklevel=2,
-    )

@@ -10,8 +10,13 @@ result then depends on the number of microbatches and devices, without an error)
   division (through casts and `jit`/`checkpoint`/custom-derivative calls) by a
   value computed from the batch's rows and not from the parameters, or by a
   constant that changes when the microbatch's rows double (a per-sequence mean,
-  divided by the sequence length, is a sum over rows and passes). `ValueError`.
-  A weight that counts nothing (`{"weight": 1}`) is `contract.check_weight`'s warning;
+  divided by the sequence length, is a sum over rows and passes). `ValueError`;
+- a weight that counts nothing (`{"weight": 1}` beside a mean): the same constant
+  for the microbatch's rows and for twice as many. accum cannot know a mean was
+  meant, so it warns, once, saying what to return. A Python number is always
+  compared; an array constant (`jnp.float32(1.0)`; `jnp.float32(rows)` is one
+  too, fixed at trace time) only where the second trace is made anyway (beside a
+  division), so the common idiom costs no second trace;
 - an aux value with a row per example (per-example predictions): summed
   elementwise, it would add different examples' values together. `ValueError`
   naming the key, where its leading dimension doubles with the rows;
@@ -24,9 +29,11 @@ result then depends on the number of microbatches and devices, without an error)
 
 One trace of `loss_fn` on the first microbatch's shape (no compute), and a second
 on twice its rows (a split that stays divisible by the devices sharding them)
-only where a verdict needs it. Best effort: a `loss_fn` that does
-not trace outside the loop (a collective over a batch axis) is left to the checks
-that run inside it.
+only where a verdict needs it; the warnings are given here, once per trace of the
+step, not once per trace of `loss_fn` in the loop. Best effort: a `loss_fn` that
+does not trace outside the loop (a collective over a batch axis) is left to the
+checks that run inside it (accum.contract, accum.batch_collectives), which judge
+none of the above.
 """
 
 from __future__ import annotations
@@ -161,7 +168,8 @@ def check_loss_fn(
     loss_fn: Callable, params: Any, batch: Any, num_microbatches: int, rng: Any
 ) -> None:
     """Raise (a mean as loss_sum, an aux value with a row per example) or warn (a
-    constant aux value) before the loop; module docstring. `batch` the whole step's."""
+    weight that counts nothing, a constant aux value) before the loop; module
+    docstring. `batch` the whole step's."""
     leaves = [x for x in jax.tree.leaves(batch) if jnp.ndim(x) > 0]
     if not leaves:
         return
@@ -191,16 +199,22 @@ def check_loss_fn(
         if getattr(struct, "weak_type", False) and full.constant(p) is not None
     }
     weight = full.constant(weight_path)
+    # A weight fixed at trace time is compared with the doubled rows' one: a Python
+    # number (`{"weight": 1}`, `x.shape[0]`) always, an array constant only beside a
+    # division, where the second trace is made anyway (so `jnp.float32(rows)` beside
+    # a sum, the common idiom, costs no second trace).
+    weak = weight not in (None, 0) and getattr(full.out[weight_path][1], "weak_type", False)
+    compared = weight is not None and (full.divisor is not None or weak)
     more = None
     wanted = full.divisor is not None and full.divisor[0] == "const"
-    # The second trace only where a verdict needs it (a weight fixed at trace time,
-    # `jnp.float32(rows)`, matters only beside a division).
-    if wanted or per_row or constants or (weight is not None and full.divisor is not None):
+    # The second trace only where a verdict needs it.
+    if wanted or per_row or constants or compared:
         traced_more = _trace(loss_fn, params, batch, 2 * rows, key, typed)
         more = None if traced_more is None else _Traced(traced_more[:2], params, batch, key)
         more = more if more is not None and more.ok and more.out.keys() == full.out.keys() else None
-    # A weight that counts nothing is check_weight's warning (accum.contract).
     counts = weight is None or (more is not None and more.constant(weight_path) != weight)
+    if not counts and more is not None:
+        _warn_weight(weight, rows)  # a mean beside it is then not refused: warned about
     _check_mean(full, more, rows, counts)
     for path in per_row if more is not None else ():
         shape = more.out[path][1].shape
@@ -222,6 +236,22 @@ def check_loss_fn(
                 RuntimeWarning,
                 stacklevel=3,
             )
+
+
+def _warn_weight(weight: float, rows: int) -> None:
+    """Warn that aux['weight'] is the same constant for `rows` rows and twice as many
+    (a zero weight, a microbatch meant to count nothing, passes)."""
+    if weight == 0:
+        return
+    warnings.warn(
+        f"accum: aux['weight'] is {weight:g} for a microbatch's {rows} rows and for twice as "
+        "many: a weight that does not count the targets makes the result depend on the "
+        "number of microbatches and devices; return loss_sum = the sum of per-target "
+        "losses and aux['weight'] = the number of targets (mask.sum(), or "
+        "jnp.float32(rows))",
+        RuntimeWarning,
+        stacklevel=4,  # the caller of accumulate_gradients
+    )
 
 
 def _check_mean(full: _Traced, more: _Traced | None, rows: int, counts: bool) -> None:
