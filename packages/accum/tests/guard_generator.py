@@ -8,11 +8,12 @@ on replicated, tensor-, FSDP- (a 'data' x 'fsdp' mesh: weights at rest over
 (plain, fused, ZeRO-1, start/add/finish, hierarchical). `oracle_reduces(text,
 ...)` counts the all-reduces and reduce-scatters of more than 8 elements that
 the backward pass makes (a forward psum is the model's own communication) over
-the watched axis (none when a weight is sharded over it at rest: that weight
-reduces it per use by design) inside the microbatch loop by reading the HLO
-text directly (regular expressions over while loops, their trip counts,
-called computations and replica groups), not
-through hlo_tools or accum.verdict.
+the watched axis inside the microbatch loop, judged per parameter: the
+gradient of a weight sharded over that axis at rest is reduced over it per use
+by design (its use is named `per_use[<name>]`, read back from each reduced
+array's op_name), every other one defers it. It reads the HLO text directly
+(regular expressions over while loops, their trip counts, called computations
+and replica groups), not through hlo_tools or accum.verdict.
 """
 
 from __future__ import annotations
@@ -131,6 +132,12 @@ def program(seed: int) -> Program:
 
 
 # ---------------------------------------------------------------- the model
+
+
+def per_use_scope(name: str) -> str:
+    """The name scope around a use of parameter `name` gathered from its at-rest
+    shards: the oracle reads it back from the HLO's op_names."""
+    return f"per_use[{name}]"
 
 
 class Model:
@@ -258,7 +265,9 @@ class Model:
         if op == "dense_dropped":
             return jnp.tanh(self._dot("btd,de->bte", x, jax.reshard(w, P(None, None))))
         if op in ("dense_fsdp", "dense_data_sharded"):
-            return jnp.tanh(self._dot("btd,de->bte", x, self._gather(w)))
+            # Named for the oracle: this use's transpose reduces w's at-rest axes by design.
+            with jax.named_scope(per_use_scope(f"w{i}")):
+                return jnp.tanh(self._dot("btd,de->bte", x, self._gather(w)))
         if op == "dense_fsdp_dropped":
             # Gathered onto a spec rebuilt from rules: the reduced tag is gone, so the
             # backward all-reduces the gradient over every batch axis, 'data' included.
@@ -395,14 +404,16 @@ class Model:
             per_parameter=self.per_parameter,
         )
 
-    def oracle_axis(self, params) -> str | None:
-        """The axis the oracle watches: the mesh's deferred axis, unless a weight
-        is sharded over it at rest (then that weight reduces it per use, by
-        design, and no axis is deferred for every parameter: nothing to watch)."""
-        at_rest = {
-            a for leaf in jax.tree.leaves(params) for a in pt.mesh_axes_used(pt.spec_of(leaf))
+    def per_use_axes(self, params) -> dict[str, set[str]]:
+        """Per parameter, the batch axes its gradient is reduced over per use, by
+        design (those it is sharded over at rest: the gather's transpose reduces
+        them); every other batch axis is deferred for it. Only the parameters
+        that have any."""
+        axes = {
+            name: set(pt.mesh_axes_used(pt.spec_of(leaf))) & set(self.batch_axes)
+            for name, leaf in params.items()
         }
-        return None if self.watched in at_rest else self.watched
+        return {name: used for name, used in axes.items() if used}
 
     def reference(self, params, batch):
         """Full-batch gradients: one pass over the whole batch, no accumulation."""
@@ -489,27 +500,70 @@ def _spans(group: list[int], sizes: dict[str, int], axis: str) -> bool:
     return len({(d // stride) % sizes[axis] for d in group}) > 1
 
 
-def _backward_line(line: str) -> bool:
-    """Whether an HLO line's op_name names a backward op: a gradient is made by
-    a transposed op (`transpose(...)` in JAX's name stack), not by a forward op
+def _backward(op_name: str | None) -> bool:
+    """Whether an op_name names a backward op: a gradient is made by a
+    transposed op (`transpose(...)` in JAX's name stack), not by a forward op
     nor by a forward op recomputed for the backward pass (`rematted_computation`).
-    A line without an op_name counts."""
-    m = re.search(r'op_name="([^"]*)"', line)
-    if m is None:
+    No op_name counts."""
+    if op_name is None:
         return True
     return any(
         re.search(r"transpose\(", part) and not re.search(r"/rematted_computation/", part)
-        for part in m.group(1).split(":")
+        for part in op_name.split(":")
     )
 
 
-def oracle_reduces(text: str, sizes: dict[str, int], axis: str | None, whole_program: bool) -> bool:
-    """Whether an all-reduce / reduce-scatter with an array of more than 8
-    elements spans `axis` inside the microbatch loop: the ENTRY computation's
-    while loop with trip count MICROBATCHES (or anywhere, `whole_program`).
-    No axis (nothing deferred): False."""
-    if axis is None:
-        return False
+def _op_name(line: str) -> str | None:
+    m = re.search(r'op_name="([^"]*)"', line)
+    return None if m is None else m.group(1)
+
+
+def _operands(line: str, name: str, lines: list[str]) -> list[tuple[int, str | None]]:
+    """(elements, op_name) of each array a reduction reduces. XLA combines
+    several reductions into one of a tuple; each element's get-tuple-element
+    keeps the op_name of the reduction it came from (the combined line's
+    op_name joins them all)."""
+    m = re.search(r"=\s*(.*?)\s(?:all-reduce|reduce-scatter)(?:-start)?\(", line)
+    shapes = [
+        math.prod(int(d) for d in dims.split(",") if d) for dims in _SHAPE.findall(m.group(1))
+    ]
+    if len(shapes) == 1:
+        return [(shapes[0], _op_name(line))]
+    names: dict[int, str | None] = {}
+    for other in lines:
+        g = re.search(rf"get-tuple-element\(%?{re.escape(name)}\), index=(\d+)", other)
+        if g:
+            names[int(g.group(1))] = _op_name(other)
+    return [(n, names.get(i, _op_name(line))) for i, n in enumerate(shapes)]
+
+
+def _by_design(op_name: str | None, axis: str, per_use: dict[str, set[str]]) -> bool:
+    """Whether an array is the gradient of a parameter reduced over `axis` per
+    use (the backward of its `per_use[<name>]` scope), by design. Every part
+    of a combined op_name (`a:b`) must be."""
+
+    def part_by_design(part: str) -> bool:
+        used = re.findall(r"per_use\[([\w.]+)\]", part)
+        return bool(used) and all(axis in per_use.get(name, ()) for name in used)
+
+    return op_name is not None and all(part_by_design(p) for p in op_name.split(":"))
+
+
+def oracle_reduces(
+    text: str,
+    sizes: dict[str, int],
+    axis: str,
+    whole_program: bool,
+    per_use: dict[str, set[str]] | None = None,
+) -> bool:
+    """Whether an all-reduce / reduce-scatter of an array of more than 8
+    elements, the gradient of a parameter that defers `axis`, spans `axis`
+    inside the microbatch loop: the ENTRY computation's while loop with trip
+    count MICROBATCHES (or anywhere, `whole_program`). `per_use`: per
+    parameter, the axes its gradient is reduced over per use by design
+    (Model.per_use_axes); such an array does not count, the others in the
+    same (combined) reduction still do."""
+    per_use = per_use or {}
     comps = _computations(text)
     entry = next(
         n for n in comps if re.search(rf"^ENTRY\s+%?{re.escape(n)}\s", text, re.M) is not None
@@ -524,21 +578,18 @@ def oracle_reduces(text: str, sizes: dict[str, int], axis: str | None, whole_pro
                 roots += _callees(line)
         scope = _reachable(comps, roots)
     for name in scope:
-        for line in comps[name]:
-            m = re.search(r"=\s*(.*?)\s(all-reduce|reduce-scatter)(?:-start)?\(", line)
-            if not m:
-                continue
-            largest = max(
-                (
-                    math.prod(int(d) for d in dims.split(",") if d)
-                    for dims in _SHAPE.findall(m.group(1))
-                ),
-                default=0,
+        lines = comps[name]
+        for line in lines:
+            m = re.search(
+                r"%?([\w.\-]+)\s*=\s*.*?\s(?:all-reduce|reduce-scatter)(?:-start)?\(", line
             )
-            if largest <= MAX_ELEMENTS or not _backward_line(line):
+            if not m or not any(_spans(g, sizes, axis) for g in _groups(line, sizes)):
                 continue
-            if any(_spans(g, sizes, axis) for g in _groups(line, sizes)):
-                return True
+            for elements, op_name in _operands(line, m.group(1), lines):
+                if elements <= MAX_ELEMENTS or _by_design(op_name, axis, per_use):
+                    continue
+                if _backward(op_name):
+                    return True
     return False
 
 
@@ -594,7 +645,9 @@ def run(seed: int, trace_time: bool = False) -> Outcome:
         grads, reference = compiled(params, batch)
         warned = _trace_time_warns(step, params, batch) if trace_time else False
     text = compiled.as_text()
-    oracle = oracle_reduces(text, sizes, model.oracle_axis(params), whole_program=False)
+    oracle = oracle_reduces(
+        text, sizes, model.watched, whole_program=False, per_use=model.per_use_axes(params)
+    )
     return Outcome(verdict, oracle, warned, _max_rel_error(grads, reference), message)
 
 
@@ -619,7 +672,11 @@ def _run_add(model, params, batch, sizes, trace_time) -> Outcome:
     else:
         warned = False
     oracle = oracle_reduces(
-        compiled.as_text(), sizes, model.oracle_axis(params), whole_program=True
+        compiled.as_text(),
+        sizes,
+        model.watched,
+        whole_program=True,
+        per_use=model.per_use_axes(params),
     )
     return Outcome(verdict, oracle, warned, _max_rel_error(grads, reference), message)
 
