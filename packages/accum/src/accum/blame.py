@@ -132,7 +132,8 @@ def blame(finding: Any, record: TraceRecord | None) -> str:
 def by_plan(finding: Any, record: TraceRecord | None) -> bool:
     """Whether a reduction over axes only some gradients defer is the plan's.
 
-    Judged per reduced array (XLA combines many). An array followed into the
+    Judged per reduced array (XLA combines many), gradients' only (a forward
+    psum combined with them is the model's own). An array followed into the
     accumulators of parameters (`carried`) is the plan's iff the plan reduces
     each of them per use or per microbatch over those axes. Otherwise, by shape:
     one a parameter of its shape reduced per use or per microbatch may carry
@@ -149,9 +150,10 @@ def by_plan(finding: Any, record: TraceRecord | None) -> bool:
     asked = _asked(names, leaves, axes)
     arrays = finding.collective.arrays
     exact = finding.carried or ((),) * len(arrays)
-    for array, into in zip(arrays, exact, strict=True):
-        if array.elements <= MAX_ELEMENTS:
-            continue
+    gradients = finding.gradients or (True,) * len(arrays)
+    for array, into, gradient in zip(arrays, exact, gradients, strict=True):
+        if array.elements <= MAX_ELEMENTS or not gradient:
+            continue  # a scalar, or a forward psum XLA combined with it: not a gradient's
         if into:  # dataflow: exactly these accumulators
             if not set(into) <= _asked(into, leaves, axes):
                 return False

@@ -104,8 +104,13 @@ class Finding:
     strict: bool = True  # over an axis every gradient defers (the mark's); else judged per leaf
     trace: int | None = None  # the accumulation's trace number (accum.trace_record)
     # Per array of the collective: the parameters whose accumulator it is added
-    # into (accum.blame.carried), () where no marked addition was reached.
+    # into (accum.blame.carried), () where no marked addition was reached or the
+    # array is not a gradient's reduction.
     carried: tuple[tuple[str, ...], ...] = ()
+    # Per array: whether it is a gradient's reduction (backward, accumulated).
+    # XLA's combiner merges a forward psum with a backward one: only these are
+    # judged (accum.blame.by_plan). () : every array.
+    gradients: tuple[bool, ...] = ()
 
     @property
     def bytes_per_step(self) -> int:
@@ -180,10 +185,29 @@ def in_backward(op_name: str) -> bool:
     )
 
 
-def accumulates(module: Any, c: hlo_tools.Collective, carry: str) -> bool:
-    """Whether an array (of more than MAX_ELEMENTS elements) that `c` reduces flows
-    into the accumulator: to `carry`'s ROOT through moves, converts, scales and
-    adds, never through a contraction (hlo_tools.reaches_root).
+def array_op_names(module: Any, c: hlo_tools.Collective) -> tuple[str, ...]:
+    """Per array `c` reduces, the op_name of the reduction it came from. XLA's
+    combiner merges reductions into one of a tuple (its op_name joins theirs
+    with ':') and keeps each one's op_name on the get-tuple-element of its
+    element; where that is not found (an array, an async -start form), `c`'s."""
+    names = [c.op_name] * len(c.arrays)
+    instr = module.computations[c.computation].by_name[c.name]
+    if hlo_tools.dataflow.tuple_elements(instr) != len(c.arrays) or len(c.arrays) < 2:
+        return tuple(names)
+    for user, _ in hlo_tools.dataflow.users(module).get((c.computation, c.name), []):
+        index = user.attributes.get("index", "")
+        if user.opcode == "get-tuple-element" and index.isdigit() and user.op_name:
+            names[int(index)] = user.op_name
+    return tuple(names)
+
+
+def accumulates(
+    module: Any, c: hlo_tools.Collective, carry: str, judged: tuple[bool, ...] = ()
+) -> bool:
+    """Whether an array (of more than MAX_ELEMENTS elements; of those `judged`
+    marks, when given) that `c` reduces flows into the accumulator: to `carry`'s
+    ROOT through moves, converts, scales and adds, never through a contraction
+    (hlo_tools.reaches_root).
 
     That is what a gradient's reduction does. An activation cotangent's feeds the
     backward dots (weight and input gradients) or a norm's sums instead:
@@ -198,7 +222,11 @@ def accumulates(module: Any, c: hlo_tools.Collective, carry: str) -> bool:
     if elements != len(c.arrays):  # an array, or a -start tuple with more than outputs
         indices = [None] if _largest_array(c) > MAX_ELEMENTS else []
     else:
-        indices = [i for i, a in enumerate(c.arrays) if a.elements > MAX_ELEMENTS]
+        indices = [
+            i
+            for i, a in enumerate(c.arrays)
+            if a.elements > MAX_ELEMENTS and (not judged or judged[i])
+        ]
     return any(
         hlo_tools.reaches_root(module, c.computation, c.name, target=carry, index=i)
         for i in indices
@@ -214,7 +242,9 @@ def in_loop_reductions(
     counted once, by hlo_tools) with an array of more than `MAX_ELEMENTS`
     elements, whose replica groups span a watched axis of its mark, made by the
     backward pass (`in_backward`) and whose result the loop accumulates
-    (`accumulates`): a gradient's reduction, not an activation's. `plans`
+    (`accumulates`): a gradient's reduction, not an activation's. A combined
+    reduction is judged array by array (`array_op_names`): a forward psum XLA
+    merged with a backward one by design is still the model's own. `plans`
     ({trace number: ReductionPlan}; default: the registered traces the text
     names) add the axes some gradient defers: a finding over those alone has
     `strict=False`, and `check_compiled` judges it per parameter.
@@ -251,10 +281,15 @@ def in_loop_reductions(
             continue
         where, strict, axes, mesh_shape, loop, number = mark
         spanned = tuple(a for a in axes if hlo_tools.spans_mesh_axis(c, mesh_shape, a))
-        if spanned and in_backward(c.op_name) and accumulates(module, c, _carry(module, loop)):
+        if not spanned:
+            continue
+        backward = tuple(in_backward(name) for name in array_op_names(module, c))
+        if any(backward) and accumulates(module, c, _carry(module, loop), backward):
             is_strict = any(a in strict for a in spanned)
             into = carried(module, c, plans.get(number))
-            found.append(Finding(c, spanned, where, (), is_strict, number, into))
+            # A forward array's accumulator is not blamed: its reduction is the model's.
+            into = tuple(p if b else () for p, b in zip(into, backward, strict=True))
+            found.append(Finding(c, spanned, where, (), is_strict, number, into, backward))
     if not found:
         return found
     # Source lines only for what is reported: the tables are a pass over the text.
