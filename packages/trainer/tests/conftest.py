@@ -124,10 +124,27 @@ def runner():
 LAYOUTS = {k: v for k, v in EIGHT_DEVICE_LAYOUTS.items() if k not in ("data", "data+fsdp")}
 
 
+# The matrix's layouts the cpu tier leaves to the slow tier, per mode (a test module
+# names its mode in MATRIX_MODE), where the cpu tier checks the same sharding another
+# way: explicit fsdp by test_train's data4xfsdp2 runs, fsdp+context by
+# test_parallelism's context GA=4 test (the same layout and check), experts sharding
+# the sequence by the auto run of that layout; auto mode keeps tensor, ZeRO-1 and
+# both expert layouts, explicit mode checking the others.
+SLOW_LAYOUTS = {
+    "explicit": ("fsdp", "fsdp+context", "fsdp+expert(context)"),
+    "auto": ("fsdp", "fsdp+context", "fsdp+tensor_transpose", "data+expert"),
+}
+
+
 def pytest_generate_tests(metafunc):
-    """Tests asking for `matrix_layout` run once per entry of LAYOUTS."""
+    """Tests asking for `matrix_layout` run once per entry of LAYOUTS (in the slow
+    tier for the module's MATRIX_MODE's SLOW_LAYOUTS)."""
     if "matrix_layout" in metafunc.fixturenames:
-        metafunc.parametrize("matrix_layout", list(LAYOUTS))
+        slow = SLOW_LAYOUTS[metafunc.module.MATRIX_MODE]
+        metafunc.parametrize(
+            "matrix_layout",
+            [pytest.param(n, marks=pytest.mark.slow) if n in slow else n for n in LAYOUTS],
+        )
 
 
 @pytest.fixture(scope="session")

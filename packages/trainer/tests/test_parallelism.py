@@ -18,6 +18,7 @@ from trainer.run.report import collective_summary
 # equality check and the deferral check below.
 GA4 = {"gradient_accumulation_steps": "4"}
 DEFERRED_GA4 = ("data+expert", "data+zero1")
+MATRIX_MODE = "explicit"  # conftest.SLOW_LAYOUTS: the layouts left to the slow tier
 
 
 def test_explicit_layout_matches_single_device(matrix_layout, check_layout):

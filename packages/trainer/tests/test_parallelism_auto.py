@@ -4,6 +4,8 @@ The same layouts and check as test_parallelism.py (conftest.LAYOUTS); a file of
 its own so the two halves compile on different test workers.
 """
 
+MATRIX_MODE = "auto"  # conftest.SLOW_LAYOUTS: the layouts left to the slow tier
+
 
 def test_auto_layout_matches_single_device(matrix_layout, check_layout):
     check_layout(matrix_layout, "auto")
