@@ -123,8 +123,8 @@ def device_check(session: nox.Session) -> None:
 
 @nox.session
 def slow_aot(session: nox.Session) -> None:
-    """The slow AOT tests: the whole parallelism matrix on v5e-8 and v5p-16, the
-    longest GPU compiles."""
+    """The slow AOT tests: the whole parallelism matrix on v5e-8 and v5p-16,
+    DeepSeek-V3's full shape on v5p-1024, the longest GPU compiles."""
     _sync(session, "tpu", "gpu")
     session.run("pytest", *PARALLEL, "-m", "aot and slow", *session.posargs, env=AOT_ENV)
 
