@@ -58,6 +58,13 @@ def _leaves(plan: Any) -> dict[str, Any]:
     return {jax.tree_util.keystr(path): leaf for path, leaf in flat}
 
 
+def per_array(module: Any, c: hlo_tools.Collective) -> bool:
+    """Whether `c` returns one tuple element per array it reduces (XLA's combiner
+    merged several reductions), so each array can be followed on its own."""
+    instr = module.computations[c.computation].by_name[c.name]
+    return hlo_tools.dataflow.tuple_elements(instr) == len(c.arrays) > 1
+
+
 def carried(module: Any, c: hlo_tools.Collective, plan: Any) -> tuple[tuple[str, ...], ...]:
     """For each of `c`'s arrays, the parameters (paths, sorted) whose
     accumulator it is added into by a marked addition of `plan`'s
@@ -65,11 +72,10 @@ def carried(module: Any, c: hlo_tools.Collective, plan: Any) -> tuple[tuple[str,
     if plan is None:
         return ((),) * len(c.arrays)
     paths = list(_leaves(plan))
-    instr = module.computations[c.computation].by_name[c.name]
-    per_array = hlo_tools.dataflow.tuple_elements(instr) == len(c.arrays) > 1
+    each = per_array(module, c)
     out = []
     for i in range(len(c.arrays)):
-        index = i if per_array else None
+        index = i if each else None
         found = hlo_tools.first_marked(
             module, c.computation, c.name, pattern=_GRAD_MARK, index=index
         )

@@ -36,7 +36,16 @@ from typing import Any
 import jax
 
 import hlo_tools
-from accum.blame import LIBRARY_DIRS, MAX_ELEMENTS, blame, blamed, by_plan, carried, display
+from accum.blame import (
+    LIBRARY_DIRS,
+    MAX_ELEMENTS,
+    blame,
+    blamed,
+    by_plan,
+    carried,
+    display,
+    per_array,
+)
 from accum.partition_meta import placed
 from accum.plan import PER_STEP
 from accum.step_outputs import pinned
@@ -191,8 +200,7 @@ def array_op_names(module: Any, c: hlo_tools.Collective) -> tuple[str, ...]:
     with ':') and keeps each one's op_name on the get-tuple-element of its
     element; where that is not found (an array, an async -start form), `c`'s."""
     names = [c.op_name] * len(c.arrays)
-    instr = module.computations[c.computation].by_name[c.name]
-    if hlo_tools.dataflow.tuple_elements(instr) != len(c.arrays) or len(c.arrays) < 2:
+    if not per_array(module, c):
         return tuple(names)
     for user, _ in hlo_tools.dataflow.users(module).get((c.computation, c.name), []):
         index = user.attributes.get("index", "")
