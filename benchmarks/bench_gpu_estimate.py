@@ -52,7 +52,7 @@ import benchlib as bl  # noqa: E402
 import hlo_tools  # noqa: E402
 from hlo_tools import gpu_estimate as ge  # noqa: E402
 from trainer.config import make_config  # noqa: E402
-from trainer.model import attention_kernel  # noqa: E402
+from trainer.model import attention_kernel, cudnn_attention  # noqa: E402
 from trainer.run import aot  # noqa: E402
 from trainer.run import gpu_estimate as tg  # noqa: E402
 
@@ -87,6 +87,7 @@ PROFILE_JSON = os.path.join(bl.RESULTS, "device_check_profile.json")
 PROFILE_PAGE = os.path.join(bl.RESULTS, "device_check.md")
 PROFILE_CSV = os.path.join(bl.RESULTS, "device_check.csv")
 TOP = 10
+TARGET_CAPABILITY = (9, 0)  # the H200 the rows compile for (sm_90)
 
 
 def measured() -> dict:
@@ -142,6 +143,15 @@ def allow_cudnn_deviceless() -> None:
         return [b for b in blockers(config, ctx) if "compile-only" not in b]
 
     attention_kernel.cudnn_flash_blockers = without_compile_only
+    # jax asks the local GPU's compute capability before it builds a packed-layout or
+    # MLA (v narrower than k) call, and this host has no GPU: answer for the
+    # compile-only target instead (an H200, sm_90), so the program is the device's.
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    def target_has(capability: str) -> bool:
+        return tuple(int(x) for x in capability.split(".")) <= TARGET_CAPABILITY
+
+    fused_attention_stablehlo.check_compute_capability = target_has
 
 
 def compile_row(name: str, overrides: dict, args) -> tuple[str, dict]:
@@ -181,7 +191,7 @@ def estimate_row(name: str, title: str, overrides: dict, args) -> dict:
     mfu = model_flops / (est.total_ms * 1e-3 * tg.roofline("h200").peak_flops)
     memory, seconds = facts["compiled_gib"], facts["compile_s"]
     print(f"{name}: {est.total_ms:,.1f} ms, MFU {100 * mfu:.1f}%, {seconds:.0f} s", flush=True)
-    return {
+    row = {
         "row": name,
         "title": title,
         "overrides": " ".join(f"{k}={v}" for k, v in overrides.items()),
@@ -195,6 +205,16 @@ def estimate_row(name: str, title: str, overrides: dict, args) -> dict:
         "_estimate": est,
         "_hlo": hlo,
     }
+    # The same shape compiled with cuDNN's attention (--cudnn), kept beside the row:
+    # the device's own program, its conditional (packed call or masked fallback)
+    # priced both ways. The calibration row has its own check (calibration_lines).
+    cudnn = os.path.join(args.keep, f"{name}-cudnn") if args.keep else ""
+    if name != "calibration" and not args.cudnn and os.path.exists(f"{cudnn}/aot_h200-1.hlo"):
+        kernels = tg.kernels_of_files(f"{cudnn}/aot_h200-1.hlo")
+        picks = [hlo_tools.estimate_step(kernels, tg.roofline("h200"), p) for p in (min, max)]
+        with open(f"{cudnn}/compile.json") as f:
+            row["_cudnn"] = (*picks, json.load(f).get("tree", "?"))
+    return row
 
 
 def calibration_lines(row: dict, truth: dict, args) -> list[str]:
@@ -255,8 +275,15 @@ def calibration_lines(row: dict, truth: dict, args) -> list[str]:
     columns += ["predicted, cuDNN compile"] if cudnn is not None else []
     lines += bl.table(columns, body) + [""]
     if args.refit:
+        # The attention rate is fitted to the FLOPs the device's cuDNN kernels ran: the
+        # cuDNN compile's (kept beside this row) where present, since the stand-in's
+        # XLA attention keeps v at its own head dim where that call zero-padded it.
         fitted = hlo_tools.fit_calibration(
-            est.kernels, truth["groups"], tg.roofline("h200"), source=truth["source"]
+            est.kernels,
+            truth["groups"],
+            tg.roofline("h200"),
+            source=truth["source"],
+            device_attention=cudnn.kernels if cudnn is not None else None,
         )
         print(f"refit: {fitted!r}", flush=True)
         refit = hlo_tools.estimate_step(est.kernels, ge.Roofline(*_chip(), fitted))
@@ -302,7 +329,20 @@ def row_lines(row: dict) -> list[str]:
         for g in est.groups[:TOP]
     ]
     columns = ["source line", "kernels/step", "GB/step", "TFLOP/step", "categories", "ms"]
-    return lines + bl.table(columns, body, "lrrrlr") + [""]
+    lines += bl.table(columns, body, "lrrrlr") + [""]
+    if "_cudnn" in row:
+        cheap, dear, tree = row["_cudnn"]
+        lines += [
+            "Cross-check: the same shape compiled with cuDNN's attention on this host "
+            f"(`--cudnn`, the device's program, compiled at {tree}): {cheap.total_ms:,.1f} ms "
+            f"({cheap.launches:,} kernels) with each conditional's cheaper branch, cuDNN's "
+            "packed call (the branch rows of at most "
+            f"{cudnn_attention.MAX_DOCUMENTS} documents take); {dear.total_ms:,.1f} ms with "
+            "the costlier one, the masked fallback (what the estimate of a program with "
+            "conditionals prices).",
+            "",
+        ]
+    return lines
 
 
 def page(rows: list[dict], truth: dict, args, wall: float) -> list[str]:

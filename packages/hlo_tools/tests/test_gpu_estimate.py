@@ -210,6 +210,25 @@ def test_fit_recovers_factors(kernels):
         ht.fit_calibration(found, {"memcopy": 1.0}, start)
 
 
+def test_fit_times_the_device_s_attention_kernels(kernels):
+    # A stand-in program's attention (XLA's, in a deviceless compile) doing half the
+    # FLOPs of the device's kernels (cuDNN's, with v padded): the rate is the device's
+    # FLOPs over the measured time, and the stand-in's other groups fit as before.
+    found = ht.launched_kernels(SEQUENCE, METADATA, HLO, attention_functions=("helper",))
+    truth = ht.Roofline(1e12, 1e9, _plain(slowdown={"copy": 3.0}))
+    measured = ht.estimate_step(found, truth).by_group()
+    device = [dataclasses.replace(k, flops=2 * k.flops) for k in found if k.category == "attention"]
+    assert device and all(k.flops for k in device)
+    start = ht.Roofline(1e12, 1e9, _plain(attention_efficiency=0.9))
+    stand_in = ht.fit_calibration(found, measured, start)
+    fitted = ht.fit_calibration(found, measured, start, device_attention=device)
+    assert fitted.attention_efficiency == pytest.approx(2 * stand_in.attention_efficiency, rel=1e-2)
+    assert fitted.slowdown == stand_in.slowdown
+    assert ht.fit_calibration(found, measured, start, device_attention=[]) == dataclasses.replace(
+        stand_in, attention_efficiency=0.9
+    )
+
+
 def test_calibration_is_one_table():
     # Every category the estimate reports has its factor in the one table, or 1.
     assert set(gpu_estimate.CALIBRATION.slowdown) <= set(ht.gpu_kernels.CATEGORIES)
@@ -311,3 +330,20 @@ def test_mosaic_grouped_matmuls_count_their_flops():
     for name in ("fwd", "dx", "dw"):
         assert (kernels[name].category, kernels[name].flops) == ("matmul", 2 * 512 * 256 * 128)
     assert kernels["odd"].flops == 0 and kernels["odd"].category != "matmul"
+
+
+def test_a_conditional_is_priced_as_its_costliest_branch(kernels):
+    # The same kernel in two branches of one conditional, twice as many bytes in
+    # one: only that branch is priced (which branch runs is data).
+    copy = kernels["cp"]
+    cheap = dataclasses.replace(copy, thunk_id=90, branch=((89, "true_branch"),))
+    dear = dataclasses.replace(
+        copy, thunk_id=91, bytes=2 * copy.bytes, branch=((89, "false_branch"),)
+    )
+    roof = ht.Roofline(1e12, 1e9, _plain())
+    est = ht.estimate_step([copy, cheap, dear], roof)
+    assert [k.thunk_id for k in est.kernels] == [copy.thunk_id, 91]
+    alone = ht.estimate_step([copy, dataclasses.replace(dear, branch=())], roof)
+    assert est.total_ms == pytest.approx(alone.total_ms)
+    cheapest = ht.estimate_step([copy, cheap, dear], roof, pick=min)
+    assert [k.thunk_id for k in cheapest.kernels] == [copy.thunk_id, 90]

@@ -158,3 +158,49 @@ def test_loop_source_names_the_transform():
         "accum_microbatch_loop"
     )
     assert thunks.loop_source("") == ""
+
+
+# A lax.cond inside the outer loop (as cuDNN's packed-or-masked attention compiles):
+# a kConditional whose branches sit under label lines, one of them holding another
+# conditional. One branch runs per execution: the count keeps the heaviest.
+CONDITIONAL = """\
+005: kWhile        [prev=004 (1) | next=020 (1)]
+condition:
+    006: kCustomKernel [source | sink] loop_compare_fusion grid: [1, 1, 1] threads: [1, 1, 1]
+  body:
+    030: kConditional        [prev=009 (1) | next=016 (1)]
+      false_branch:
+        031: kCustomKernel [source | next=032 (1)] input_scatter_fusion grid: [1, 1, 1]
+        032: kCuDnn        [prev=031 (1) | sink] kCuDnn
+      true_branch:
+        033: kCustomKernel [source | next=034 (1)] loop_pad_fusion grid: [8, 1, 1]
+        034: kConditional  [prev=033 (1) | sink]
+          branch_0:
+            035: kCopy [source | sink] kCopy
+          branch_1:
+            036: kCopy [source | next=037 (1)] kCopy
+            037: kCopy [prev=036 (1) | sink] kCopy
+            038: kCopy [prev=037 (1) | sink] kCopy
+    016: kCustomKernel       [prev=030 (1) | sink] loop_dynamic_update_slice_fusion grid: [4, 1, 1]
+"""
+
+
+def test_a_conditional_counts_its_heaviest_branch():
+    found = list(thunks.launches(CONDITIONAL, METADATA, ht.parse(HLO)))
+    by_id = {x.thunk_id: x for x in found}
+    assert by_id[32].branch == ((30, "false_branch"),)
+    assert by_id[36].branch == ((30, "true_branch"), (34, "branch_1"))
+    assert by_id[16].branch == () and by_id[16].executions == 4
+    # true_branch: the pad plus branch_1's three copies (branch_0's one is dropped)
+    # outweighs false_branch's two launches.
+    count = ht.kernels_per_step(CONDITIONAL, METADATA, ht.parse(HLO))
+    assert count.total == 5 + 4 * (1 + 3 + 1)
+    assert count.by_category["copy/transpose"] == 4 * 3
+    weights = [1.0 if x.thunk_id in (31, 32) else 0.1 for x in found]
+    kept = thunks.pick_branches([x.branch for x in found], weights)
+    assert {x.thunk_id for x, k in zip(found, kept, strict=True) if k} == {6, 31, 32, 16}
+    # The lightest instead: true_branch (0.1 + branch_0's 0.1) under false_branch's 2.
+    kept = thunks.pick_branches([x.branch for x in found], weights, pick=min)
+    assert {x.thunk_id for x, k in zip(found, kept, strict=True) if k} == {6, 33, 35, 16}
+    with pytest.raises(ht.HloParseError, match="true_branch: outside a kConditional"):
+        ht.kernels_per_step("true_branch:\n", "", ht.parse(HLO))

@@ -9,6 +9,7 @@ than 10% (issue #43: the step's time on a GPU goes to ~30k small kernels).
 Lower a budget when a change cuts the count.
 """
 
+import os
 import re
 
 import jax
@@ -205,6 +206,34 @@ def test_tiny_nested_scan_dump_is_counted(tmp_path):
     for outer, inner in (key.split(" > ") for key in nested):
         assert " x4 " in outer and " x3 " in inner
     assert kernels.total == sum(kernels.by_loop.values())
+
+
+def test_tiny_cond_dump_counts_one_branch(tmp_path):
+    """A real dump with a lax.cond in a 4-step scan (as the cuDNN packed-or-masked
+    attention compiles): the kConditional's branches are parsed, and each trip
+    counts one branch, the one launching more (two dots, not one)."""
+    (device,) = gpu_topology.devices("h100", 1, 1)
+    mesh = jax.sharding.Mesh([device], ("x",))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def f(w, x):
+        def step(c, wi):
+            two = lambda c: jnp.tanh(c @ wi) @ wi  # noqa: E731
+            one = lambda c: jnp.tanh(c @ wi.T)  # noqa: E731
+            return jax.lax.cond(jnp.sum(c) > 0, two, one, c), None
+
+        c, _ = jax.lax.scan(step, x, w)
+        return c
+
+    w = jax.ShapeDtypeStruct((4, 64, 64), jnp.float32, sharding=replicated)
+    x = jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=replicated)
+    compiled = jax.jit(f).lower(w, x).compile({"xla_dump_to": str(tmp_path)})
+    (sequence,) = [p for p in os.listdir(tmp_path) if p.endswith(".thunk_sequence.txt")]
+    text = (tmp_path / sequence).read_text()
+    assert "kConditional" in text and "_branch:" in text
+    kernels = gpu_topology.kernels_of_dump(str(tmp_path), compiled.as_text())
+    assert kernels.unknown_trips == []
+    assert kernels.by_category["matmul"] == 2 * 4
 
 
 def test_grouped_gemm_gradients_compile_for_8_h100s():

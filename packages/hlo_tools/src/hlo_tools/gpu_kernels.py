@@ -40,7 +40,7 @@ from hlo_tools.frames import Frame, StackFrames
 from hlo_tools.module import Computation, HloModule, Instruction
 from hlo_tools.parser import parse
 from hlo_tools.shapes import leaf_arrays
-from hlo_tools.thunks import launches
+from hlo_tools.thunks import Branch, launches
 
 # Categories in the order a kernel's name is tested (first match wins). The order
 # and keywords follow benchmarks/gpu_profile.py's reading of a device trace (it
@@ -151,6 +151,7 @@ class Kernel:
     executions: int
     source: str
     loop: str
+    branch: Branch = ()  # the conditional branches it runs in (thunks.Branch)
 
     @property
     def group(self) -> str:
@@ -214,6 +215,7 @@ def launched_kernels(
                 launch.executions,
                 _source(stack, through),
                 launch.loop,
+                launch.branch,
             )
         )
     return out

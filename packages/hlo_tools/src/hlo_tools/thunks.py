@@ -21,12 +21,17 @@ The text's quirks this parser follows:
 * a ``kWhile`` line names nothing; ``*.thunk_metadata.txt`` maps its thunk id to
   its HLO instruction (``profile_annotation: "while.40"``), whose
   ``known_trip_count`` (or a recognised counted loop) gives the trips. The
-  condition runs trips + 1 times, the body trips times.
+  condition runs trips + 1 times, the body trips times;
+* a ``kConditional`` (``lax.cond``, ``lax.switch``) holds its branches, each under
+  a label line (``true_branch:``, ``false_branch:``, ...) indented deeper than it.
+  One branch runs per execution, and which one is data: a count keeps the branch
+  with the most launches (`pick_branches`; an upper bound).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from hlo_tools.callgraph import call_graph
@@ -60,6 +65,7 @@ _KERNEL_KINDS = {"kKernel", "kCustomKernel"}
 
 _LINE = re.compile(r"^( *)(\d+): (k\w+)\s*(?:\[[^\]]*\])?\s*(\S*)")
 _REGION = re.compile(r"^( *)(condition|body):\s*$")
+_BRANCH = re.compile(r"^( *)(\w[\w ]*):\s*$")
 _META_ID = re.compile(r"thunk_id:\s*(\d+)")
 _META_NAME = re.compile(r'profile_annotation:\s*"((?:[^"\\]|\\.)*)"')
 
@@ -138,6 +144,11 @@ def loop_source(op_name: str) -> str:
     return parts[-1].split("[")[0] if parts else ""
 
 
+# Where a thunk sits among conditionals: (conditional's thunk id, branch label) pairs,
+# outermost first; () outside every conditional.
+Branch = tuple[tuple[int, str], ...]
+
+
 @dataclass
 class _Frame:
     indent: int  # of the wrapping thunk's line
@@ -147,6 +158,8 @@ class _Frame:
     trips: int = 1
     outer: int = 1  # kWhile frames: the multiplier around the loop
     outer_loop: str = OUTSIDE
+    conditional: int | None = None  # kConditional frames: its thunk id
+    branch: Branch = ()  # the conditional branches the thunks inside are in
 
 
 @dataclass(frozen=True)
@@ -154,8 +167,9 @@ class Launch:
     """One launching thunk of the sequence: its id, kind (``kKernel``, ``kGemm``,
     ...), the name on its line (a kernel's name; ``kCopy`` for a copy), the HLO
     instruction it runs (thunk metadata's profile annotation; "" when absent),
-    its executions per step (the product of the trip counts around it), and the
-    loop path it sits in (``OUTSIDE`` or KernelCount.by_loop's keys)."""
+    its executions per step (the product of the trip counts around it, as if each
+    conditional around it took its branch), the loop path it sits in (``OUTSIDE``
+    or KernelCount.by_loop's keys) and its conditional branches (``Branch``)."""
 
     thunk_id: int
     kind: str
@@ -164,6 +178,7 @@ class Launch:
     executions: int
     loop: str
     category: str
+    branch: Branch = ()
 
 
 def launches(
@@ -204,6 +219,15 @@ def launches(
                 else f"{top.outer_loop} > {top.while_name}"
             )
             continue
+        label = _BRANCH.match(line)
+        if label:
+            pop_to(len(label.group(1)))
+            if not stack or stack[-1].conditional is None:
+                raise HloParseError(f"{label.group(2)}: outside a kConditional", number)
+            top = stack[-1]
+            arm = (*top.branch, (top.conditional, label.group(2)))
+            stack.append(_Frame(len(label.group(1)), top.multiplier, top.loop, branch=arm))
+            continue
         m = _LINE.match(line)
         if not m:
             raise HloParseError(f"not a thunk line: {line.strip()[:80]!r}", number)
@@ -211,6 +235,7 @@ def launches(
         pop_to(indent)
         multiplier = stack[-1].multiplier if stack else 1
         loop = stack[-1].loop if stack else OUTSIDE
+        branch = stack[-1].branch if stack else ()
         if kind == "kWhile":
             hlo_name = names.get(tid, f"thunk {tid}")
             n = trips.get(hlo_name)
@@ -223,14 +248,40 @@ def launches(
                 label += f" [{sources[hlo_name]}]"
             # multiplier/loop are set by the condition:/body: lines that follow.
             stack.append(_Frame(indent, multiplier, loop, label, n, multiplier, loop))
+            stack[-1].branch = branch
             continue
         if kind in WRAPPERS:
-            stack.append(_Frame(indent, multiplier, loop))
+            conditional = tid if kind == "kConditional" else None
+            stack.append(_Frame(indent, multiplier, loop, conditional=conditional, branch=branch))
             continue
         cat = category(kind, name)
         if cat is None:
             continue
-        yield Launch(tid, kind, name, names.get(tid, ""), multiplier, loop, cat)
+        yield Launch(tid, kind, name, names.get(tid, ""), multiplier, loop, cat, branch)
+
+
+def pick_branches(
+    branches: Sequence[Branch], weights: Sequence[float], pick: Callable = max
+) -> list[bool]:
+    """Which items to keep so that each conditional is counted by one branch: per
+    conditional, the branch whose kept items weigh the most (`pick=min`: the least;
+    ties: the first); `branches[i]` is item i's Branch, `weights[i]` its weight
+    (launches, seconds). Inner conditionals are settled first, so an outer branch
+    weighs its inner conditionals' picked branches only."""
+    keep = [True] * len(branches)
+    for depth in range(max(map(len, branches), default=0), 0, -1):
+        totals: dict[Branch, float] = {}
+        for i, path in enumerate(branches):
+            if keep[i] and len(path) >= depth:
+                totals[path[:depth]] = totals.get(path[:depth], 0.0) + weights[i]
+        arms: dict[tuple[Branch, int], list[Branch]] = {}
+        for arm in totals:
+            arms.setdefault((arm[:-1], arm[-1][0]), []).append(arm)
+        chosen = {key: pick(found, key=totals.__getitem__) for key, found in arms.items()}
+        for i, path in enumerate(branches):
+            if keep[i] and len(path) >= depth:
+                keep[i] = chosen[(path[: depth - 1], path[depth - 1][0])] == path[:depth]
+    return keep
 
 
 def kernels_per_step(
@@ -238,9 +289,11 @@ def kernels_per_step(
 ) -> KernelCount:
     """Count the kernels a step launches (see the module docstring)."""
     count = KernelCount()
-    for launch in launches(
-        thunk_sequence_text, thunk_metadata_text, hlo_module, count.unknown_trips
-    ):
+    found = list(
+        launches(thunk_sequence_text, thunk_metadata_text, hlo_module, count.unknown_trips)
+    )
+    kept = pick_branches([x.branch for x in found], [x.executions for x in found])
+    for launch in (x for x, keep in zip(found, kept, strict=True) if keep):
         count.total += launch.executions
         count.by_category[launch.category] += launch.executions
         count.by_loop[launch.loop] = count.by_loop.get(launch.loop, 0) + launch.executions
