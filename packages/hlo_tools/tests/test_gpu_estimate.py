@@ -347,3 +347,7 @@ def test_a_conditional_is_priced_as_its_costliest_branch(kernels):
     assert est.total_ms == pytest.approx(alone.total_ms)
     cheapest = ht.estimate_step([copy, cheap, dear], roof, pick=min)
     assert [k.thunk_id for k in cheapest.kernels] == [copy.thunk_id, 90]
+    assert (est.conditionals, alone.conditionals) == (1, 0)
+    note = "  1 conditionals (lax.cond/switch), each priced as its cheapest branch"
+    assert ht.format_estimate(cheapest)[2].startswith(note)
+    assert "conditionals" not in "".join(ht.format_estimate(alone))

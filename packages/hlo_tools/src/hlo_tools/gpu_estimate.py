@@ -155,12 +155,16 @@ class Group:
 class Estimate:
     """A step's predicted time: ``ms[i]`` is kernel ``kernels[i]``'s ms per step
     (all its executions); ``by_category`` maps each category to (launches per
-    step, bytes per step, ms per step); ``groups`` by source line, costliest first."""
+    step, bytes per step, ms per step); ``groups`` by source line, costliest first;
+    ``conditionals``: how many conditionals were priced by one branch, the
+    ``branch`` one ("costliest" or "cheapest")."""
 
     kernels: list[Kernel]
     ms: list[float]
     by_category: dict[str, tuple[int, int, float]]
     groups: list[Group]
+    conditionals: int = 0
+    branch: str = "costliest"
 
     @property
     def total_ms(self) -> float:
@@ -196,6 +200,7 @@ def one_branch_each(kernels: list[Kernel], roofline: Roofline, pick=max) -> list
 def estimate_step(kernels: list[Kernel], roofline: Roofline, pick=max) -> Estimate:
     """Price every kernel on `roofline` and sum them per step: one branch of each
     conditional (`one_branch_each`), so `Estimate.kernels` are the kernels priced."""
+    conditionals = {thunk for k in kernels for thunk, _ in k.branch}  # thunk ids are unique
     kernels = one_branch_each(kernels, roofline, pick)
     ms = [roofline.kernel_s(k) * k.executions * 1e3 for k in kernels]
     by_category: dict[str, tuple[int, int, float]] = {}
@@ -217,7 +222,8 @@ def estimate_step(kernels: list[Kernel], roofline: Roofline, pick=max) -> Estima
         for source, members in groups.items()
     ]
     table.sort(key=lambda g: -g.ms)
-    return Estimate(kernels, ms, ordered, table)
+    branch = "cheapest" if pick is min else "costliest"
+    return Estimate(kernels, ms, ordered, table, len(conditionals), branch)
 
 
 def fit_calibration(
@@ -300,7 +306,13 @@ def format_estimate(
         head += f", MFU {100 * mfu:.1f}%"
     head += f" ({est.launches:,} kernels; hlo_tools.gpu_estimate roofline, no device)"
     mix = ", ".join(f"{cat} {ms:,.1f}" for cat, (_, _, ms) in est.by_category.items() if ms >= 0.05)
-    lines = [head, f"  ms by category: {mix}", f"  {top} costliest source lines:"]
+    lines = [head, f"  ms by category: {mix}"]
+    if est.conditionals:
+        lines.append(
+            f"  {est.conditionals:,} conditionals (lax.cond/switch), each priced as its "
+            f"{est.branch} branch: which one runs is data"
+        )
+    lines.append(f"  {top} costliest source lines:")
     for g in est.groups[:top]:
         lines.append(
             f"    {g.ms:8.1f} ms {g.launches:7,} kernels {g.bytes / 1e9:7.1f} GB "
