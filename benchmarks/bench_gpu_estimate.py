@@ -261,7 +261,9 @@ def calibration_lines(row: dict, truth: dict, args) -> list[str]:
             lines.append(
                 "- cross-check: the same shape compiled with cuDNN's attention on this host "
                 f"(`--cudnn`, the device's program) predicted {cudnn.total_ms:,.1f} ms "
-                f"({off:+.1f}%)"
+                f"({off:+.1f}%); the attention rate is fitted to its cuDNN calls' FLOPs "
+                "(v zero-padded to q's head dim), so the XLA attention standing in for them, "
+                "v at its own, is priced under the measured attention time"
             )
     lines.append("")
     body = []
