@@ -20,12 +20,14 @@ Documents are the maximal runs of equal segment ids in a row (the packer writes
 each document's tokens contiguously, padding as id 0 at the end), so the padding
 run attends within itself exactly as under the segment mask. The packed call takes
 at most MAX_DOCUMENTS per row (its static shape); a microbatch with a row of more
-runs the masked call instead (a `lax.cond` per device: the same numbers, slower).
+runs the masked call instead (a `lax.cond` per device: the same numbers, slower,
+its forward recomputed in the backward).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 
 import jax
@@ -140,6 +142,13 @@ def packed(q, k, v, seg_q, scale, v_own_dim: bool):
         )  # fmt: skip
         return out[..., :v_dim]
 
+    # Differentiated, a lax.cond returns the residuals of both branches, zeros for the
+    # one not taken: every packed call wrote the masked call's (its padded v, mask,
+    # output) as zeros (the cuDNN compile's cross-check on
+    # benchmarks/results/gpu_estimate.md). Saving nothing, the fallback has no
+    # residuals; it recomputes its forward in the backward, on the rare rows of more
+    # than MAX_DOCUMENTS documents.
+    @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
     def run_masked(q, k, v):
         return masked(q, k, v[..., :v_dim], seg_q, seg_q, scale)
 
