@@ -32,9 +32,15 @@ PARALLEL = ["-n", "2", "--dist", "loadfile"]
 # The slowest tests of a tier, printed at its end, so CI's log says where its minutes go.
 DURATIONS = ["--durations=15"]
 
+# Python keeps the bytecode of what it imports (__pycache__) even where the machine
+# sets PYTHONDONTWRITEBYTECODE (CI's does; an empty value unsets it): the tests start
+# dozens of Python processes (two pytest workers, `train`, `hlo-report`, the README's
+# and docs' commands), and without it each compiled every module it imports (jax,
+# flax, orbax, the packages) from source again, 3-7 s of CPU a process.
+BYTECODE_ENV = {"PYTHONDONTWRITEBYTECODE": ""}
 # On a CPU host the tests simulate a mesh of 8 devices; JAX_PLATFORMS=cpu keeps
 # libtpu (installed by the `tpu` extra) from probing for chips that are not there.
-CPU_ENV = {"JAX_PLATFORMS": "cpu"}
+CPU_ENV = {"JAX_PLATFORMS": "cpu", **BYTECODE_ENV}
 # libtpu lets one process at a time load it (its lockfile); compiling for a topology
 # touches no chip, so the aot tier's two workers may both load it.
 AOT_ENV = {**CPU_ENV, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}

@@ -404,3 +404,23 @@ def test_cli_mesh_and_over(tmp_path, capsys):
     assert main([str(path), "--mesh", "data=2,fsdp", "--over", "data"]) == 2
     assert "--mesh entry 'fsdp'" in capsys.readouterr().err
     assert main([str(path), "--over", "data"]) == 2
+
+
+def test_the_same_text_parses_to_the_same_module_while_it_is_kept(monkeypatch):
+    from hlo_tools import parser
+
+    copy = "".join(list(ASYNC))  # an equal text, another str object
+    assert copy is not ASYNC and ht.parse(copy) is ht.parse(ASYNC)
+    other = ASYNC.replace("HloModule async", "HloModule other")
+    assert ht.parse(other) is not ht.parse(ASYNC) and ht.parse(other).name == "other"
+    # Kept by the texts' total length: room for one of them drops the older one.
+    monkeypatch.setattr(parser, "_CACHE_CHARS", len(ASYNC))
+    one, two = (ASYNC.replace("HloModule async", f"HloModule {n}") for n in ("one", "two"))
+    first = ht.parse(one)
+    assert ht.parse(one) is first
+    ht.parse(two)
+    assert ht.parse(one) is not first
+    # Errors are raised each time, never kept.
+    for _ in range(2):
+        with pytest.raises(ht.HloParseError):
+            ht.parse("ENTRY %main {")

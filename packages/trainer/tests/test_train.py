@@ -1,9 +1,11 @@
-"""The train step on 8 virtual devices against a single-device run (tagtrain-tiny, f32)."""
+"""The train step on 8 virtual devices against a single-device run (tagtrain-tiny, f32);
+accum_dtype=bfloat16 on the explicit GA=4 case."""
 
 import numpy as np
 import pytest
 
 import hlo_tools
+from hlo_tools.shapes import leaf_arrays
 
 # (shard_mode, extra overrides): each compiles once. The full cross product of
 # meshes x modes x GA is in test_train_matrix.py (slow).
@@ -74,6 +76,41 @@ def test_deferred_and_per_microbatch_losses_agree_and_fall(runner):
     losses = np.array([m["loss"] for m in deferred])
     np.testing.assert_allclose(losses, [m["loss"] for m in per_microbatch], rtol=1e-5)
     assert losses[4] < losses[0] - 0.2, losses  # 5 steps reduce the loss
+
+
+def _carried(text: str, ga: int) -> dict[str, int]:
+    """Elements per dtype in the carry of the step's microbatch loop (trip count GA)."""
+    module = hlo_tools.parse(text)
+    graph = hlo_tools.call_graph(module)
+    loops = [
+        i
+        for i in module.entry.instructions
+        if i.opcode == "while" and graph.loop(module.entry, i).trip_count == ga
+    ]
+    assert len(loops) == 1, [i.name for i in loops]
+    out: dict[str, int] = {}
+    for a in leaf_arrays(loops[0].type):
+        out[a.dtype] = out.get(a.dtype, 0) + a.elements
+    return out
+
+
+def test_bf16_accumulator_is_carried_in_bf16_and_tracks_f32(runner):
+    """accum_dtype=bfloat16: the microbatch loop carries a bf16 accumulator, and the
+    losses stay within bf16 rounding of float32 accumulation. The f32 run is the
+    explicit GA=4 case above (f32 compute and weights: every bf16 array in the
+    compiled step is the accumulator's); in this file so that one compile serves
+    both (with --dist loadfile a file's tests share a worker, and its run cache)."""
+    case = CASES["explicit-data8-ga4"]
+    f32_history, f32_text = runner(LONG, **case)
+    bf16_history, bf16_text = runner(LONG, **case, accum_dtype="bfloat16")
+    ga = int(case["gradient_accumulation_steps"])
+    f32, bf16 = _carried(f32_text, ga), _carried(bf16_text, ga)
+    assert "bf16" not in f32
+    # The accumulator moved from f32 to bf16, whole: half its bytes.
+    assert bf16.get("bf16", 0) > 0
+    assert f32["f32"] - bf16["f32"] == bf16["bf16"]
+    losses = [m["loss"] for m in bf16_history]
+    np.testing.assert_allclose(losses, [m["loss"] for m in f32_history], rtol=1e-2)
 
 
 def test_zero1_shards_masters_and_optimizer_state_over_data():

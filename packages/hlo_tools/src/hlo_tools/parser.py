@@ -9,6 +9,8 @@ collectives".
 from __future__ import annotations
 
 import re
+import threading
+from collections import OrderedDict
 
 from hlo_tools.errors import HloParseError
 from hlo_tools.module import Computation, HloModule, Instruction
@@ -30,9 +32,22 @@ _LITERAL_OPCODES = {"constant", "parameter", "iota"}
 
 _CLOSE_WITH_ATTRIBUTES = re.compile(r"^\}\s*,\s*[\w.]+=")
 
+# The modules of the texts parsed last. One compiled program is commonly parsed
+# several times in a row (accum's verdict when it is compiled, the trainer's
+# startup collective summary, a test's own assertions), each a whole parse: about
+# a second for tagtrain-tiny's step. Bounded by the texts' total length (a module
+# holds about six times its text's bytes); a longer text is not kept.
+_CACHE: OrderedDict[str, HloModule] = OrderedDict()
+_CACHE_CHARS = 16_000_000
+_CACHE_LOCK = threading.Lock()
+
 
 def parse(text: str) -> HloModule:
     """Parse compiled HLO text into an :class:`HloModule`.
+
+    The same text gives the same module object while it is among the last ones
+    parsed (up to 16 M characters of text in all): treat a module as read-only
+    (nothing in hlo_tools changes one).
 
     Understands CPU, GPU and TPU dumps: tuple types, tiled layouts, the debug
     tables (FileNames, StackFrames, ...), attributes holding JSON. Raises
@@ -50,6 +65,21 @@ def parse(text: str) -> HloModule:
     """
     if not isinstance(text, str):
         raise TypeError(f"parse() takes HLO text, got {type(text).__name__}")
+    with _CACHE_LOCK:
+        module = _CACHE.get(text)
+        if module is not None:
+            _CACHE.move_to_end(text)
+            return module
+    module = _parse(text)
+    if len(text) <= _CACHE_CHARS:
+        with _CACHE_LOCK:
+            _CACHE[text] = module
+            while sum(map(len, _CACHE)) > _CACHE_CHARS:
+                _CACHE.popitem(last=False)
+    return module
+
+
+def _parse(text: str) -> HloModule:
     name, attributes = "", {}
     computations: dict[str, Computation] = {}
     current: Computation | None = None
