@@ -304,6 +304,7 @@ def test_cudnn_attention_lowers_causal_packed_without_a_dense_mask(monkeypatch):
         assert f"{b}x{cudnn_attention.MAX_DOCUMENTS + 1}xi32" in line  # document offsets
         assert f"{b}x{s}x{h}x64xbf16" in line  # v at its own head dim, not padded to 96
     assert "stablehlo.case" in text or "stablehlo.if" in text  # the masked call: a branch
+
     # Differentiated, the cond returns both branches' residuals (zeros for the one not
     # taken): the masked fallback saves none, so no (S, S) mask or bias is written on a
     # packed call.
