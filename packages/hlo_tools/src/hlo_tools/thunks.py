@@ -267,7 +267,9 @@ def pick_branches(
     conditional, the branch whose kept items weigh the most (`pick=min`: the least;
     ties: the first); `branches[i]` is item i's Branch, `weights[i]` its weight
     (launches, seconds). Inner conditionals are settled first, so an outer branch
-    weighs its inner conditionals' picked branches only."""
+    weighs its inner conditionals' picked branches only. A branch that launches
+    nothing has no items, so it is not seen: `pick=min` takes the lightest branch
+    that launches something."""
     keep = [True] * len(branches)
     for depth in range(max(map(len, branches), default=0), 0, -1):
         totals: dict[Branch, float] = {}
