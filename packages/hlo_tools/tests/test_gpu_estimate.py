@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 import hlo_tools as ht
-from hlo_tools import cli, gpu_estimate
+from hlo_tools import cli, gpu_estimate, gpu_kernels
 
 HLO = """HloModule m
 
@@ -351,3 +351,23 @@ def test_a_conditional_is_priced_as_its_costliest_branch(kernels):
     note = "  1 conditionals (lax.cond/switch), each priced as its cheapest branch"
     assert ht.format_estimate(cheapest)[2].startswith(note)
     assert "conditionals" not in "".join(ht.format_estimate(alone))
+
+
+# lax.cond(p, f, identity): one branch launches a copy, the other nothing.
+IDENTITY_BRANCH = """\
+001: kConditional [source | sink]
+  true_branch:
+    002: kCopy [source | sink] kCopy
+  false_branch:
+"""
+
+
+def test_an_empty_branch_is_the_cheapest_a_conditional_can_take():
+    found = ht.launched_kernels(IDENTITY_BRANCH, "", HLO)
+    empty = [k for k in found if k.name == gpu_kernels.EMPTY_BRANCH]
+    assert [k.branch for k in empty] == [((1, "false_branch"),)] and empty[0].executions == 0
+    roof = ht.Roofline(1e12, 1e9, _plain())
+    dear, cheap = ht.estimate_step(found, roof), ht.estimate_step(found, roof, pick=min)
+    assert (dear.launches, cheap.launches) == (1, 0)
+    assert cheap.total_ms == 0.0 and cheap.kernels == [] and cheap.conditionals == 1
+    assert ht.kernels_per_step(IDENTITY_BRANCH, "", ht.parse(HLO)).total == 1

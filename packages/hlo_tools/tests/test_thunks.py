@@ -186,7 +186,15 @@ condition:
 
 
 def test_a_conditional_counts_its_heaviest_branch():
-    found = list(thunks.launches(CONDITIONAL, METADATA, ht.parse(HLO)))
+    arms = []
+    found = list(thunks.launches(CONDITIONAL, METADATA, ht.parse(HLO), arms=arms))
+    inner = ((30, "true_branch"), (34, "branch_0"))
+    assert arms == [
+        ((30, "false_branch"),),
+        ((30, "true_branch"),),
+        inner,
+        (*inner[:1], (34, "branch_1")),
+    ]
     by_id = {x.thunk_id: x for x in found}
     assert by_id[32].branch == ((30, "false_branch"),)
     assert by_id[36].branch == ((30, "true_branch"), (34, "branch_1"))

@@ -201,7 +201,8 @@ def estimate_step(kernels: list[Kernel], roofline: Roofline, pick=max) -> Estima
     """Price every kernel on `roofline` and sum them per step: one branch of each
     conditional (`one_branch_each`), so `Estimate.kernels` are the kernels priced."""
     conditionals = {thunk for k in kernels for thunk, _ in k.branch}  # thunk ids are unique
-    kernels = one_branch_each(kernels, roofline, pick)
+    # An empty branch's stand-in (executions 0) has done its part: being picked.
+    kernels = [k for k in one_branch_each(kernels, roofline, pick) if k.executions]
     ms = [roofline.kernel_s(k) * k.executions * 1e3 for k in kernels]
     by_category: dict[str, tuple[int, int, float]] = {}
     groups: dict[str, list[int]] = {}

@@ -130,6 +130,7 @@ _IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}
 _DIMS = re.compile(r"\{([\d,\s]*)\}")
 _SITE = ("site-packages", "dist-packages", "<frozen")
 MOSAIC_GPU = "mosaic_gpu"  # Pallas Mosaic-GPU kernels' custom calls (mosaic_gpu_v2, ...)
+EMPTY_BRANCH = "(empty branch)"  # the name of an empty conditional branch's Kernel
 CUDNN_ATTENTION = "__cudnn$fmha"  # XLA's cuDNN attention custom calls (forward, backward)
 
 
@@ -139,7 +140,9 @@ class Kernel:
 
     ``bytes`` and ``flops`` are per execution; ``executions`` per step (the trip
     counts of the loops around it). ``instruction`` is the HLO instruction it runs
-    ("" when the metadata names none); ``source`` its innermost project frame."""
+    ("" when the metadata names none); ``source`` its innermost project frame. A
+    conditional branch that launches nothing is one Kernel named EMPTY_BRANCH that
+    runs 0 times (so a branch can be picked as the cheapest)."""
 
     thunk_id: int
     name: str
@@ -195,8 +198,8 @@ def launched_kernels(
     module = module if module is not None else parse(hlo_text)
     table = _instructions(module)
     frames = StackFrames(hlo_text)
-    out = []
-    for launch in launches(thunk_sequence_text, thunk_metadata_text, module):
+    out, arms = [], []
+    for launch in launches(thunk_sequence_text, thunk_metadata_text, module, arms=arms):
         found = table.get(launch.instruction)
         instr, comp = found if found else (None, None)
         stack = _stack(frames, module, instr) if instr is not None else []
@@ -218,6 +221,12 @@ def launched_kernels(
                 launch.branch,
             )
         )
+    # A branch that launches nothing (lax.cond's identity branch) is a kernel that
+    # runs 0 times: the cheapest branch a conditional can take, when one is picked.
+    taken = {k.branch[:depth] for k in out for depth in range(1, len(k.branch) + 1)}
+    for arm in arms:
+        if arm not in taken:
+            out.append(Kernel(-1, EMPTY_BRANCH, "", "kConditional", "other", 0, 0, 0, "", "", arm))
     return out
 
 

@@ -186,10 +186,12 @@ def launches(
     thunk_metadata_text: str,
     hlo_module: HloModule,
     unknown_trips: list[str] | None = None,
+    arms: list[Branch] | None = None,
 ):
     """Yield a Launch per thunk that launches work, in sequence order (see the
     module docstring); the loops whose trip count was not found (counted as one
-    trip) are appended to `unknown_trips` when given."""
+    trip) are appended to `unknown_trips` when given, and every conditional
+    branch (a Branch, launching something or not) to `arms`."""
     names = thunk_names(thunk_metadata_text)
     trips = trip_counts(hlo_module)
     sources = {
@@ -226,6 +228,8 @@ def launches(
                 raise HloParseError(f"{label.group(2)}: outside a kConditional", number)
             top = stack[-1]
             arm = (*top.branch, (top.conditional, label.group(2)))
+            if arms is not None:
+                arms.append(arm)
             stack.append(_Frame(len(label.group(1)), top.multiplier, top.loop, branch=arm))
             continue
         m = _LINE.match(line)
@@ -268,8 +272,8 @@ def pick_branches(
     ties: the first); `branches[i]` is item i's Branch, `weights[i]` its weight
     (launches, seconds). Inner conditionals are settled first, so an outer branch
     weighs its inner conditionals' picked branches only. A branch that launches
-    nothing has no items, so it is not seen: `pick=min` takes the lightest branch
-    that launches something."""
+    nothing has no items: give it one of weight 0 (`launches`' `arms` lists them),
+    or `pick=min` takes the lightest branch that launches something."""
     keep = [True] * len(branches)
     for depth in range(max(map(len, branches), default=0), 0, -1):
         totals: dict[Branch, float] = {}
