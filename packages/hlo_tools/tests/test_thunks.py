@@ -203,6 +203,11 @@ def test_a_conditional_counts_its_heaviest_branch():
     # outweighs false_branch's two launches.
     count = ht.kernels_per_step(CONDITIONAL, METADATA, ht.parse(HLO))
     assert count.total == 5 + 4 * (1 + 3 + 1)
+    assert count.conditionals == 2
+    assert "  2 conditionals (lax.cond/switch), each counted by the branch launching" in "\n".join(
+        ht.format_kernels(count)
+    )
+    assert ht.kernels_per_step(SEQUENCE, METADATA, ht.parse(HLO)).conditionals == 0
     assert count.by_category["copy/transpose"] == 4 * 3
     weights = [1.0 if x.thunk_id in (31, 32) else 0.1 for x in found]
     kept = thunks.pick_branches([x.branch for x in found], weights)

@@ -81,7 +81,9 @@ class KernelCount:
     [jvp()]"``, outermost first; the brackets: ``loop_source``), each the kernels
     per step of the thunks directly in that loop (nested loops have their own
     entry). ``per_trip`` is the thunks of each loop path counted once (one trip).
-    ``unknown_trips``: loops whose trip count was not found, counted as one trip.
+    ``unknown_trips``: loops whose trip count was not found, counted as one trip;
+    ``conditionals``: how many conditionals were counted by one branch (the one
+    launching the most).
     """
 
     total: int = 0
@@ -89,6 +91,7 @@ class KernelCount:
     by_loop: dict[str, int] = field(default_factory=dict)
     per_trip: dict[str, int] = field(default_factory=dict)
     unknown_trips: list[str] = field(default_factory=list)
+    conditionals: int = 0
 
 
 def category(kind: str, name: str) -> str | None:
@@ -299,6 +302,7 @@ def kernels_per_step(
         launches(thunk_sequence_text, thunk_metadata_text, hlo_module, count.unknown_trips)
     )
     kept = pick_branches([x.branch for x in found], [x.executions for x in found])
+    count.conditionals = len({thunk for x in found for thunk, _ in x.branch})
     for launch in (x for x, keep in zip(found, kept, strict=True) if keep):
         count.total += launch.executions
         count.by_category[launch.category] += launch.executions
@@ -322,6 +326,11 @@ def format_kernels(count: KernelCount) -> list[str]:
             lines.append(f"  {loop}: {n:,}")
         else:
             lines.append(f"  {loop}: {count.per_trip[loop]:,} per trip, {n:,} per step")
+    if count.conditionals:
+        lines.append(
+            f"  {count.conditionals:,} conditionals (lax.cond/switch), each counted by the "
+            "branch launching the most: which one runs is data"
+        )
     if count.unknown_trips:
         lines.append(f"  trip count unknown (counted once): {', '.join(count.unknown_trips)}")
     return lines
