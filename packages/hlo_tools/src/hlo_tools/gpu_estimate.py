@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass, field
 
 from hlo_tools.gpu_kernels import CATEGORIES, PROFILE_GROUP, Kernel
-from hlo_tools.thunks import pick_branches
+from hlo_tools.thunks import conditionals, pick_branches
 
 
 @dataclass(frozen=True)
@@ -200,7 +200,7 @@ def one_branch_each(kernels: list[Kernel], roofline: Roofline, pick=max) -> list
 def estimate_step(kernels: list[Kernel], roofline: Roofline, pick=max) -> Estimate:
     """Price every kernel on `roofline` and sum them per step: one branch of each
     conditional (`one_branch_each`), so `Estimate.kernels` are the kernels priced."""
-    conditionals = {thunk for k in kernels for thunk, _ in k.branch}  # thunk ids are unique
+    priced_by_one_branch = conditionals([k.branch for k in kernels])
     # An empty branch's stand-in (executions 0) has done its part: being picked.
     kernels = [k for k in one_branch_each(kernels, roofline, pick) if k.executions]
     ms = [roofline.kernel_s(k) * k.executions * 1e3 for k in kernels]
@@ -224,7 +224,7 @@ def estimate_step(kernels: list[Kernel], roofline: Roofline, pick=max) -> Estima
     ]
     table.sort(key=lambda g: -g.ms)
     branch = "cheapest" if pick is min else "costliest"
-    return Estimate(kernels, ms, ordered, table, len(conditionals), branch)
+    return Estimate(kernels, ms, ordered, table, priced_by_one_branch, branch)
 
 
 def fit_calibration(

@@ -254,8 +254,9 @@ def launches(
             if sources.get(hlo_name):
                 label += f" [{sources[hlo_name]}]"
             # multiplier/loop are set by the condition:/body: lines that follow.
-            stack.append(_Frame(indent, multiplier, loop, label, n, multiplier, loop))
-            stack[-1].branch = branch
+            stack.append(
+                _Frame(indent, multiplier, loop, label, n, multiplier, loop, branch=branch)
+            )
             continue
         if kind in WRAPPERS:
             conditional = tid if kind == "kConditional" else None
@@ -265,6 +266,11 @@ def launches(
         if cat is None:
             continue
         yield Launch(tid, kind, name, names.get(tid, ""), multiplier, loop, cat, branch)
+
+
+def conditionals(branches: Sequence[Branch]) -> int:
+    """How many conditionals the Branches `branches` lie in (thunk ids are unique)."""
+    return len({thunk for path in branches for thunk, _ in path})
 
 
 def pick_branches(
@@ -301,8 +307,9 @@ def kernels_per_step(
     found = list(
         launches(thunk_sequence_text, thunk_metadata_text, hlo_module, count.unknown_trips)
     )
-    kept = pick_branches([x.branch for x in found], [x.executions for x in found])
-    count.conditionals = len({thunk for x in found for thunk, _ in x.branch})
+    branches = [x.branch for x in found]
+    kept = pick_branches(branches, [x.executions for x in found])
+    count.conditionals = conditionals(branches)
     for launch in (x for x, keep in zip(found, kept, strict=True) if keep):
         count.total += launch.executions
         count.by_category[launch.category] += launch.executions
