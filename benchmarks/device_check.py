@@ -442,6 +442,11 @@ def main(argv=None) -> int:
         raise SystemExit(f"--paths: {', '.join(unknown)} not among {', '.join(PATHS)}")
     paths = {name: PATHS[name] for name in args.paths.split(",")}
     paths.update({name: {**PATHS["deferred"], **o} for name, o in map(variant, args.variant)})
+    # The results folder exists before any path runs: a lent device's minutes are not
+    # spent on a page that cannot be written (an unwritable --out fails here).
+    import benchlib as bl
+
+    os.makedirs(args.out or bl.RESULTS, exist_ok=True)
     start = time.monotonic()
     shape_name = "cpu" if args.cpu else args.shape
     rows: list[dict] = []
@@ -489,8 +494,6 @@ def main(argv=None) -> int:
     elif shape_name == "fallback":
         notes.append("--shape fallback: deepseek3-small's 6-layer cut from the start")
     extras = side_checks(args, shape, steps, start)
-    import benchlib as bl
-
     lines = page(args, shape, rows, notes) + side_lines(rows, extras)
     write_profile(args, {**shape, "gradient_accumulation_steps": str(args.ga)}, paths, rows)
     # The profile is on the page; the CSV keeps one flat row per path.

@@ -53,6 +53,9 @@ def test_variant_parsing_and_the_page_without_running_anything():
 def test_cpu_run_writes_one_row_per_path(tmp_path):
     # Minutes on the 2-core machine under load (two tagtrain-tiny compiles); no timing asserted.
     env = dict(os.environ, PYTHON=sys.executable, JAX_PLATFORMS="cpu")
+    # A results folder that does not exist yet is made (a lent TPU's run once wrote
+    # nothing: its --out was missing when the profile was saved, after every path ran).
+    tmp_path = tmp_path / "new" / "results"
     args = ["--cpu", "--steps", "2", "--out", str(tmp_path), "--variant", "bogus:no_such_key=1"]
     proc = subprocess.run(
         ["bash", str(BENCHMARKS / "device_check.sh"), *args],

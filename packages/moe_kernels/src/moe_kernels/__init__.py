@@ -1,5 +1,6 @@
 """moe_kernels: DeepSeek routing and grouped expert matmuls that keep their sharding tags."""
 
+from moe_kernels.activation import gated_silu
 from moe_kernels.capacity import CapacityPlan, capacity_plan
 from moe_kernels.config import (
     DEFAULT_PARAM_AXES,
@@ -30,6 +31,7 @@ __all__ = [
     "choose_grouped_matmul",
     "dense_moe",
     "fitting_expert_counts",
+    "gated_silu",
     "init_params",
     "param_shapes",
     "param_specs",

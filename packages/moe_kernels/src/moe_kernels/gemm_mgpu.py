@@ -31,6 +31,7 @@ import importlib
 import jax
 import jax.numpy as jnp
 
+from moe_kernels.activation import gated_silu
 from moe_kernels.permute import vary_like
 
 # (block_m, block_n, block_k, max_concurrent_steps, grid_block_n): 128 x 128 output
@@ -140,4 +141,4 @@ def swiglu(rows_PxD, kernels, sizes_E, sms: int = H100_SMS):
     sizes_E = sizes_E.astype(jnp.int32)
     h0 = gmm(rows_PxD, wi0, sizes_E, sms)
     h1 = gmm(rows_PxD, wi1, sizes_E, sms)
-    return gmm((jax.nn.silu(h0) * h1).astype(rows_PxD.dtype), wo, sizes_E, sms)
+    return gmm(gated_silu(h0, h1).astype(rows_PxD.dtype), wo, sizes_E, sms)

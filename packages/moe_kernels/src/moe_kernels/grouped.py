@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from moe_kernels import gemm_mgpu
+from moe_kernels.activation import gated_silu
 from moe_kernels.permute import vary_like
 
 IMPLS = ("auto", "ragged_dot", "padded_blocks", "grouped_gemm")
@@ -92,7 +93,7 @@ def swiglu_slots(rows_PxD, kernels, sizes_E, group_P, *, impl, align, precision=
     if impl == "ragged_dot":
         h0 = lax.ragged_dot(rows_PxD, wi0_ExDxF, sizes_E, precision=precision)
         h1 = lax.ragged_dot(rows_PxD, wi1_ExDxF, sizes_E, precision=precision)
-        return lax.ragged_dot(jax.nn.silu(h0) * h1, wo_ExFxD, sizes_E, precision=precision)
+        return lax.ragged_dot(gated_silu(h0, h1), wo_ExFxD, sizes_E, precision=precision)
     if impl == "grouped_gemm":
         # One varying type for rows and weights, as a matmul of them would cast to.
         kernels = tuple(vary_like(w, rows_PxD, sizes_E) for w in kernels)
@@ -114,7 +115,7 @@ def _blocks_swiglu(padded_NxMxD, kernels, expert_N, precision):
     wi0, wi1, wo = (_per_block(w, expert_N) for w in kernels)
     h0_NxMxF = jnp.einsum("nmd,ndf->nmf", padded_NxMxD, wi0, precision=precision)
     h1_NxMxF = jnp.einsum("nmd,ndf->nmf", padded_NxMxD, wi1, precision=precision)
-    return jnp.einsum("nmf,nfd->nmd", jax.nn.silu(h0_NxMxF) * h1_NxMxF, wo, precision=precision)
+    return jnp.einsum("nmf,nfd->nmd", gated_silu(h0_NxMxF, h1_NxMxF), wo, precision=precision)
 
 
 def _per_block(w_ExIxJ, expert_N):

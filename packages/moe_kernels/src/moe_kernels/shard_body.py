@@ -10,6 +10,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from moe_kernels import dispatch, gemm_mgpu, lora
+from moe_kernels.activation import gated_silu
 from moe_kernels.config import MoEConfig
 from moe_kernels.grouped import choose as choose_grouped
 from moe_kernels.params import EXPERT_PARAMS, SHARED_PARAMS
@@ -41,7 +42,7 @@ def _gather(w: jax.Array, spec: P, skip_dims: tuple[int, ...] = ()) -> jax.Array
 def _swiglu_dense(x_TxD, wi0_DxF, wi1_DxF, wo_FxD, precision):
     h0 = jnp.dot(x_TxD, wi0_DxF, precision=precision)
     h1 = jnp.dot(x_TxD, wi1_DxF, precision=precision)
-    return jnp.dot(jax.nn.silu(h0) * h1, wo_FxD, precision=precision)
+    return jnp.dot(gated_silu(h0, h1), wo_FxD, precision=precision)
 
 
 def layer_body(x_BxSxD, params, *, config: MoEConfig, plan: ShardPlan | None, sparse: bool, device):
@@ -112,7 +113,7 @@ def layer_body(x_BxSxD, params, *, config: MoEConfig, plan: ShardPlan | None, sp
         wi0, wi1, wo = (kernel(n).astype(dtype) for n in EXPERT_PARAMS)
         h0 = jnp.einsum("td,edf->tef", x_TxD, wi0, precision=precision)
         h1 = jnp.einsum("td,edf->tef", x_TxD, wi1, precision=precision)
-        out_TxExD = jnp.einsum("tef,efd->ted", jax.nn.silu(h0) * h1, wo, precision=precision)
+        out_TxExD = jnp.einsum("tef,efd->ted", gated_silu(h0, h1), wo, precision=precision)
         dropped = jnp.zeros((), jnp.int32)
         if keep_A is not None:
             # The same cap as the sparse local path: a dropped assignment combines with 0.

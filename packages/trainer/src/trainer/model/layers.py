@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import moe_kernels
 import pspec_tags as pt
 from trainer.model import lora
 from trainer.model.params import param
@@ -77,7 +78,9 @@ class MLP(nnx.Module):
         # cast comes first so an FSDP gather (ctx.weight) moves compute-dtype bytes.
         h0 = self._project("bsd,df->bsf", x_BxSxD, "wi_0", MLP_NAMES.wi, hidden)
         h1 = self._project("bsd,df->bsf", x_BxSxD, "wi_1", MLP_NAMES.wi, hidden)
-        return self._project("bsf,fd->bsd", jax.nn.silu(h0) * h1, "wo", MLP_NAMES.wo, MLP_NAMES.out)
+        return self._project(
+            "bsf,fd->bsd", moe_kernels.gated_silu(h0, h1), "wo", MLP_NAMES.wo, MLP_NAMES.out
+        )
 
     def _project(self, equation, x, attr, logical, out):
         return lora.project(self.ctx, equation, x, self, attr, logical, out=out, dtype=self.dtype)
