@@ -4,11 +4,16 @@ The parameters are stacked on a layer axis either way (model/decoder.py), so thi
 chooses how XLA sees the layer loop, not what is trained or saved. Scanned, the
 program holds one layer and compiles in a time independent of depth; each trip
 saves its residuals into stacked buffers and slices its weights out of the stack,
-a kernel for each. On a TPU those are cheap; on a GPU every kernel is a launch,
-and deepseek3-small's scanned step launches about twice the kernels of the
-unrolled one (docs/performance.md, "Compiling for GPUs from a CPU host"). So auto
-unrolls on GPUs and scans elsewhere, and scans wherever the accumulation schedule
-works inside the backward layer scan (overlapped, overlapped_ring).
+a kernel for each. On a GPU every kernel is a launch, and deepseek3-small's
+scanned step launches about twice the kernels of the unrolled one
+(docs/performance.md, "Compiling for GPUs from a CPU host"). So auto unrolls on
+GPUs and scans elsewhere, and scans wherever the accumulation schedule works inside
+the backward layer scan (overlapped, overlapped_ring). On a TPU the scan is not
+free either: on one v5e chip the unrolled step of deepseek3-small's 6- and 12-layer
+cuts ran in about four fifths of the scanned step's time, in less compiled memory,
+and compiled in time growing with depth where the scan's stays flat
+(benchmarks/results/device_check_tpu_v5e.md). Auto keeps the scan there, for its
+compile time and the fused schedule; `scan_layers=false` is the faster long run.
 """
 
 from __future__ import annotations
