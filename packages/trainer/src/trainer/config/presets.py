@@ -91,8 +91,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # accumulation adds, the costliest non-matmul kernels of the GA=2 step (each reads
     # and writes the f32 accumulator of every parameter per microbatch). Both programs
     # and their predicted step times: benchmarks/results/gpu_estimate.md (h200 rows);
-    # `train compile_topology=h200-1 model_name=deepseek3-h200` prints the memory and
-    # which XLA_PYTHON_CLIENT_MEM_FRACTION holds it (more than JAX's default 75%).
+    # `train compile_topology=h200-1 model_name=deepseek3-h200` prints the memory and,
+    # where it passes the 75% of HBM JAX's allocator takes by default, which
+    # XLA_PYTHON_CLIENT_MEM_FRACTION holds it (the page's compiled GiB column: it passed
+    # 75% until SwiGLU's gate saved only its inputs, moe_kernels.gated_silu).
     # remat_policy=selective recomputes dot_product attention's (B, H, S, S) scores in
     # the backward (a compile on a CPU host builds dot_product, having no cuDNN; on the
     # device cuDNN's fused kernel recomputes them itself, and selective then changes
