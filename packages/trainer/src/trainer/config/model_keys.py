@@ -155,7 +155,9 @@ class ModelConfig:
     scan_layers: Literal["auto", True, False] = key(
         "auto",
         "decoder layers as one lax.scan (true) or unrolled (false); auto: unrolled on "
-        "GPUs, scanned elsewhere (compiled effect: benchmarks/results/perf_keys.md)",
+        "GPUs, scanned elsewhere (compiled effect: benchmarks/results/perf_keys.md; on one "
+        "TPU v5e unrolled stepped faster and compiled slower: "
+        "benchmarks/results/device_check_tpu_v5e.md)",
     )
     # Multi-token prediction (DeepSeek-V3 section 2.2), under MaxText's keys
     # (model/mtp.py): mtp_num_layers sequential depths after the main model, depth
