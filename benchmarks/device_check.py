@@ -135,7 +135,11 @@ def train_path(spec: dict) -> dict:
             _, metrics = jax.block_until_ready(step.step())
             times.append(time.perf_counter() - start)
             losses.append(float(metrics["loss"]))
-        profile = profile_steps(step, 2) if spec.get("profile") else None
+        # The profile reader is a GPU trace's (gpu_profile: kernel names by category),
+        # and what --refit fits the GPU calibration to: a TPU's trace would give an
+        # empty profile that reads as a GPU run of no kernels.
+        profiled = spec.get("profile") and device.platform == "gpu"
+        profile = profile_steps(step, 2) if profiled else None
     except Exception as e:  # an OOM or a key this trainer lacks: a row, not a crash
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         oom = "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()

@@ -105,3 +105,13 @@ def test_profile_json_for_the_refit(tmp_path):
     dc.write_profile(args, shape, dc.PATHS, rows[1:])  # no profile: nothing written over it
     with open(tmp_path / "device_check_profile.json") as f:
         assert json.load(f)["path"] == "deferred"
+
+
+def test_only_a_gpu_path_is_profiled():
+    # The profile is a GPU trace's kernels by category, what --refit fits the GPU
+    # calibration to; a TPU run once wrote an empty one (0 kernels) as if from a GPU.
+    dc = _device_check()
+    spec = {"steps": 1, "profile": True, "overrides": {**dc.SHAPES["cpu"], "steps": "1"}}
+    row = dc.train_path(spec)
+    assert row["status"] == "ok", row
+    assert row["profile"] is None
