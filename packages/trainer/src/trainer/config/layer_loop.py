@@ -10,9 +10,9 @@ scanned step launches about twice the kernels of the unrolled one
 GPUs and scans elsewhere, and scans wherever the accumulation schedule works inside
 the backward layer scan (overlapped, overlapped_ring). On a TPU the scan is not
 free either: on one v5e chip the unrolled step of deepseek3-small's 6- and 12-layer
-cuts ran in about four fifths of the scanned step's time, in less compiled memory,
-and compiled in time growing with depth where the scan's stays flat
-(benchmarks/results/device_check_tpu_v5e.md). Auto keeps the scan there, for its
+cuts ran faster than the scanned one, in less compiled memory, and compiled in time
+growing with depth where the scan's stays flat (the figures:
+benchmarks/results/device_check_tpu_v5e.md). Auto keeps the scan there, for its
 compile time and the fused schedule; `scan_layers=false` is the faster long run.
 """
 
