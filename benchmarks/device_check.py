@@ -473,8 +473,9 @@ def main(argv=None) -> int:
                     "steps": str(steps),
                     **overrides,
                 },
-                # The first path's kernels, profiled on an accelerator.
-                "profile": not args.cpu and not rows,
+                # The first path's kernels, profiled where it runs on a GPU (train_path
+                # decides, from the device the path's process got).
+                "profile": not rows,
             }
             # A started path may run past the budget by up to a minute: still under 8.
             rows.append({**row, **run_path(spec, timeout=left + 60)})
