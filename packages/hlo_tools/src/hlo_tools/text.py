@@ -2,27 +2,40 @@
 
 HLO attribute values nest (), {}, [] and carry double-quoted strings (op names,
 backend_config JSON with escaped quotes), so splitting on commas or finding the
-end of a value needs a small scanner rather than a regular expression.
+end of a value needs a small scanner rather than a split. The scanner steps from
+token to token with one regular expression (a whole string or comment is one
+token, skipped: the brackets in them do not count) instead of from character to
+character: a compiled step's text is megabytes, most of it inside strings.
 """
+
+import re
 
 from hlo_tools.errors import HloParseError
 
 _OPEN = {"(": ")", "{": "}", "[": "]"}
 _CLOSE = {")", "}", "]"}
+# A whole string (backslash escapes) or comment first; a quote or comment opener left
+# over is one that is never closed.
+_OPAQUE = r'"[^"\\]*(?:\\.[^"\\]*)*"|/\*.*?\*/|"|/\*'
+_BRACKETS = re.compile(rf"{_OPAQUE}|[()\[\]{{}}]", re.S)
+_SPLITTERS: dict[str, re.Pattern] = {}
 
 
-def skip_string(s: str, i: int, line_number: int = 0) -> int:
-    """Return the index just past the double-quoted string starting at ``s[i]``."""
-    j = i + 1
-    while j < len(s):
-        c = s[j]
-        if c == "\\":
-            j += 2
-            continue
-        if c == '"':
-            return j + 1
-        j += 1
-    raise HloParseError("unterminated string", line_number, s)
+def _splitter(sep: str) -> re.Pattern:
+    """The tokens split_top_level reads: strings, comments, brackets and `sep`."""
+    pattern = _SPLITTERS.get(sep)
+    if pattern is None:
+        pattern = _SPLITTERS[sep] = re.compile(rf"{_OPAQUE}|[()\[\]{{}}]|{re.escape(sep)}", re.S)
+    return pattern
+
+
+def _opaque(token: str, s: str, line_number: int) -> bool:
+    """Whether `token` is a string or comment (skipped); raises where it is unclosed."""
+    if token == '"':
+        raise HloParseError("unterminated string", line_number, s)
+    if token == "/*":
+        raise HloParseError("unterminated comment", line_number, s)
+    return token[0] == '"' or token.startswith("/*")
 
 
 def skip_comment(s: str, i: int, line_number: int = 0) -> int:
@@ -33,36 +46,23 @@ def skip_comment(s: str, i: int, line_number: int = 0) -> int:
     return end + 2
 
 
-def skip_opaque(s: str, i: int, line_number: int = 0) -> int:
-    """Skip a string or comment starting at ``s[i]`` (their brackets do not count); else ``i``."""
-    if s[i] == '"':
-        return skip_string(s, i, line_number)
-    if s.startswith("/*", i):
-        return skip_comment(s, i, line_number)
-    return i
-
-
 def match_bracket(s: str, i: int, line_number: int = 0) -> int:
     """Return the index just past the bracket group opening at ``s[i]``."""
     if i >= len(s) or s[i] not in _OPEN:
         raise HloParseError(f"expected an opening bracket at column {i + 1}", line_number, s)
     stack = [_OPEN[s[i]]]
-    j = i + 1
-    while j < len(s):
-        c = s[j]
-        past = skip_opaque(s, j, line_number)
-        if past != j:
-            j = past
+    for m in _BRACKETS.finditer(s, i + 1):
+        c = m.group()
+        if _opaque(c, s, line_number):
             continue
         if c in _OPEN:
             stack.append(_OPEN[c])
-        elif c in _CLOSE:
-            if c != stack[-1]:
-                raise HloParseError(f"mismatched {c!r} at column {j + 1}", line_number, s)
-            stack.pop()
-            if not stack:
-                return j + 1
-        j += 1
+            continue
+        if c != stack[-1]:
+            raise HloParseError(f"mismatched {c!r} at column {m.start() + 1}", line_number, s)
+        stack.pop()
+        if not stack:
+            return m.end()
     raise HloParseError("unbalanced brackets", line_number, s)
 
 
@@ -75,17 +75,11 @@ def open_brackets(s: str, line_number: int = 0) -> int:
     counts = [s.count(c) for c in "([{)]}"]
     if counts[:3] == counts[3:]:
         return 0
-    depth, j = 0, 0
-    while j < len(s):
-        past = skip_opaque(s, j, line_number)
-        if past != j:
-            j = past
-            continue
-        if s[j] in _OPEN:
-            depth += 1
-        elif s[j] in _CLOSE:
-            depth -= 1
-        j += 1
+    depth = 0
+    for m in _BRACKETS.finditer(s):
+        c = m.group()
+        if not _opaque(c, s, line_number):
+            depth += 1 if c in _OPEN else -1
     return depth
 
 
@@ -93,22 +87,23 @@ def split_top_level(s: str, sep: str = ",", line_number: int = 0) -> list[str]:
     """Split ``s`` on ``sep`` where it is outside brackets, strings and comments."""
     parts: list[str] = []
     start = 0
-    j = 0
-    while j < len(s):
-        c = s[j]
-        past = skip_opaque(s, j, line_number)
-        if past != j:
-            j = past
+    stack: list[str] = []
+    for m in _splitter(sep).finditer(s):
+        c = m.group()
+        if _opaque(c, s, line_number):
             continue
         if c in _OPEN:
-            j = match_bracket(s, j, line_number)
-            continue
-        if c in _CLOSE:
-            raise HloParseError(f"unexpected {c!r} at column {j + 1}", line_number, s)
-        if c == sep:
-            parts.append(s[start:j])
-            start = j + 1
-        j += 1
+            stack.append(_OPEN[c])
+        elif c in _CLOSE:
+            if not stack:
+                raise HloParseError(f"unexpected {c!r} at column {m.start() + 1}", line_number, s)
+            if c != stack.pop():
+                raise HloParseError(f"mismatched {c!r} at column {m.start() + 1}", line_number, s)
+        elif not stack:
+            parts.append(s[start : m.start()])
+            start = m.end()
+    if stack:
+        raise HloParseError("unbalanced brackets", line_number, s)
     parts.append(s[start:])
     return [p.strip() for p in parts if p.strip()]
 
