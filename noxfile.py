@@ -61,6 +61,18 @@ CPU_TEST_ENV = {
     **CPU_ENV,
     "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip(),
 }
+# The sessions on the locked jaxlib also generate XLA:CPU's fused kernels with its
+# elemental emitter instead of the MLIR fusion emitters, which took about half of a
+# trainer step's compile at -O0. XLA then forms a few fusions differently (the text
+# inside fusions differs); the collectives, loops and numbers the tests read do not
+# (tagtrain-tiny's data4 x fsdp2 GA=2 step: the same losses and grad norms, temp
+# memory within 0.1%), and every test passes either way. The wheel sessions keep
+# the default emitters: their unit tests check the same assertions on XLA's usual
+# programs, and a newer jaxlib that dropped this flag would abort on it.
+LOCKED_CPU_TEST_ENV = {
+    **CPU_TEST_ENV,
+    "XLA_FLAGS": f"{CPU_TEST_ENV['XLA_FLAGS']} --xla_cpu_use_fusion_emitters=false",
+}
 
 
 def _sync(session: nox.Session, *extras: str) -> None:
@@ -89,8 +101,10 @@ def cpu(session: nox.Session) -> None:
         *DURATIONS,
         "-m",
         "not aot and not integration and not slow",
+        # The device_check session runs this file whole.
+        "--ignore=tests/test_device_check.py",
         *session.posargs,
-        env=CPU_TEST_ENV,
+        env=LOCKED_CPU_TEST_ENV,
     )
 
 
@@ -104,7 +118,7 @@ def slow(session: nox.Session) -> None:
         "-m",
         "slow and not aot and not integration",
         *session.posargs,
-        env=CPU_TEST_ENV,
+        env=LOCKED_CPU_TEST_ENV,
     )
 
 
@@ -124,7 +138,7 @@ def device_check(session: nox.Session) -> None:
     """benchmarks/device_check.sh run on CPU (its small shape), so CI keeps the GPU
     host's script working: tests/test_device_check.py, its slow run included."""
     _sync(session)
-    session.run("pytest", "tests/test_device_check.py", *session.posargs, env=CPU_TEST_ENV)
+    session.run("pytest", "tests/test_device_check.py", *session.posargs, env=LOCKED_CPU_TEST_ENV)
 
 
 @nox.session
