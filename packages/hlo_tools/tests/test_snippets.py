@@ -420,6 +420,10 @@ def test_the_same_text_parses_to_the_same_module_while_it_is_kept(monkeypatch):
     assert ht.parse(one) is first
     ht.parse(two)
     assert ht.parse(one) is not first
+    # The newest text is kept even where it alone is over the bound.
+    monkeypatch.setattr(parser, "_CACHE_CHARS", 10)
+    big = ht.parse(two)
+    assert ht.parse(two) is big and len(parser._CACHE) == 1
     # Errors are raised each time, never kept.
     for _ in range(2):
         with pytest.raises(ht.HloParseError):

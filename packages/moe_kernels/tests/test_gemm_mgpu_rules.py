@@ -45,6 +45,16 @@ def reference_kernels(monkeypatch):
     monkeypatch.setattr(gemm_mgpu, "_kernels", lambda: (ragged, transposed))
     # The SM-count shim swaps a module's `jax`; the reference needs none.
     monkeypatch.setattr(gemm_mgpu, "_sm_count", lambda sms: _null())
+    # The kernels' jit wrappers keep what they traced: none of the real kernels'
+    # traces is reused here, and none of these outlives the test.
+    _clear_kernel_traces()
+    yield
+    _clear_kernel_traces()
+
+
+def _clear_kernel_traces():
+    gemm_mgpu._ragged_dot.clear_cache()
+    gemm_mgpu._transposed_ragged_dot.clear_cache()
 
 
 class _null:
@@ -107,3 +117,34 @@ def test_swiglu_with_trailing_zero_rows_equals_the_ragged_dot_impl(reference_ker
     got = jax.grad(lambda r, k: loss("grouped_gemm", r, k), argnums=(0, 1))(rows, kernels)
     for g, w_ in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w_, rtol=1e-4, atol=1e-4)
+
+
+def test_layers_of_one_shape_trace_each_kernel_once(reference_kernels, monkeypatch):
+    """Two layers with weights of one shape: each kernel (forward, dx, dw) is traced
+    once for both, so the step's module lowers one copy of it (a Mosaic GPU module
+    per kernel, not per layer)."""
+    traced = []
+
+    def counted(name, fn):
+        def kernel(*args, **kwargs):
+            traced.append(name + ("_t" if kwargs.get("transpose_rhs") else ""))
+            return fn(*args, **kwargs)
+
+        return kernel
+
+    ragged = types.SimpleNamespace(ragged_dot=counted("ragged", _ref_ragged_dot))
+    transposed = types.SimpleNamespace(
+        transposed_ragged_dot=counted("transposed", _ref_transposed_ragged_dot)
+    )
+    monkeypatch.setattr(gemm_mgpu, "_kernels", lambda: (ragged, transposed))
+    _clear_kernel_traces()
+    x, w, sizes = _operands()
+    w2 = w * 0.5
+
+    def two_layers(x, w, w2):
+        y = gemm_mgpu.gmm(x, w, sizes, 132) + gemm_mgpu.gmm(2.0 * x, w2, sizes, 132)
+        return jnp.sum(jnp.sin(y))
+
+    jax.jit(jax.grad(two_layers, argnums=(0, 1, 2))).lower(x, w, w2)
+    # Called directly, the kernels were traced once per layer: six entries.
+    assert sorted(traced) == ["ragged", "ragged_t", "transposed"], traced

@@ -34,9 +34,11 @@ _CLOSE_WITH_ATTRIBUTES = re.compile(r"^\}\s*,\s*[\w.]+=")
 
 # The modules of the texts parsed last. One compiled program is commonly parsed
 # several times in a row (accum's verdict when it is compiled, the trainer's
-# startup collective summary, a test's own assertions), each a whole parse: about
-# a second for tagtrain-tiny's step. Bounded by the texts' total length (a module
-# holds about six times its text's bytes); a longer text is not kept.
+# startup collective summary and kernel count, a test's own assertions), each a
+# whole parse: about a second for tagtrain-tiny's step, several for a full-size
+# model's. Bounded by the texts' total length (a module holds about six times its
+# text's bytes), except that the newest text is always kept: `train
+# compile_topology=h200-1` parsed deepseek3-small's 53 MB program five times.
 _CACHE: OrderedDict[str, HloModule] = OrderedDict()
 _CACHE_CHARS = 16_000_000
 _CACHE_LOCK = threading.Lock()
@@ -46,8 +48,8 @@ def parse(text: str) -> HloModule:
     """Parse compiled HLO text into an :class:`HloModule`.
 
     The same text gives the same module object while it is among the last ones
-    parsed (up to 16 M characters of text in all): treat a module as read-only
-    (nothing in hlo_tools changes one).
+    parsed (up to 16 M characters of text in all, and always the last one): treat
+    a module as read-only (nothing in hlo_tools changes one).
 
     Understands CPU, GPU and TPU dumps: tuple types, tiled layouts, the debug
     tables (FileNames, StackFrames, ...), attributes holding JSON. Raises
@@ -71,11 +73,10 @@ def parse(text: str) -> HloModule:
             _CACHE.move_to_end(text)
             return module
     module = _parse(text)
-    if len(text) <= _CACHE_CHARS:
-        with _CACHE_LOCK:
-            _CACHE[text] = module
-            while sum(map(len, _CACHE)) > _CACHE_CHARS:
-                _CACHE.popitem(last=False)
+    with _CACHE_LOCK:
+        _CACHE[text] = module
+        while len(_CACHE) > 1 and sum(map(len, _CACHE)) > _CACHE_CHARS:
+            _CACHE.popitem(last=False)
     return module
 
 

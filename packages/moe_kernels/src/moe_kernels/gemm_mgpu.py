@@ -104,13 +104,36 @@ def _sm_count(sms: int):
         module.jax = jax
 
 
+# The kernels are called through jax.jit: every layer calls them on the same shapes,
+# so jit traces each (kernel, shapes) once and the step's module holds one lowered
+# function per kernel that each layer calls. Called directly, each of the 23 MoE layers
+# of deepseek3-small lowered its own copy of each kernel's Mosaic GPU module (9 a layer
+# and microbatch step: a large part of `train compile_topology=h200-1`'s Python time).
+# XLA inlines the calls: the compiled program is the same.
+@functools.partial(jax.jit, static_argnames=("transpose_rhs",))
+def _ragged_dot(x_PxK, w_ExKxN, sizes_E, transpose_rhs=False):
+    """JAX's ragged_dot kernel at TILE (w transposed per group with `transpose_rhs`)."""
+    ragged = _kernels()[0]
+    return ragged.ragged_dot(
+        x_PxK, w_ExKxN, group_sizes=sizes_E, transpose_rhs=transpose_rhs, **TILE
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("sms",))
+def _transposed_ragged_dot(x_PxK, g_PxN, sizes_E, sms):
+    """JAX's transposed_ragged_dot kernel at TILE_T, its grid sized for `sms` SMs
+    (static: part of jit's cache key, so a trace for one target is not reused for
+    another)."""
+    with _sm_count(sms):
+        return _kernels()[1].transposed_ragged_dot(x_PxK, g_PxN, group_sizes=sizes_E, **TILE_T)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def gmm(x_PxK, w_ExKxN, sizes_E, sms):
     """y[p] = x[p] @ w[group of p], rows sorted by group, sum(sizes_E) == P; `sms`: the
     target's SM count (static). See the module docstring."""
     del sms
-    y = _kernels()[0].ragged_dot(x_PxK, w_ExKxN, group_sizes=sizes_E, **TILE)
-    return vary_like(y, x_PxK, w_ExKxN)
+    return vary_like(_ragged_dot(x_PxK, w_ExKxN, sizes_E), x_PxK, w_ExKxN)
 
 
 def _gmm_fwd(x_PxK, w_ExKxN, sizes_E, sms):
@@ -119,11 +142,9 @@ def _gmm_fwd(x_PxK, w_ExKxN, sizes_E, sms):
 
 def _gmm_bwd(sms, res, g_PxN):
     x_PxK, w_ExKxN, sizes_E = res
-    ragged, transposed = _kernels()
     g_PxN = g_PxN.astype(x_PxK.dtype)
-    dx = ragged.ragged_dot(g_PxN, w_ExKxN, group_sizes=sizes_E, transpose_rhs=True, **TILE)
-    with _sm_count(sms):
-        dw = transposed.transposed_ragged_dot(x_PxK, g_PxN, group_sizes=sizes_E, **TILE_T)
+    dx = _ragged_dot(g_PxN, w_ExKxN, sizes_E, transpose_rhs=True)
+    dw = _transposed_ragged_dot(x_PxK, g_PxN, sizes_E, sms)
     # Inside a shard_map a Pallas kernel's result is typed invariant whatever its
     # inputs; each gradient is typed as its primal (a no-op on values).
     return vary_like(dx, x_PxK), vary_like(dw.astype(w_ExKxN.dtype), w_ExKxN), None
