@@ -8,6 +8,7 @@ token, skipped: the brackets in them do not count) instead of from character to
 character: a compiled step's text is megabytes, most of it inside strings.
 """
 
+import functools
 import re
 
 from hlo_tools.errors import HloParseError
@@ -15,18 +16,15 @@ from hlo_tools.errors import HloParseError
 _OPEN = {"(": ")", "{": "}", "[": "]"}
 _CLOSE = {")", "}", "]"}
 # A whole string (backslash escapes) or comment first; a quote or comment opener left
-# over is one that is never closed.
-_OPAQUE = r'"[^"\\]*(?:\\.[^"\\]*)*"|/\*.*?\*/|"|/\*'
-_BRACKETS = re.compile(rf"{_OPAQUE}|[()\[\]{{}}]", re.S)
-_SPLITTERS: dict[str, re.Pattern] = {}
+# over is one that is never closed. Then one bracket.
+_TOKEN = r'"[^"\\]*(?:\\.[^"\\]*)*"|/\*.*?\*/|"|/\*|[()\[\]{}]'
+_BRACKETS = re.compile(_TOKEN, re.S)
 
 
+@functools.cache
 def _splitter(sep: str) -> re.Pattern:
     """The tokens split_top_level reads: strings, comments, brackets and `sep`."""
-    pattern = _SPLITTERS.get(sep)
-    if pattern is None:
-        pattern = _SPLITTERS[sep] = re.compile(rf"{_OPAQUE}|[()\[\]{{}}]|{re.escape(sep)}", re.S)
-    return pattern
+    return re.compile(f"{_TOKEN}|{re.escape(sep)}", re.S)
 
 
 def _opaque(token: str, s: str, line_number: int) -> bool:
