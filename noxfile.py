@@ -62,13 +62,12 @@ CPU_TEST_ENV = {
     "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip(),
 }
 # The sessions on the locked jaxlib also generate XLA:CPU's fused kernels with its
-# elemental emitter instead of the MLIR fusion emitters, which took about half of a
-# trainer step's compile at -O0. XLA then forms a few fusions differently (the text
-# inside fusions differs); the collectives, loops and numbers the tests read do not
-# (tagtrain-tiny's data4 x fsdp2 GA=2 step: the same losses and grad norms, temp
-# memory within 0.1%), and every test passes either way. The wheel sessions keep
-# the default emitters: their unit tests check the same assertions on XLA's usual
-# programs, and a newer jaxlib that dropped this flag would abort on it.
+# elemental emitter instead of the MLIR fusion emitters, about half of XLA's compile
+# of a trainer step at -O0. XLA then forms a few fusions differently (the text inside
+# fusions differs); the collectives, loops and numbers the tests read do not, and
+# every test passes either way. The wheel sessions keep the default emitters: their
+# unit tests check the same assertions on XLA's usual programs, and a newer jaxlib
+# that dropped this flag would abort on it.
 LOCKED_CPU_TEST_ENV = {
     **CPU_TEST_ENV,
     "XLA_FLAGS": f"{CPU_TEST_ENV['XLA_FLAGS']} --xla_cpu_use_fusion_emitters=false",
