@@ -17,6 +17,11 @@ chip's figures, the model's XLA attention priced as cuDNN's). Rows:
 - h200: deepseek3-h200 with the preset's batch (per_device_batch_size=16, GA=1);
   h200-ga2: the same 16 sequences a step as 8 x GA 2, the preset's shape before
   (estimated whether they fit in HBM or not: the compiled GiB column says).
+- reference: held out, the plain-JAX dense transformer device_check.py times in the
+  same run as the calibration's (benchmarks/dense_reference.py: the calibration
+  shape's width, sequence and FLOPs per token, no MoE, no microbatch loop, causal
+  attention without a mask), compiled for the same GPU here and priced with the same
+  calibration, against its measured step; a program the fit never saw.
 
     JAX_PLATFORMS=cpu uv run --extra tpu --extra gpu python benchmarks/bench_gpu_estimate.py \
         [--only default] [--layers 4] [--set key=value] [--keep DIR] [--refit]
@@ -41,6 +46,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -48,12 +54,13 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import benchlib as bl  # noqa: E402
+import dense_reference  # noqa: E402
 
 import hlo_tools  # noqa: E402
 from hlo_tools import gpu_estimate as ge  # noqa: E402
 from trainer.config import make_config  # noqa: E402
 from trainer.model import attention_kernel, cudnn_attention  # noqa: E402
-from trainer.run import aot  # noqa: E402
+from trainer.run import aot, gpu_topology  # noqa: E402
 from trainer.run import gpu_estimate as tg  # noqa: E402
 
 COMMAND = "JAX_PLATFORMS=cpu uv run --extra tpu --extra gpu python benchmarks/bench_gpu_estimate.py"
@@ -82,7 +89,13 @@ ROWS = {
             "gradient_reduction_policy": "deferred",
         },
     ),
+    "reference": (
+        "plain-JAX dense reference, the calibration run's 32 sequences in one step (held out)",
+        {**SMALL, "gradient_accumulation_steps": "4"},
+    ),
 }
+# The reference's attention, priced as cuDNN's (a compile-only GPU builds XLA's).
+REFERENCE_ATTENTION = (dense_reference.causal_attention.__qualname__,)
 PROFILE_JSON = os.path.join(bl.RESULTS, "device_check_profile.json")
 PROFILE_PAGE = os.path.join(bl.RESULTS, "device_check.md")
 PROFILE_CSV = os.path.join(bl.RESULTS, "device_check.csv")
@@ -105,6 +118,7 @@ def measured() -> dict:
             "kernels": data.get("kernels_per_step"),
             "groups": groups,
             "xla_attention_ms": None,
+            "reference_ms": data.get("reference", {}).get("step_ms"),
             "source": os.path.relpath(PROFILE_JSON, bl.RESULTS),
         }
     with open(PROFILE_PAGE) as f:
@@ -118,6 +132,7 @@ def measured() -> dict:
         elif groups and line.strip():
             break
     kernels = re.search(r"Kernels per step \(.*?\): ([\d,]+)", page)
+    reference = re.search(r"dense reference .*?: ([\d.]+) ms per step", page, re.DOTALL)
     with open(PROFILE_CSV) as f:
         step = {r["path"]: float(r["step_ms"]) for r in csv.DictReader(f) if r["step_ms"]}
     return {
@@ -126,6 +141,7 @@ def measured() -> dict:
         "kernels": int(kernels.group(1).replace(",", "")) if kernels else None,
         "groups": groups,
         "xla_attention_ms": step.get("dot_product"),
+        "reference_ms": float(reference.group(1)) if reference else None,
         "source": "device_check.md (2026-12-04, one H200)",
         "overrides": ROWS["calibration"][1],
     }
@@ -165,15 +181,21 @@ def compile_row(name: str, overrides: dict, args) -> tuple[str, dict]:
             with open(facts) as f:
                 return hlo, json.load(f)
         config = make_config(overrides)
-        batch = config.per_device_batch_size * config.gradient_accumulation_steps
+        batch = int(config.per_device_batch_size * config.gradient_accumulation_steps)
         return hlo, {"compile_s": 0.0, "compiled_gib": None, "batch": batch}
-    config = make_config({"base_output_directory": keep, "compile_topology": "h200-1", **overrides})
     start = time.perf_counter()
-    result = aot.compile_for_topology(config, hlo)
+    if name == "reference":
+        gib, batch = compile_reference(overrides, hlo, "cudnn" if args.cudnn else None)
+    else:
+        config = make_config(
+            {"base_output_directory": keep, "compile_topology": "h200-1", **overrides}
+        )
+        result = aot.compile_for_topology(config, hlo)
+        gib, batch = result.memory["total"] / bl.GIB, result.run.batch_size
     out = {
         "compile_s": time.perf_counter() - start,
-        "compiled_gib": result.memory["total"] / bl.GIB,
-        "batch": result.run.batch_size,
+        "compiled_gib": gib,
+        "batch": batch,
         "overrides": overrides,
         "tree": bl.revision(),
     }
@@ -182,12 +204,51 @@ def compile_row(name: str, overrides: dict, args) -> tuple[str, dict]:
     return hlo, out
 
 
+def compile_reference(overrides: dict, hlo: str, implementation: str | None) -> tuple[float, int]:
+    """The dense reference's step at the shape device_check gives it (the trainer
+    shape `overrides` names, per_device_batch_size x GA sequences in one step),
+    compiled for one compile-only H200 with XLA's attention (`implementation` None;
+    "cudnn" under --cudnn); its HLO and thunk files written as a trainer row's are.
+    Returns (compiled GiB, sequences per step)."""
+    config = make_config(overrides)
+    shape = dense_reference.shape_for(config.model, config.data)
+    batch = int(config.per_device_batch_size * config.gradient_accumulation_steps)
+    device = gpu_topology.devices("h200", 1, 1)[0]
+    seq = config.data.max_target_length
+    lowered = dense_reference.lower(shape, batch, seq, implementation, device)
+    os.makedirs(os.path.dirname(hlo), exist_ok=True)
+    dump = tempfile.mkdtemp(prefix="gpu_est_dump_")
+    try:
+        compiled = lowered.compile(compiler_options={"xla_dump_to": dump})
+        text = compiled.as_text()
+        with open(hlo, "w") as f:
+            f.write(text)
+        gpu_topology.kernels_of_dump(dump, text, hlo.removesuffix(".hlo") + ".thunks.txt")
+    finally:  # the dump (LLVM IR, PTX) is large: only the thunk files are kept
+        shutil.rmtree(dump, ignore_errors=True)
+    return aot.memory_of(compiled)["total"] / bl.GIB, batch
+
+
+def reference_flops(overrides: dict) -> float:
+    """The dense reference's training FLOPs per step at the shape of `overrides`."""
+    config = make_config(overrides)
+    shape = dense_reference.shape_for(config.model, config.data)
+    seq = config.data.max_target_length
+    batch = int(config.per_device_batch_size * config.gradient_accumulation_steps)
+    return dense_reference.flops_per_token(shape, seq) * batch * seq
+
+
 def estimate_row(name: str, title: str, overrides: dict, args) -> dict:
     """One row: compile, estimate, MFU, memory."""
     hlo, facts = compile_row(name, overrides, args)
-    kernels = tg.kernels_of_files(hlo)
+    if name == "reference":
+        hlo_text, sequence, metadata = hlo_tools.read_program(hlo)
+        kernels = hlo_tools.launched_kernels(sequence, metadata, hlo_text, REFERENCE_ATTENTION)
+        model_flops = reference_flops(overrides)
+    else:
+        kernels = tg.kernels_of_files(hlo)
+        model_flops = tg.flops_per_step(make_config(overrides), int(facts["batch"]))
     est = hlo_tools.estimate_step(kernels, tg.roofline("h200"))
-    model_flops = tg.flops_per_step(make_config(overrides), int(facts["batch"]))
     mfu = model_flops / (est.total_ms * 1e-3 * tg.roofline("h200").peak_flops)
     memory, seconds = facts["compiled_gib"], facts["compile_s"]
     print(f"{name}: {est.total_ms:,.1f} ms, MFU {100 * mfu:.1f}%, {seconds:.0f} s", flush=True)
@@ -209,7 +270,11 @@ def estimate_row(name: str, title: str, overrides: dict, args) -> dict:
     # the device's own program, its conditional (packed call or masked fallback)
     # priced both ways. The calibration row has its own check (calibration_lines).
     cudnn = os.path.join(args.keep, f"{name}-cudnn") if args.keep else ""
-    if name != "calibration" and not args.cudnn and os.path.exists(f"{cudnn}/aot_h200-1.hlo"):
+    if (
+        name not in ("calibration", "reference")
+        and not args.cudnn
+        and os.path.exists(f"{cudnn}/aot_h200-1.hlo")
+    ):
         kernels = tg.kernels_of_files(f"{cudnn}/aot_h200-1.hlo")
         picks = [hlo_tools.estimate_step(kernels, tg.roofline("h200"), p) for p in (min, max)]
         with open(f"{cudnn}/compile.json") as f:
@@ -319,6 +384,16 @@ def row_lines(row: dict) -> list[str]:
         for cat, (n, b, ms) in est.by_category.items()
     ]
     lines += bl.table(["category", "kernels/step", "GB/step", "ms"], body) + [""]
+    if row.get("measured_ms"):
+        off = 100 * (est.total_ms / row["measured_ms"] - 1)
+        lines += [
+            f"Held out (the calibration was not fitted to it): predicted {est.total_ms:,.1f} "
+            f"ms vs {row['measured_ms']:,.1f} ms measured in the calibration's device run "
+            f"({off:+.1f}%; device_check.md, whose versions may differ from this host's). "
+            "Its MFU counts dense_reference.flops_per_token; its compiled GiB is the XLA "
+            "attention's (scores in memory), which the device ran as cuDNN's.",
+            "",
+        ]
     body = [
         [
             f"`{g.source}`",
@@ -434,6 +509,8 @@ def main(argv: list[str]) -> int:
         if name == "calibration":  # the measured run's own keys
             overrides = truth["overrides"]
         rows.append(estimate_row(name, title, {**overrides, **extra}, args))
+        if name == "reference":  # device_check timed it in the calibration's run
+            rows[-1]["measured_ms"] = truth["reference_ms"]
         flat = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
         bl.write("gpu_estimate", page(rows, truth, args, time.perf_counter() - start), flat,
                  args.out)  # fmt: skip

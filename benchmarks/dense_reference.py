@@ -76,6 +76,13 @@ def rms_norm(x, scale):
     return (y * scale).astype(x.dtype)
 
 
+def causal_attention(q, k, v, implementation):
+    """jax's causal attention (cuDNN's fused kernel where it runs). A function of its
+    own so that bench_gpu_estimate.py, pricing this program compiled for a GPU on a
+    CPU host (XLA's attention there), can name its kernels as cuDNN's."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+
+
 def forward(params, tokens, shape, implementation):
     bf = jnp.bfloat16
     b, s = tokens.shape
@@ -85,7 +92,7 @@ def forward(params, tokens, shape, implementation):
         p = jax.tree.map(lambda w: w.astype(bf), p)
         y = rms_norm(x, p["n1"])
         q, k, v = ((y @ p[n]).reshape(b, s, h, hd) for n in ("wq", "wk", "wv"))
-        a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+        a = causal_attention(q, k, v, implementation)
         x = x + a.reshape(b, s, h * hd) @ p["wo"]
         y = rms_norm(x, p["n2"])
         x = x + (jax.nn.silu(y @ p["w1"]) * (y @ p["w3"])) @ p["w2"]
@@ -107,6 +114,22 @@ def make_step(shape, implementation):
         return optax.apply_updates(params, updates), opt_state, loss
 
     return tx, step
+
+
+def lower(shape: dict, batch: int, seq: int, implementation, device):
+    """The step lowered for `device` on abstract arguments (nothing allocated): what a
+    compile for a GPU target from a CPU host takes (bench_gpu_estimate.py)."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+
+    def abstract(tree):
+        return jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree
+        )
+
+    tx, step = make_step(shape, implementation)
+    params = jax.eval_shape(lambda: init(shape, jax.random.key(0)))
+    tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=sharding)
+    return step.lower(abstract(params), abstract(jax.eval_shape(tx.init, params)), tokens)
 
 
 def measure(model, data, batch: int, steps: int) -> dict:

@@ -360,10 +360,11 @@ def side_checks(args, shape: dict, steps: int, start: float) -> dict:
     return out
 
 
-def write_profile(args, shape: dict, paths: dict, rows: list[dict]) -> None:
+def write_profile(args, shape: dict, paths: dict, rows: list[dict], extras: dict) -> None:
     """device_check_profile.json beside the page: the profiled path's keys, step time
     and kernel ms by group, what `bench_gpu_estimate.py --refit` fits hlo_tools'
-    GPU calibration to (it compiles the same keys for a compile-only GPU)."""
+    GPU calibration to (it compiles the same keys for a compile-only GPU), and the
+    dense reference's step time (that page's held-out row)."""
     import benchlib as bl
 
     row = next((r for r in rows if r.get("profile")), None)
@@ -375,6 +376,9 @@ def write_profile(args, shape: dict, paths: dict, rows: list[dict]) -> None:
         "overrides": {**shape, **paths[row["path"]]},
         "step_ms": row.get("step_ms"),
         **row["profile"],
+        "reference": {
+            k: v for k, v in extras.get("reference", {}).items() if k in ("status", "step_ms")
+        },
         "versions": bl.versions(),
         "tree": bl.revision(),
     }
@@ -500,7 +504,8 @@ def main(argv=None) -> int:
         notes.append("--shape fallback: deepseek3-small's 6-layer cut from the start")
     extras = side_checks(args, shape, steps, start)
     lines = page(args, shape, rows, notes) + side_lines(rows, extras)
-    write_profile(args, {**shape, "gradient_accumulation_steps": str(args.ga)}, paths, rows)
+    ga = {"gradient_accumulation_steps": str(args.ga)}
+    write_profile(args, {**shape, **ga}, paths, rows, extras)
     # The profile is on the page; the CSV keeps one flat row per path.
     bl.write(
         "device_check",

@@ -22,6 +22,28 @@ def _device_check():
     return module
 
 
+def _bench_gpu_estimate():
+    sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(
+        "bench_gpu_estimate", BENCHMARKS / "bench_gpu_estimate.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_estimate_reads_the_reference_time_off_the_device_page(tmp_path):
+    # Before a device run writes device_check_profile.json, the held-out row's measured
+    # time is the committed page's dense-reference line (not another "ms per step").
+    estimate = _bench_gpu_estimate()
+    estimate.PROFILE_JSON = str(tmp_path / "absent.json")
+    ms = estimate.measured()["reference_ms"]
+    page = (ROOT / "benchmarks" / "results" / "device_check.md").read_text()
+    section = page.split("Plain-JAX dense reference", 1)[1].splitlines()
+    line = next(ln for ln in section if ln.startswith("- "))
+    assert ms is not None and f": {ms:.1f} ms per step" in line
+
+
 def _rows(page: str) -> list[list[str]]:
     table = [ln for ln in page.splitlines() if ln.startswith("|")][2:]
     return [[cell.strip() for cell in ln.strip("|").split("|")] for ln in table]
@@ -96,13 +118,19 @@ def test_profile_json_for_the_refit(tmp_path):
         {"path": "fused", "status": "ok", "step_ms": 4.0, "profile": None},
     ]
     shape = {**dc.SHAPES["accelerator"], "gradient_accumulation_steps": "4"}
-    dc.write_profile(args, shape, dc.PATHS, rows)
+    reference = {"status": "ok", "step_ms": 1.5, "losses": [2.0], "shape": {"d": 8}}
+    dc.write_profile(args, shape, dc.PATHS, rows, {"reference": reference})
     with open(tmp_path / "device_check_profile.json") as f:
         data = json.load(f)
     assert data["overrides"] == {**shape, **dc.PATHS["deferred"]}
     assert (data["path"], data["step_ms"], data["device"]) == ("deferred", 3.0, "X")
     assert data["ms_per_step_by_category"] == {"matmul": 2.5}
-    dc.write_profile(args, shape, dc.PATHS, rows[1:])  # no profile: nothing written over it
+    # The dense reference's time: the estimate page's held-out row is checked against it.
+    assert data["reference"] == {"status": "ok", "step_ms": 1.5}
+    estimate = _bench_gpu_estimate()
+    estimate.PROFILE_JSON = str(tmp_path / "device_check_profile.json")
+    assert estimate.measured()["reference_ms"] == 1.5
+    dc.write_profile(args, shape, dc.PATHS, rows[1:], {})  # no profile: nothing written over it
     with open(tmp_path / "device_check_profile.json") as f:
         assert json.load(f)["path"] == "deferred"
 
