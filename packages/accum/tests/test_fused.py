@@ -1,6 +1,7 @@
 """Fused accumulation (gradients added inside the backward layer scan) and the overlapped
 last-microbatch reduction: same numbers as the plain path, reductions where they belong."""
 
+import warnings
 from functools import partial
 
 import jax
@@ -414,6 +415,77 @@ def test_closures_second_uses_and_integer_outputs(close, mode, decay, n):
             )(params, batch)
             close(got[0], want[0], rtol=1e-6)
             close(got[2], want[2], rtol=1e-5, atol=1e-7)
+
+
+def _toy_model(p, x):
+    h, _ = accum.scan_layers(lambda c, w: (jnp.tanh(c @ w), None), x, p["stack"]["w"])
+    return h @ p["shared"]
+
+
+def _lax_map_loss(p, mb):
+    # The model applied to two views inside lax.map: its backward runs twice.
+    views = jnp.stack([mb["x"], 2.0 * mb["x"]])
+    outs = jax.lax.map(lambda x: jnp.sum(_toy_model(p, x) * mb["weight"]), views)
+    return jnp.sum(outs), {"weight": jnp.sum(mb["weight"])}
+
+
+def _vmap_loss(p, mb):
+    # A per-example model: the backward's sink cotangent is summed over the rows.
+    out = jax.vmap(lambda row: _toy_model(p, row[None])[0])(mb["x"])
+    return jnp.sum(out * mb["weight"]), {"weight": jnp.sum(mb["weight"])}
+
+
+def _cond_skip_loss(p, mb):
+    # The model skipped on a microbatch with nothing counted: its backward never runs.
+    n = jnp.sum(mb["weight"])
+    loss = jax.lax.cond(
+        n > 0, lambda: jnp.sum(_toy_model(p, mb["x"]) * mb["weight"]), lambda: jnp.float32(0)
+    )
+    return loss, {"weight": n}
+
+
+def _stop_gradient_loss(p, mb):
+    # The stack's first call (which claims it) never reaches the loss's gradient.
+    target = jax.lax.stop_gradient(_toy_model(p, 2.0 * mb["x"]))
+    pred = _toy_model(p, mb["x"])
+    return jnp.sum((pred - target) ** 2 * mb["weight"]), {"weight": jnp.sum(mb["weight"])}
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "mode", "nested"),
+    [
+        (_lax_map_loss, "explicit", True),
+        (_vmap_loss, "auto", True),
+        (_cond_skip_loss, "explicit", True),
+        (_stop_gradient_loss, "explicit", False),
+    ],
+    ids=["lax_map", "vmap", "cond_skip", "stop_gradient"],
+)
+def test_a_stack_whose_backward_runs_other_than_once(close, loss_fn, mode, nested):
+    # The stack's backward returns acc + gradient as a cotangent, which autodiff sums
+    # over every run: twice counted the accumulator, none lost it (silently). Such a
+    # call now takes the ordinary path; a nested one says so.
+    mesh, params, batch = _stack_problem(mode)
+    if loss_fn is _cond_skip_loss:  # the strided split's microbatch 1 counts nothing
+        batch["weight"] = jnp.where(jnp.arange(32) % 2 == 0, batch["weight"], 0.0)
+
+    def reference(p):
+        loss, aux = loss_fn(p, jax.device_get(batch))
+        return loss / aux["weight"]
+
+    want = jax.grad(reference)(jax.device_get(params))
+    with jax.set_mesh(mesh):
+        for how in ("fused", "overlapped"):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                _, _, got = jax.jit(
+                    lambda p, b, how=how: accum.accumulate_gradients(
+                        loss_fn, p, b, num_microbatches=2, schedule=how
+                    )
+                )(params, batch)
+            close(got, want, rtol=1e-5, atol=1e-6)
+            said = [w for w in caught if "scan_layers runs inside" in str(w.message)]
+            assert bool(said) == nested, [str(w.message) for w in caught]
 
 
 def test_scan_layers_is_lax_scan_outside_accumulation():

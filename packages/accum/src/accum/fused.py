@@ -42,6 +42,19 @@ output) to its entry, and `scan_layers` looks up the very leaves the model
 passes it (the model indexes its parameter tree; it does not copy the arrays;
 a leaf it transforms first is not found and takes the ordinary path through
 its probe).
+
+Why a claim needs `loss_fn`'s own trace: the stack's backward returns the running
+accumulator plus this microbatch's gradient as the sink's cotangent, and autodiff
+sums a cotangent over every time the backward runs. That must be exactly once. A
+`scan_layers` call inside `jax.vmap`, `lax.map`/`scan`/`while_loop`, `lax.cond`,
+`jax.checkpoint` or an inner `jit` is traced in a trace of its own, and there the
+backward may run once per lane or iteration (the accumulator counted that many
+times), or not at all (a branch not taken: the accumulator lost). Such a call is
+not claimed (a warning says so): its gradient reaches the probe and is added after
+the backward pass, as under the plain schedule. A claimed call whose backward
+never runs (its output under `stop_gradient`, or unused) leaves the sink's
+cotangent a symbolic zero, which the sink's own probe sees; the leaf is then
+added the ordinary way too.
 The map lives in a thread-local because JAX's own trace state is per thread:
 two threads tracing at once each see only their own entries.
 """
@@ -50,12 +63,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.extend.core import get_opaque_trace_state
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -104,23 +119,52 @@ def scan_layers(body: Callable, carry: Any, stacked: Any) -> tuple[Any, Any]:
     by_id = _active()
     leaves, tree = jax.tree.flatten(stacked)
     entries = [None] * len(leaves)
+    nested = []
     if by_id is not None:
         for k, leaf in enumerate(leaves):
             entry = by_id.get(id(leaf))
             # A second use of the same stack is an ordinary use (its gradient
             # reaches the probe and is added by accum); a sharded layer axis
             # cannot be sliced in place.
-            if entry is not None and not entry.claimed and leading_unsharded(spec_of(leaf)):
-                entry.claimed = True
-                entries[k] = entry
+            if entry is None or entry.claimed or not leading_unsharded(spec_of(leaf)):
+                continue
+            # Inside a transformation of loss_fn the backward may run other than
+            # once (module docstring): an ordinary use, added after the pass.
+            if entry.trace != _trace_state():
+                nested.append(entry)
+                continue
+            entry.claimed = True
+            entries[k] = entry
+    if nested:
+        _warn_nested()
     if not any(entries):
         return lax.scan(body, carry, stacked)
     return fused_scan(body, carry, leaves, tree, entries)
 
 
-def _probe(x: jax.Array, entry: SinkLeaf) -> jax.Array:
-    """Identity whose backward notes (at trace time) whether `x`'s gradient is
-    nonzero: a use of the parameter outside `scan_layers`."""
+def _trace_state() -> Any:
+    """The current JAX trace, comparable with ==."""
+    return get_opaque_trace_state(convention="accum")
+
+
+def _warn_nested() -> None:
+    warnings.warn(
+        "accum.scan_layers runs inside a JAX transformation of loss_fn (vmap, "
+        "lax.map/scan/while_loop, cond, checkpoint or an inner jit), where its backward "
+        "may run other than once per microbatch: its stacked parameters' gradients are "
+        "added after the backward pass (as under schedule='plain'), not inside it. Call "
+        "scan_layers in loss_fn itself to fuse them",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _probe(x: Any, entry: SinkLeaf, flag: str) -> Any:
+    """Identity whose backward sets `entry.<flag>` (at trace time) where `x`'s
+    cotangent is not a symbolic zero. On a parameter (`used_elsewhere`): a use
+    outside `scan_layers`. On a sink (`sink_ran`): the claimed stack's backward
+    returned the accumulator, which it does not where it never runs (the stack's
+    output unused, or under stop_gradient)."""
 
     @jax.custom_vjp
     def probe(value):
@@ -132,7 +176,7 @@ def _probe(x: jax.Array, entry: SinkLeaf) -> jax.Array:
     def probe_bwd(_, ct):
         if isinstance(ct, jax.custom_derivatives.SymbolicZero):
             return (None,)
-        entry.used_elsewhere = True
+        setattr(entry, flag, True)
         return (ct,)
 
     probe.defvjp(probe_fwd, probe_bwd, symbolic_zeros=True)
@@ -180,8 +224,9 @@ def fused_value_and_grad(
         probed = []
         for p, e, s in zip(param_leaves_, entry_leaves, sinks_, strict=True):
             if e is not None:
-                p = _probe(p, e)
-                e.sink = s
+                p = _probe(p, e, "used_elsewhere")
+                e.sink = _probe(s, e, "sink_ran")
+                e.trace = _trace_state()
                 by_id[id(p)] = e
             probed.append(p)
         with sinks_active(by_id):

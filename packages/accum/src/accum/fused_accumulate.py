@@ -165,7 +165,9 @@ def fused_microbatch(
     for leaf, a, g, e, s, target in zip(
         plan.leaf_list, acc_leaves, grad_leaves, entries, sink_cts, finals, strict=True
     ):
-        claimed = e is not None and e.claimed
+        # A claim whose backward never ran returned no accumulator (accum.fused):
+        # the leaf is added the ordinary way.
+        claimed = e is not None and e.claimed and e.sink_ran
         # The ordinary gradient: of an unclaimed leaf, or of a claimed leaf's
         # uses outside scan_layers (seen by its probe).
         extra = None

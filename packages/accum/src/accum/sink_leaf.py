@@ -26,7 +26,10 @@ class SinkLeaf:
     `place(total_slice, target)`: the reduction. `sink`: the dummy primal whose
     cotangent returns the result. `ring`: a reduce-scatter onto `final` goes as a
     ring of collective-permutes (accum.ring) instead of one reduce-scatter.
-    `claimed`/`used_elsewhere` are set at trace time.
+    `claimed`/`used_elsewhere` are set at trace time, and so are `trace` (the JAX
+    trace the parameter's tracer belongs to: only a `scan_layers` call in that very
+    trace claims the leaf) and `sink_ran` (whether the claimed stack's backward
+    returned the sink's cotangent at all).
     """
 
     acc: jax.Array
@@ -37,3 +40,5 @@ class SinkLeaf:
     ring: bool = False
     claimed: bool = False
     used_elsewhere: bool = False
+    trace: Any = None
+    sink_ran: bool = False
