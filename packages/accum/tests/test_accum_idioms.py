@@ -94,8 +94,37 @@ def optax_mean(p, mb):  # optax's per-example losses, .mean(), inside a checkpoi
     return ce(logits).mean().astype(jnp.float32), _rows(mb)
 
 
+def sum_times_reciprocal(p, mb):  # the division spelled as a product, literal on the right
+    return jnp.sum(_sq(p, mb)) * (1.0 / mb["x"].shape[0]), _rows(mb)
+
+
+def reciprocal_times_sum(p, mb):  # ... on the left
+    return (1.0 / mb["x"].shape[0]) * jnp.sum(_sq(p, mb)), _rows(mb)
+
+
+def masked_reciprocal(p, mb):  # times 1 / mask.sum()
+    m = mb["m"]
+    return jnp.sum(_sq(p, mb) * m) * (1.0 / jnp.maximum(m.sum(), 1.0)), {"weight": m.sum()}
+
+
+def mean_plus_penalty(p, mb):  # a mean term beside the README's penalty-times-weight term
+    penalty = 1e-3 * jnp.sum(p["w"] ** 2) * jnp.float32(mb["x"].shape[0])
+    return jnp.mean(_sq(p, mb)) + penalty, _rows(mb)
+
+
 @pytest.mark.parametrize("where", ["no_mesh", "local_path"])
-@pytest.mark.parametrize("loss_fn", [mean_over_rows, masked_mean, optax_mean])
+@pytest.mark.parametrize(
+    "loss_fn",
+    [
+        mean_over_rows,
+        masked_mean,
+        optax_mean,
+        sum_times_reciprocal,
+        reciprocal_times_sum,
+        masked_reciprocal,
+        mean_plus_penalty,
+    ],
+)
 def test_a_mean_as_loss_sum_is_refused(loss_fn, where, mesh):
     batch = {**B, "m": (jnp.arange(ROWS) % 3 != 0).astype(jnp.float32)}
     kw = {"mesh": mesh, "path": "local"} if where == "local_path" else {}
@@ -122,6 +151,25 @@ def test_a_per_example_aux_value_is_refused(mesh):
         _trace(per_example, W, B)
     with pytest.raises(ValueError, match=r"aux\['per'\] has shape \(8,\), a row per example"):
         _trace(per_example, W, B, mesh=mesh, path="local")
+
+
+def test_a_per_example_aux_value_on_a_later_dimension_is_refused():
+    def per_example(p, mb):
+        return jnp.sum(_sq(p, mb)), {**_rows(mb), "per": _sq(p, mb)[None]}
+
+    with pytest.raises(ValueError, match=r"aux\['per'\] has shape \(1, 8\), a row per example"):
+        _trace(per_example, W, B)
+
+
+def test_a_sum_scaled_by_constants_passes():
+    """A fixed scale (0.5 x sum), or a penalty times the weight (a term that grows with
+    the rows): sums over the rows, not refused, the full batch's numbers."""
+
+    def scaled(p, mb):
+        penalty = 1e-3 * jnp.sum(p["w"] ** 2) * jnp.float32(mb["x"].shape[0])
+        return 0.5 * jnp.sum(_sq(p, mb)) + penalty, _rows(mb)
+
+    _assert_full_batch(scaled, W, B)
 
 
 def test_a_non_number_aux_value_is_one_line():
@@ -216,6 +264,10 @@ def _python_int_weight(p, mb):
     return jnp.sum(_sq(p, mb)) * mb["t"], {"weight": mb["x"].shape[0]}
 
 
+def _signed(p, mb):
+    return jnp.sum(_sq(p, mb) * mb["s"]), {"weight": jnp.sum(mb["s"])}
+
+
 def _frozen(p, mb):
     w = p["w"] + jax.lax.stop_gradient(p["v"]) * p["step"]
     return jnp.sum((mb["x"] @ w - mb["y"]) ** 2), _rows(mb)
@@ -228,8 +280,15 @@ def _frozen(p, mb):
         (_masked, W, {**B, "m": jnp.arange(ROWS) % 2 == 1}),
         (_python_int_weight, W, {**B, "t": jnp.float32(2.0)}),  # a 0-d leaf, an int weight
         (_frozen, {**W, "v": jnp.ones(4), "step": jnp.int32(3), "none": None}, B),
+        # signed weights summing below zero: divided as the full batch is, not zeroed
+        (_signed, W, {**B, "s": jnp.where(jnp.arange(ROWS) < 12, -1.0, 1.0)}),
     ],
-    ids=["zero_weight_microbatch_bool_mask", "python_int_weight_0d_leaf", "frozen_int_none"],
+    ids=[
+        "zero_weight_microbatch_bool_mask",
+        "python_int_weight_0d_leaf",
+        "frozen_int_none",
+        "negative_total_weight",
+    ],
 )
 def test_idioms_that_give_the_full_batch(loss_fn, params, batch):
     _assert_full_batch(loss_fn, params, batch)

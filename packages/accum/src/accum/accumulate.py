@@ -141,7 +141,8 @@ def accumulate_gradients(
     contract, and what each layer sees"). A loss or weight reduced over a
     batch axis inside `loss_fn` (`lax.pmean(loss, "data")`) is refused, one
     line (accum.batch_collectives). Zero total weight gives zero loss and
-    grads. With `rng`, microbatch i gets `fold_in(rng, i)` (on the local path
+    grads (a negative total divides as the full batch's does). With `rng`,
+    microbatch i gets `fold_in(rng, i)` (on the local path
     each device's rows `fold_in(fold_in(rng, i), d)`): dropout masks other
     than a full-batch step's, the same in distribution. linen's
     `nn.Partitioned` boxes are taken off `params` before `loss_fn` sees them

@@ -48,6 +48,8 @@ from jax.extend.core import Literal
 
 # Ops through which `loss_sum` is still the value of their first operand.
 _PASS = {"convert_element_type", "neg", "copy", "copy_p", "reshape", "squeeze", "reduce_precision"}
+# Ops whose value is the sum (or difference) of their operands: each one a term of the loss.
+_SUMS = {"add", "sub", "add_any"}
 _ROWS, _PARAM = "rows", "param"
 
 
@@ -100,30 +102,82 @@ def _labels(jaxpr: Any, in_labels: list[frozenset]) -> dict:
     return labels
 
 
-def _divisor(jaxpr: Any, var: Any, in_labels: list[frozenset]) -> Any:
-    """What `var` (the loss) is finally divided by: ("const", value), ("rows", None)
-    for a value computed from the batch's rows and not the parameters, else None."""
+def _divisors(jaxpr: Any, var: Any, in_labels: list[frozenset]) -> list:
+    """What each added term of `var` (the loss) is finally divided by, in the order
+    the terms are found: ("const", value) for literal divisors and multipliers
+    (`x / 8`, `x * 0.125`, `0.125 * x`, folded into one value), ("rows", None) for a
+    value computed from the batch's rows and not the parameters (`x / mask.sum()`,
+    `x * (1 / mask.sum())`). A term with neither has no entry. Sums and
+    differences are followed into each operand (`jnp.mean(l) + penalty` is a mean
+    term plus another); casts, reshapes and call-like equations through."""
     labels = _labels(jaxpr, in_labels)
     producers = {out: eqn for eqn in jaxpr.eqns for out in eqn.outvars}
-    while not isinstance(var, Literal) and var in producers:
-        eqn = producers[var]
-        name = eqn.primitive.name
-        if name in _PASS or (name == "mul" and isinstance(eqn.invars[1], Literal)):
-            var = eqn.invars[0]
-        elif name == "div":
-            denominator = eqn.invars[1]
-            if isinstance(denominator, Literal):
-                return ("const", float(denominator.val))
-            found = labels.get(denominator, frozenset())
-            return ("rows", None) if _ROWS in found and _PARAM not in found else None
-        elif (inner := _inner(eqn)) is not None and len(inner.outvars) == len(eqn.outvars):
-            inner_labels = [_label(labels, v) for v in eqn.invars]
-            if len(inner_labels) != len(inner.invars):
-                return None
-            return _divisor(inner, inner.outvars[eqn.outvars.index(var)], inner_labels)
-        else:
-            return None
-    return None
+    found: list = []
+
+    def rows_only(v: Any) -> bool:
+        label = _label(labels, v)
+        return _ROWS in label and _PARAM not in label
+
+    def reciprocal_of_rows(v: Any) -> bool:
+        eqn = None if isinstance(v, Literal) else producers.get(v)
+        return (
+            eqn is not None
+            and eqn.primitive.name == "div"
+            and isinstance(eqn.invars[0], Literal)
+            and rows_only(eqn.invars[1])
+        )
+
+    def walk(var: Any, scale: float) -> None:
+        while not isinstance(var, Literal) and var in producers:
+            eqn = producers[var]
+            name = eqn.primitive.name
+            literal = [v for v in eqn.invars if isinstance(v, Literal)]
+            other = [v for v in eqn.invars if not isinstance(v, Literal)]
+            if name in _PASS:
+                var = eqn.invars[0]
+            elif name in _SUMS:
+                for term in eqn.invars:
+                    walk(term, scale)
+                return
+            elif name == "mul" and len(literal) == 1 and len(other) == 1:
+                scale /= _value(literal[0])
+                var = other[0]
+            elif name == "mul" and any(reciprocal_of_rows(v) for v in other):
+                found.append(("rows", None))
+                return
+            elif name == "div" and isinstance(eqn.invars[1], Literal):
+                scale *= _value(eqn.invars[1])
+                var = eqn.invars[0]
+            elif name == "div":
+                if rows_only(eqn.invars[1]):
+                    found.append(("rows", None))
+                    return
+                break
+            elif (inner := _inner(eqn)) is not None and len(inner.outvars) == len(eqn.outvars):
+                inner_labels = [_label(labels, v) for v in eqn.invars]
+                if len(inner_labels) != len(inner.invars):
+                    break
+                terms = _divisors(inner, inner.outvars[eqn.outvars.index(var)], inner_labels)
+                found.extend((k, v * scale if k == "const" else v) for k, v in terms)
+                if terms:
+                    return
+                break
+            else:
+                break
+        if scale != 1.0:
+            found.append(("const", scale))
+
+    walk(var, 1.0)
+    return found
+
+
+def _value(literal: Literal) -> float:
+    """A scalar literal's value (1.0 for anything else: no scale read from it)."""
+    try:
+        value = float(literal.val)
+    except (TypeError, ValueError):
+        return 1.0
+    return value if value != 0.0 else 1.0
 
 
 class _Traced:
@@ -148,7 +202,7 @@ class _Traced:
         self.out = dict(
             zip(paths, zip(jaxpr.outvars, jax.tree.leaves(shapes), strict=True), strict=True)
         )
-        self.divisor = _divisor(jaxpr, jaxpr.outvars[0], in_labels)
+        self.divisors = _divisors(jaxpr, jaxpr.outvars[0], in_labels)
 
     def aux(self) -> dict:
         """{aux key path: (jaxpr outvar, shape struct)} for the aux leaves."""
@@ -190,7 +244,8 @@ def check_loss_fn(
     if weight_path is None:
         return  # a Mapping whose keys flatten otherwise: nothing to compare
     aux = {p: v for p, v in full.aux().items() if p != weight_path}
-    per_row = [p for p, (_, s) in aux.items() if len(s.shape) and s.shape[0] == rows]
+    # A row per example on any dimension (an aux of shape (1, rows) too).
+    per_row = [p for p, (_, s) in aux.items() if rows in s.shape]
     # Python numbers only (weak-typed): an array constant is taken as a count meant to
     # be summed (the trainer's jnp.float32(terms) per microbatch).
     constants = {
@@ -204,9 +259,9 @@ def check_loss_fn(
     # division, where the second trace is made anyway (so `jnp.float32(rows)` beside
     # a sum, the common idiom, costs no second trace).
     weak = weight not in (None, 0) and getattr(full.out[weight_path][1], "weak_type", False)
-    compared = weight is not None and (full.divisor is not None or weak)
+    compared = weight is not None and (bool(full.divisors) or weak)
     more = None
-    wanted = full.divisor is not None and full.divisor[0] == "const"
+    wanted = any(kind == "const" for kind, _ in full.divisors)
     # The second trace only where a verdict needs it.
     if wanted or per_row or constants or compared:
         traced_more = _trace(loss_fn, params, batch, 2 * rows, key, typed)
@@ -217,10 +272,12 @@ def check_loss_fn(
         _warn_weight(weight, rows)  # a mean beside it is then not refused: warned about
     _check_mean(full, more, rows, counts)
     for path in per_row if more is not None else ():
-        shape = more.out[path][1].shape
-        if len(shape) and shape[0] == 2 * rows:
+        shape, doubled = full.out[path][1].shape, more.out[path][1].shape
+        if len(shape) == len(doubled) and any(
+            d == rows and e == 2 * rows for d, e in zip(shape, doubled, strict=True)
+        ):
             raise ValueError(
-                f"accum: loss_fn's {_aux_name(path)} has shape {tuple(full.out[path][1].shape)}, "
+                f"accum: loss_fn's {_aux_name(path)} has shape {tuple(shape)}, "
                 f"a row per example of the microbatch's {rows}; accum sums every aux value over "
                 "microbatches and devices, which adds different examples' values together: "
                 "return its sum over the rows, or compute per-example outputs outside accum"
@@ -255,16 +312,23 @@ def _warn_weight(weight: float, rows: int) -> None:
 
 
 def _check_mean(full: _Traced, more: _Traced | None, rows: int, counts: bool) -> None:
-    """`ValueError` where loss_sum is a mean over the microbatch's rows (module docstring)."""
-    if not counts or full.divisor is None:
+    """`ValueError` where loss_sum, or one of the terms it adds, is a mean over the
+    microbatch's rows (module docstring)."""
+    if not counts or not full.divisors:
         return
-    kind, value = full.divisor
-    if kind == "const":
-        if more is None or more.divisor is None or more.divisor == full.divisor:
-            return  # a divisor that does not change with the rows: not a mean over them
-        what = f"the constant {value:g}, which changes with the microbatch's {rows} rows"
-    else:
+    if any(kind == "rows" for kind, _ in full.divisors):
         what = "a value computed from the batch's rows (a mask's sum, a token count)"
+    else:
+        # A term divided by a constant that grows with the rows (their number): a mean.
+        # One that shrinks with them is a sum-like term (a penalty times the weight);
+        # one that stays is a fixed scale (a per-sequence mean, `0.5 * sum`).
+        if more is None or len(more.divisors) != len(full.divisors):
+            return
+        pairs = zip(full.divisors, more.divisors, strict=True)
+        grows = [a for (_, a), (_, b) in pairs if b > a * (1 + 1e-6)]
+        if not grows:
+            return
+        what = f"the constant {grows[0]:g}, which changes with the microbatch's {rows} rows"
     raise ValueError(
         f"accum: loss_fn's loss_sum is a mean: it is divided by {what}; accum adds loss_sum "
         "over microbatches and devices and divides by the summed aux['weight'] once per step, "

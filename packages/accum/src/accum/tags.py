@@ -272,6 +272,8 @@ def place_tree(tree: Any, targets: Any, mode: str) -> Any:
 
 
 def safe_inverse(weight: jax.Array) -> jax.Array:
-    """1/weight, and 0 where weight is 0: an all-padding step yields zeros, never NaN."""
-    positive = weight > 0
-    return jnp.where(positive, 1.0 / jnp.where(positive, weight, 1.0), 0.0)
+    """1/weight, and 0 where weight is 0: an all-padding step yields zeros, never NaN.
+    Only zero: a negative total weight (weights that are signed coefficients) divides
+    as the full-batch objective does, rather than silently zeroing the step."""
+    nonzero = weight != 0
+    return jnp.where(nonzero, 1.0 / jnp.where(nonzero, weight, 1.0), 0.0)
