@@ -154,8 +154,12 @@ def test_a_per_example_aux_value_is_refused(mesh):
 
 
 def test_a_per_example_aux_value_on_a_later_dimension_is_refused():
+    """Checked where the probe traces twice anyway (here for the Python-int weight):
+    a later dimension that equals the rows (an expert count) must not cost every
+    step a second trace of the model."""
+
     def per_example(p, mb):
-        return jnp.sum(_sq(p, mb)), {**_rows(mb), "per": _sq(p, mb)[None]}
+        return jnp.sum(_sq(p, mb)), {"weight": mb["x"].shape[0], "per": _sq(p, mb)[None]}
 
     with pytest.raises(ValueError, match=r"aux\['per'\] has shape \(1, 8\), a row per example"):
         _trace(per_example, W, B)

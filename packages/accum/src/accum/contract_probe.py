@@ -244,8 +244,12 @@ def check_loss_fn(
     if weight_path is None:
         return  # a Mapping whose keys flatten otherwise: nothing to compare
     aux = {p: v for p, v in full.aux().items() if p != weight_path}
-    # A row per example on any dimension (an aux of shape (1, rows) too).
-    per_row = [p for p, (_, s) in aux.items() if rows in s.shape]
+    # A row per example: on the leading dimension it asks for the second trace; on a
+    # later one (an aux of shape (1, rows)) it is checked where that trace is made
+    # anyway (a dimension that merely equals the rows, such as an expert count, would
+    # otherwise cost every step a second trace of the model).
+    per_row = [p for p, (_, s) in aux.items() if len(s.shape) and s.shape[0] == rows]
+    per_row_later = [p for p, (_, s) in aux.items() if rows in s.shape[1:]]
     # Python numbers only (weak-typed): an array constant is taken as a count meant to
     # be summed (the trainer's jnp.float32(terms) per microbatch).
     constants = {
@@ -271,7 +275,7 @@ def check_loss_fn(
     if not counts and more is not None:
         _warn_weight(weight, rows)  # a mean beside it is then not refused: warned about
     _check_mean(full, more, rows, counts)
-    for path in per_row if more is not None else ():
+    for path in dict.fromkeys(per_row + per_row_later) if more is not None else ():
         shape, doubled = full.out[path][1].shape, more.out[path][1].shape
         if len(shape) == len(doubled) and any(
             d == rows and e == 2 * rows for d, e in zip(shape, doubled, strict=True)
