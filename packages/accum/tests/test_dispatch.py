@@ -102,3 +102,36 @@ def test_add_without_deferral_reduces_in_add(get_setup):
             .as_text()
         )
     assert max(ht.cross_replica_all_reduce_sizes(text.splitlines())) > 8
+
+
+def test_a_bf16_weight_is_summed_in_f32_across_adds():
+    """aux sums across `add` calls are kept in f32 for a narrower float: in bf16,
+    256 + 1 rounds back to 256, and the gradients (divided by it) came out too large."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    x = jnp.arange(32.0).reshape(8, 4) / 10
+
+    def loss_fn(w, mb):
+        mask = mb["m"].astype(jnp.bfloat16)  # a bf16 count of the rows counted
+        return jnp.sum((mb["x"] @ w) * mb["m"]), {"weight": jnp.sum(mask)}
+
+    with jax.set_mesh(mesh):
+        w = jax.device_put(jnp.array([0.5, -1.0, 2.0, 0.25]), NamedSharding(mesh, P()))
+        many = {"x": x, "m": jnp.full(8, 32.0)}  # weight 256
+        one = {"x": x, "m": jnp.zeros(8).at[0].set(1.0)}  # weight 1
+        many, one = jax.device_put((many, one), NamedSharding(mesh, P("data")))
+        acc = jax.jit(accum.start, static_argnums=0)(loss_fn, w, many)
+        add = jax.jit(accum.add, static_argnums=1)
+        acc = add(add(acc, loss_fn, w, many), loss_fn, w, one)
+        _, aux, grads = jax.jit(accum.finish)(acc)
+    assert float(aux["weight"]) == 257.0
+
+    host_w, host_many, host_one = jax.device_get((w, many, one))
+
+    def total(w):
+        return loss_fn(w, host_many)[0] + loss_fn(w, host_one)[0]
+
+    np.testing.assert_allclose(grads, jax.grad(total)(host_w) / 257.0, rtol=1e-5)

@@ -180,3 +180,44 @@ def test_zero1_reduction_is_a_reduce_scatter_into_the_shards():
     assert tuple(grads["w"].sharding.spec)[:1] == ("data",)
     want = jax.grad(lambda w: jnp.sum((jnp.ones((32, 64)) @ w) ** 2))(jnp.ones((64, 32))) / 32
     np.testing.assert_allclose(np.asarray(grads["w"]), np.asarray(want), rtol=1e-6)
+
+
+def test_zero1_compute_dtype_leaves_bool_and_int_parameters_alone():
+    """compute_dtype casts floating leaves only: a bool mask or an int counter cast to
+    bf16 was taken for a trainable weight, and SGD's update written back flipped the
+    mask and changed the counter."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    P = jax.sharding.PartitionSpec
+    params = {
+        "w": jnp.ones(8),
+        "mask": jnp.array([True, False] * 4),
+        "count": jnp.full(8, 3, jnp.int32),
+    }
+
+    def loss_fn(p, mb):
+        scale = p["mask"].astype(jnp.float32) * p["count"].astype(jnp.float32)
+        return jnp.sum(mb["x"] @ (p["w"] * scale)), {"weight": jnp.float32(mb["x"].shape[0])}
+
+    optimizer = optax.sgd(1.0)
+    with jax.set_mesh(mesh):
+        params = jax.device_put(params, NamedSharding(mesh, P()))
+        batch = {"x": jnp.arange(128.0).reshape(16, 8) / 50}
+        batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+        master = jax.device_put(params, accum.zero1_shardings(params))
+        compute = jax.tree.map(lambda _: P(), params)
+        step = jax.jit(
+            lambda m, s, b: accum.zero1_step(
+                loss_fn,
+                optimizer,
+                m,
+                s,
+                b,
+                num_microbatches=2,
+                compute_shardings=compute,
+                compute_dtype=jnp.bfloat16,
+            )  # fmt: skip
+        )
+        new = step(master, optimizer.init(master), batch)[0]
+    np.testing.assert_array_equal(new["mask"], params["mask"])
+    np.testing.assert_array_equal(new["count"], params["count"])
+    assert not np.allclose(new["w"], params["w"])  # the float weight did train

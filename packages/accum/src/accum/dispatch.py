@@ -106,7 +106,7 @@ def start(
         return Accumulator(
             grads=local_zeros(params, plan, accum_dtype),
             loss_sum=jnp.zeros((), jnp.float32),
-            aux=jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shape),
+            aux=jax.tree.map(lambda a: jnp.zeros(a.shape, _sum_dtype(a.dtype)), aux_shape),
             count=jnp.zeros((), jnp.uint32),
             plan=plan,
         )
@@ -121,10 +121,20 @@ def start(
         # Same type as each microbatch's gradients, so `add` is a local sum.
         grads=unreduced_zeros(params, plan, accum_dtype),
         loss_sum=zeros_of_type(jax.ShapeDtypeStruct((), jnp.float32, sharding=loss_shape.sharding)),
-        aux=jax.tree.map(zeros_of_type, aux_shape),
+        aux=jax.tree.map(lambda a: zeros_of_type(a.update(dtype=_sum_dtype(a.dtype))), aux_shape),
         count=jnp.zeros((), jnp.uint32),
         plan=plan,
     )
+
+
+def _sum_dtype(dtype: Any) -> Any:
+    """The dtype an aux value is summed in across `add` calls: float32 for a narrower
+    float (a bf16 count of 300 ones summed in bf16 stops at 256, and the gradients,
+    divided by it, come out 1.17x too large), else its own."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+        return jnp.dtype(jnp.float32)
+    return dtype
 
 
 def add(

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from accum.accumulate import accumulate_gradients
 from accum.gating import plan_for, resolve_mode
+from accum.plan import is_floating
 from accum.shards import add_axis_to_free_dim
 from accum.step import optimizer_update
 from accum.tags import as_spec, is_target_leaf, place, place_tree
@@ -146,7 +147,9 @@ def zero1_gather(
         cast = jax.tree.map(lambda _: True, master_params)
 
     def gather(target, p, c):
-        q = p.astype(compute_dtype) if compute_dtype is not None and c else p
+        # Floating leaves only: a bool mask or an int counter cast to bf16 would be
+        # taken for a trainable weight (and its "update" cast back into it).
+        q = p.astype(compute_dtype) if compute_dtype is not None and c and is_floating(p) else p
         spec = as_spec(target)
         if spec is None or (mode == "explicit" and spec_of(q) == untagged(spec)):
             # Already there: a reshard would be a new value, which a shard_map
