@@ -107,6 +107,25 @@ def masked_reciprocal(p, mb):  # times 1 / mask.sum()
     return jnp.sum(_sq(p, mb) * m) * (1.0 / jnp.maximum(m.sum(), 1.0)), {"weight": m.sum()}
 
 
+def divided_inside_the_sum(p, mb):  # each row's loss divided by the count, then summed
+    m = mb["m"]
+    return jnp.sum(_sq(p, mb) * m / m.sum()), {"weight": m.sum()}
+
+
+def times_negative_power(p, mb):  # count ** -1, jnp.reciprocal(count)
+    m = mb["m"]
+    return jnp.sum(_sq(p, mb) * m) * jnp.reciprocal(m.sum()), {"weight": m.sum()}
+
+
+def each_row_over_rows(p, mb):  # sum(l / rows)
+    return jnp.sum(_sq(p, mb) / mb["x"].shape[0]), _rows(mb)
+
+
+def dot_with_normalized_mask(p, mb):  # l @ (m / m.sum())
+    m = mb["m"]
+    return _sq(p, mb) @ (m / m.sum()), {"weight": m.sum()}
+
+
 def mean_plus_penalty(p, mb):  # a mean term beside the README's penalty-times-weight term
     penalty = 1e-3 * jnp.sum(p["w"] ** 2) * jnp.float32(mb["x"].shape[0])
     return jnp.mean(_sq(p, mb)) + penalty, _rows(mb)
@@ -123,6 +142,10 @@ def mean_plus_penalty(p, mb):  # a mean term beside the README's penalty-times-w
         reciprocal_times_sum,
         masked_reciprocal,
         mean_plus_penalty,
+        divided_inside_the_sum,
+        times_negative_power,
+        each_row_over_rows,
+        dot_with_normalized_mask,
     ],
 )
 def test_a_mean_as_loss_sum_is_refused(loss_fn, where, mesh):
@@ -163,6 +186,19 @@ def test_a_per_example_aux_value_on_a_later_dimension_is_refused():
 
     with pytest.raises(ValueError, match=r"aux\['per'\] has shape \(1, 8\), a row per example"):
         _trace(per_example, W, B)
+
+
+def test_a_per_row_normalization_inside_the_sum_passes():
+    """Each sequence's losses divided by its own token count, then summed over rows: a
+    sum of per-row means (weight = rows), not a mean over the microbatch."""
+    batch = {"x": jnp.stack([X, X + 1.0], axis=1), "y": jnp.stack([Y, -Y], axis=1)}
+
+    def per_row_mean(p, mb):
+        per_token = (jnp.einsum("btd,d->bt", mb["x"], p["w"]) - mb["y"]) ** 2
+        tokens = jnp.ones_like(per_token)
+        return jnp.sum(per_token / tokens.sum(-1, keepdims=True)), _rows(mb)
+
+    _assert_full_batch(per_row_mean, W, batch)
 
 
 def test_a_sum_scaled_by_constants_passes():

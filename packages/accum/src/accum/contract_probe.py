@@ -50,6 +50,8 @@ from jax.extend.core import Literal
 _PASS = {"convert_element_type", "neg", "copy", "copy_p", "reshape", "squeeze", "reduce_precision"}
 # Ops whose value is the sum (or difference) of their operands: each one a term of the loss.
 _SUMS = {"add", "sub", "add_any"}
+# Ops that spread or cast a value without changing what it counts.
+_SPREAD = {"broadcast_in_dim", "convert_element_type", "reshape", "squeeze", "expand_dims", "copy"}
 _ROWS, _PARAM = "rows", "param"
 
 
@@ -118,14 +120,26 @@ def _divisors(jaxpr: Any, var: Any, in_labels: list[frozenset]) -> list:
         label = _label(labels, v)
         return _ROWS in label and _PARAM not in label
 
-    def reciprocal_of_rows(v: Any) -> bool:
+    def scalar_of_rows(v: Any) -> bool:
+        # A 0-d value computed from the rows alone (a mask's sum, a row count), through
+        # broadcasts and casts: the whole microbatch's count, not a per-row one (a
+        # per-sequence normalization inside the sum is a sum over rows and passes).
+        while not isinstance(v, Literal) and v in producers:
+            if producers[v].primitive.name not in _SPREAD:
+                break
+            v = producers[v].invars[0]
+        return not isinstance(v, Literal) and rows_only(v) and v.aval.shape == ()
+
+    def divided_by_rows(v: Any) -> bool:
+        # `x / count` or `count ** -1` (jnp.reciprocal) for such a count.
         eqn = None if isinstance(v, Literal) else producers.get(v)
-        return (
-            eqn is not None
-            and eqn.primitive.name == "div"
-            and isinstance(eqn.invars[0], Literal)
-            and rows_only(eqn.invars[1])
-        )
+        if eqn is None:
+            return False
+        if eqn.primitive.name == "div":
+            return scalar_of_rows(eqn.invars[1])
+        if eqn.primitive.name == "integer_pow" and eqn.params.get("y", 0) < 0:
+            return scalar_of_rows(eqn.invars[0])
+        return False
 
     def walk(var: Any, scale: float) -> None:
         while not isinstance(var, Literal) and var in producers:
@@ -133,7 +147,8 @@ def _divisors(jaxpr: Any, var: Any, in_labels: list[frozenset]) -> list:
             name = eqn.primitive.name
             literal = [v for v in eqn.invars if isinstance(v, Literal)]
             other = [v for v in eqn.invars if not isinstance(v, Literal)]
-            if name in _PASS:
+            if name in _PASS or name == "reduce_sum":
+                # A sum of terms each divided by the count is divided by it too.
                 var = eqn.invars[0]
             elif name in _SUMS:
                 for term in eqn.invars:
@@ -142,14 +157,19 @@ def _divisors(jaxpr: Any, var: Any, in_labels: list[frozenset]) -> list:
             elif name == "mul" and len(literal) == 1 and len(other) == 1:
                 scale /= _value(literal[0])
                 var = other[0]
-            elif name == "mul" and any(reciprocal_of_rows(v) for v in other):
+            elif name in ("mul", "dot_general") and any(divided_by_rows(v) for v in other):
                 found.append(("rows", None))
+                return
+            elif name in ("mul", "dot_general"):
+                # A product is divided by whatever one of its factors is.
+                for factor in other:
+                    walk(factor, scale)
                 return
             elif name == "div" and isinstance(eqn.invars[1], Literal):
                 scale *= _value(eqn.invars[1])
                 var = eqn.invars[0]
             elif name == "div":
-                if rows_only(eqn.invars[1]):
+                if scalar_of_rows(eqn.invars[1]):
                     found.append(("rows", None))
                     return
                 break
