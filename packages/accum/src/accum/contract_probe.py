@@ -141,6 +141,20 @@ def _divisors(jaxpr: Any, var: Any, in_labels: list[frozenset]) -> list:
             return scalar_of_rows(eqn.invars[0])
         return False
 
+    def factor(v: Any, scale: float) -> None:
+        # One factor of the loss's final product (`l * (m / m.sum())`): what it is
+        # divided by, read off its own producer only (no walk into the model, where a
+        # BatchNorm's division by the rows is no mean of the loss).
+        while not isinstance(v, Literal) and v in producers:
+            if producers[v].primitive.name not in _SPREAD:
+                break
+            v = producers[v].invars[0]
+        eqn = None if isinstance(v, Literal) else producers.get(v)
+        if eqn is not None and eqn.primitive.name == "div" and isinstance(eqn.invars[1], Literal):
+            found.append(("const", scale * _value(eqn.invars[1])))
+        elif divided_by_rows(v):
+            found.append(("rows", None))
+
     def walk(var: Any, scale: float) -> None:
         while not isinstance(var, Literal) and var in producers:
             eqn = producers[var]
@@ -150,21 +164,20 @@ def _divisors(jaxpr: Any, var: Any, in_labels: list[frozenset]) -> list:
             if name in _PASS or name == "reduce_sum":
                 # A sum of terms each divided by the count is divided by it too.
                 var = eqn.invars[0]
-            elif name in _SUMS:
+            elif name in _SUMS and eqn.outvars[0].aval.shape == ():
+                # The loss's own terms (scalars): below its final sums an addition is
+                # the model's (a residual), not a term of the loss.
                 for term in eqn.invars:
                     walk(term, scale)
                 return
             elif name == "mul" and len(literal) == 1 and len(other) == 1:
                 scale /= _value(literal[0])
                 var = other[0]
-            elif name in ("mul", "dot_general") and any(divided_by_rows(v) for v in other):
-                found.append(("rows", None))
-                return
             elif name in ("mul", "dot_general"):
                 # A product is divided by whatever one of its factors is.
-                for factor in other:
-                    walk(factor, scale)
-                return
+                for v in other:
+                    factor(v, scale)
+                break
             elif name == "div" and isinstance(eqn.invars[1], Literal):
                 scale *= _value(eqn.invars[1])
                 var = eqn.invars[0]
