@@ -109,9 +109,10 @@ def _divisors(jaxpr: Any, var: Any, in_labels: list[frozenset]) -> list:
     the terms are found: ("const", value) for literal divisors and multipliers
     (`x / 8`, `x * 0.125`, `0.125 * x`, folded into one value), ("rows", None) for a
     value computed from the batch's rows and not the parameters (`x / mask.sum()`,
-    `x * (1 / mask.sum())`). A term with neither has no entry. Sums and
+    `x * (1 / mask.sum())`). A term with neither has no entry. Scalar sums and
     differences are followed into each operand (`jnp.mean(l) + penalty` is a mean
-    term plus another); casts, reshapes and call-like equations through."""
+    term plus another), a final product's factors only to their own producers;
+    casts, reshapes, `reduce_sum` and call-like equations through."""
     labels = _labels(jaxpr, in_labels)
     producers = {out: eqn for eqn in jaxpr.eqns for out in eqn.outvars}
     found: list = []
@@ -120,14 +121,19 @@ def _divisors(jaxpr: Any, var: Any, in_labels: list[frozenset]) -> list:
         label = _label(labels, v)
         return _ROWS in label and _PARAM not in label
 
-    def scalar_of_rows(v: Any) -> bool:
-        # A 0-d value computed from the rows alone (a mask's sum, a row count), through
-        # broadcasts and casts: the whole microbatch's count, not a per-row one (a
-        # per-sequence normalization inside the sum is a sum over rows and passes).
+    def unspread(v: Any) -> Any:
+        # `v` before the broadcasts and casts that only spread or retype it.
         while not isinstance(v, Literal) and v in producers:
             if producers[v].primitive.name not in _SPREAD:
                 break
             v = producers[v].invars[0]
+        return v
+
+    def scalar_of_rows(v: Any) -> bool:
+        # A 0-d value computed from the rows alone (a mask's sum, a row count): the
+        # whole microbatch's count, not a per-row one (a per-sequence normalization
+        # inside the sum is a sum over rows and passes).
+        v = unspread(v)
         return not isinstance(v, Literal) and rows_only(v) and v.aval.shape == ()
 
     def divided_by_rows(v: Any) -> bool:
@@ -145,10 +151,7 @@ def _divisors(jaxpr: Any, var: Any, in_labels: list[frozenset]) -> list:
         # One factor of the loss's final product (`l * (m / m.sum())`): what it is
         # divided by, read off its own producer only (no walk into the model, where a
         # BatchNorm's division by the rows is no mean of the loss).
-        while not isinstance(v, Literal) and v in producers:
-            if producers[v].primitive.name not in _SPREAD:
-                break
-            v = producers[v].invars[0]
+        v = unspread(v)
         eqn = None if isinstance(v, Literal) else producers.get(v)
         if eqn is not None and eqn.primitive.name == "div" and isinstance(eqn.invars[1], Literal):
             found.append(("const", scale * _value(eqn.invars[1])))

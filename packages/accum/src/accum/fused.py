@@ -43,6 +43,9 @@ passes it (the model indexes its parameter tree; it does not copy the arrays;
 a leaf it transforms first is not found and takes the ordinary path through
 its probe).
 
+The map lives in a thread-local because JAX's own trace state is per thread:
+two threads tracing at once each see only their own entries.
+
 Why a claim needs `loss_fn`'s own trace: the stack's backward returns the running
 accumulator plus this microbatch's gradient as the sink's cotangent, and autodiff
 sums a cotangent over every time the backward runs. That must be exactly once. A
@@ -55,8 +58,6 @@ the backward pass, as under the plain schedule. A claimed call whose backward
 never runs (its output under `stop_gradient`, or unused) leaves the sink's
 cotangent a symbolic zero, which the sink's own probe sees; the leaf is then
 added the ordinary way too.
-The map lives in a thread-local because JAX's own trace state is per thread:
-two threads tracing at once each see only their own entries.
 """
 
 from __future__ import annotations
