@@ -131,10 +131,15 @@ def mean_plus_penalty(p, mb):  # a mean term beside the README's penalty-times-w
     return jnp.mean(_sq(p, mb)) + penalty, _rows(mb)
 
 
+def divided_by_a_traced_count(p, mb):  # rows * 1.0: arithmetic the trace keeps as equations
+    return jnp.sum(_sq(p, mb)) / (jnp.float32(mb["x"].shape[0]) * 1.0), _rows(mb)
+
+
 @pytest.mark.parametrize("where", ["no_mesh", "local_path"])
 @pytest.mark.parametrize(
     "loss_fn",
     [
+        divided_by_a_traced_count,
         mean_over_rows,
         masked_mean,
         optax_mean,
@@ -153,6 +158,51 @@ def test_a_mean_as_loss_sum_is_refused(loss_fn, where, mesh):
     kw = {"mesh": mesh, "path": "local"} if where == "local_path" else {}
     with pytest.raises(ValueError, match=r"loss_sum is a mean: it is divided by"):
         _trace(loss_fn, W, batch, **kw)
+
+
+def l2_added(p, mb):  # the parameters' L2 penalty added as it is
+    return jnp.sum(_sq(p, mb)) + 0.5 * jnp.sum(p["w"] * p["w"]), _rows(mb)
+
+
+def l2_subtracted_beside_a_mask(p, mb):  # subtracted, beside weight = mask.sum()
+    m = mb["m"]
+    return jnp.sum(_sq(p, mb) * m) - (-1e-3) * jnp.sum(p["w"] ** 2), {"weight": m.sum()}
+
+
+def l2_in_a_jitted_helper(p, mb):  # the penalty computed by a jitted helper, no literal
+    penalty = jax.jit(lambda w: jnp.sum(jnp.abs(w)))(p["w"])
+    return jnp.sum(_sq(p, mb)) + penalty, _rows(mb)
+
+
+@pytest.mark.parametrize("where", ["no_mesh", "local_path"])
+@pytest.mark.parametrize("loss_fn", [l2_added, l2_subtracted_beside_a_mask, l2_in_a_jitted_helper])
+def test_a_parameter_term_added_without_the_weight_is_refused(loss_fn, where, mesh):
+    """A term of the parameters alone added to loss_sum would count once per microbatch
+    (and device): N times the full batch's."""
+    batch = {**B, "m": (jnp.arange(ROWS) % 3 != 0).astype(jnp.float32)}
+    kw = {"mesh": mesh, "path": "local"} if where == "local_path" else {}
+    with pytest.raises(ValueError, match=r"adds a term computed from the parameters alone"):
+        _trace(loss_fn, W, batch, **kw)
+
+
+@pytest.mark.parametrize("weighted", ["constant_chain", "mask_sum", "times_zero"])
+def test_a_parameter_term_times_the_weight_passes(weighted):
+    """Times a row count fixed at trace time (through arithmetic the trace keeps, as in
+    `1e-2 * weight * 0.5 * l2`), times a count computed from the batch, or times 0:
+    the full batch's numbers, not refused."""
+    batch = {**B, "m": (jnp.arange(ROWS) % 3 != 0).astype(jnp.float32)}
+
+    def loss_fn(p, mb):
+        l2 = jnp.sum(p["w"] * p["w"])
+        if weighted == "mask_sum":
+            m = mb["m"]
+            return jnp.sum(_sq(p, mb) * m) + 1e-2 * l2 * m.sum(), {"weight": m.sum()}
+        if weighted == "times_zero":
+            return jnp.sum(_sq(p, mb)) + 0.0 * l2, _rows(mb)
+        weight = _rows(mb)["weight"]
+        return jnp.sum(_sq(p, mb)) + 1e-2 * weight * 0.5 * l2, {"weight": weight}
+
+    _assert_full_batch(loss_fn, W, batch)
 
 
 def test_a_per_sequence_mean_is_a_sum_over_rows_and_passes():

@@ -158,9 +158,10 @@ def integer_label_ce(p, mb):
 
 
 def l2_penalty(p, mb):
-    """A parameter-only term in the loss next to a tagged table lookup."""
+    """A parameter-only term in the loss next to a tagged table lookup (times the
+    weight, as the loss contract asks: accum adds loss_sum once per microbatch)."""
     loss, aux = _loss(_dot("btd,de->bte", _embed(p, mb), p["w"]))
-    return loss + 0.5 * jnp.sum(p["w"] * p["w"]), aux
+    return loss + 0.5 * jnp.sum(p["w"] * p["w"]) * aux["weight"], aux
 
 
 # ---------------------------------------------------------------- tag-dropping idioms

@@ -11,6 +11,11 @@ result then depends on the number of microbatches and devices, without an error)
   value computed from the batch's rows and not from the parameters, or by a
   constant that changes when the microbatch's rows double (a per-sequence mean,
   divided by the sequence length, is a sum over rows and passes). `ValueError`;
+- a term of the parameters alone added to `loss_sum` (an L2 penalty `+ 0.5 *
+  jnp.sum(w * w)`), not weighted by the rows: counted once per microbatch and device,
+  where the full batch counts it once. Found on the jaxpr: a scalar term of the loss
+  computed from the parameters and no batch value, whose constant multiplier does
+  not double with the rows (second trace). `ValueError`;
 - a weight that counts nothing (`{"weight": 1}` beside a mean): the same constant
   for the microbatch's rows and for twice as many. accum cannot know a mean was
   meant, so it warns, once, saying what to return. A Python number is always
@@ -106,16 +111,19 @@ def _labels(jaxpr: Any, in_labels: list[frozenset]) -> dict:
 
 def _divisors(jaxpr: Any, var: Any, in_labels: list[frozenset]) -> list:
     """What each added term of `var` (the loss) is finally divided by, in the order
-    the terms are found: ("const", value) for literal divisors and multipliers
-    (`x / 8`, `x * 0.125`, `0.125 * x`, folded into one value), ("rows", None) for a
-    value computed from the batch's rows and not the parameters (`x / mask.sum()`,
-    `x * (1 / mask.sum())`). A term with neither has no entry. Scalar sums and
+    the terms are found: ("const", value) for constant divisors and multipliers
+    (`x / 8`, `x * 0.125`, `0.125 * x`, folded into one value; a constant is a literal
+    or arithmetic on literals), ("rows", None) for a value computed from the batch's
+    rows and not the parameters (`x / mask.sum()`, `x * (1 / mask.sum())`), ("param",
+    value) for a term of the parameters alone, with its constant divisor. A term with
+    none of these has no entry. Scalar sums and
     differences are followed into each operand (`jnp.mean(l) + penalty` is a mean
     term plus another), a final product's factors only to their own producers;
     casts, reshapes, `reduce_sum` and call-like equations through."""
     labels = _labels(jaxpr, in_labels)
     producers = {out: eqn for eqn in jaxpr.eqns for out in eqn.outvars}
     found: list = []
+    constants: dict = {}  # var -> its value where fixed at trace time (`constant`)
 
     def rows_only(v: Any) -> bool:
         label = _label(labels, v)
@@ -147,23 +155,74 @@ def _divisors(jaxpr: Any, var: Any, in_labels: list[frozenset]) -> list:
             return scalar_of_rows(eqn.invars[0])
         return False
 
+    def constant(v: Any) -> float | None:
+        # A scalar fixed at trace time: a literal, or arithmetic on literals that the
+        # trace kept as equations (`1e-2 * jnp.float32(rows) * 0.5` is two `mul`s of
+        # literals); None for anything else.
+        if isinstance(v, Literal):
+            return _scalar(v.val)
+        if v not in constants:
+            constants[v] = None  # also while its operands are read (no cycles in a jaxpr)
+            eqn = producers.get(v)
+            if eqn is not None and v.aval.shape == () and eqn.primitive.name in _ARITHMETIC:
+                args = [constant(x) for x in eqn.invars]
+                try:
+                    value = _ARITHMETIC[eqn.primitive.name](*args, **eqn.params)
+                    constants[v] = None if None in args else float(value)
+                except (ArithmeticError, TypeError, ValueError):
+                    pass
+        return constants[v]
+
+    def scaled_by(eqn: Any) -> tuple[float, Any] | None:
+        # (the constant, the other operand) of `c * x`, `x * c`; (1 / c, x) of `x / c`.
+        values = [constant(v) for v in eqn.invars]
+        name = eqn.primitive.name
+        if name == "mul" and len(values) == 2 and values.count(None) == 1:
+            i = values.index(None)
+            return values[1 - i], eqn.invars[i]
+        if name == "div" and values[0] is None and values[1] is not None:
+            return 1.0 / _nonzero(values[1]), eqn.invars[0]
+        return None
+
     def factor(v: Any, scale: float) -> None:
         # One factor of the loss's final product (`l * (m / m.sum())`): what it is
         # divided by, read off its own producer only (no walk into the model, where a
         # BatchNorm's division by the rows is no mean of the loss).
         v = unspread(v)
         eqn = None if isinstance(v, Literal) else producers.get(v)
-        if eqn is not None and eqn.primitive.name == "div" and isinstance(eqn.invars[1], Literal):
-            found.append(("const", scale * _value(eqn.invars[1])))
+        if eqn is not None and eqn.primitive.name == "div" and scaled_by(eqn) is not None:
+            found.append(("const", scale / scaled_by(eqn)[0]))
         elif divided_by_rows(v):
             found.append(("rows", None))
 
+    def folded_scale(var: Any, scale: float) -> float | None:
+        # `scale` with the constant multipliers and divisors above `var` folded in (a
+        # penalty's `0.5 * ...`, `... * jnp.float32(rows)`); None for a term times 0.
+        while not isinstance(var, Literal) and var in producers:
+            eqn = producers[var]
+            if eqn.primitive.name in _PASS:
+                var = eqn.invars[0]
+            elif (by := scaled_by(eqn)) is not None:
+                if by[0] == 0.0:
+                    return None
+                scale, var = scale / by[0], by[1]
+            else:
+                break
+        return scale
+
     def walk(var: Any, scale: float) -> None:
+        if not isinstance(var, Literal) and _label(labels, var) == frozenset({_PARAM}):
+            # A term of the parameters alone (no batch value in it: an L2 penalty): its
+            # divisor, compared across the two traces (weighted by a static row count
+            # it shrinks as the rows double; added as it is it stays).
+            folded = folded_scale(var, scale)
+            if folded is not None:
+                found.append(("param", folded))
+            return
         while not isinstance(var, Literal) and var in producers:
             eqn = producers[var]
             name = eqn.primitive.name
-            literal = [v for v in eqn.invars if isinstance(v, Literal)]
-            other = [v for v in eqn.invars if not isinstance(v, Literal)]
+            other = [v for v in eqn.invars if constant(v) is None]
             if name in _PASS or name == "reduce_sum":
                 # A sum of terms each divided by the count is divided by it too.
                 var = eqn.invars[0]
@@ -173,17 +232,13 @@ def _divisors(jaxpr: Any, var: Any, in_labels: list[frozenset]) -> list:
                 for term in eqn.invars:
                     walk(term, scale)
                 return
-            elif name == "mul" and len(literal) == 1 and len(other) == 1:
-                scale /= _value(literal[0])
-                var = other[0]
+            elif (by := scaled_by(eqn)) is not None:
+                scale, var = scale / _nonzero(by[0]), by[1]
             elif name in ("mul", "dot_general"):
                 # A product is divided by whatever one of its factors is.
                 for v in other:
                     factor(v, scale)
                 break
-            elif name == "div" and isinstance(eqn.invars[1], Literal):
-                scale *= _value(eqn.invars[1])
-                var = eqn.invars[0]
             elif name == "div":
                 if scalar_of_rows(eqn.invars[1]):
                     found.append(("rows", None))
@@ -194,7 +249,7 @@ def _divisors(jaxpr: Any, var: Any, in_labels: list[frozenset]) -> list:
                 if len(inner_labels) != len(inner.invars):
                     break
                 terms = _divisors(inner, inner.outvars[eqn.outvars.index(var)], inner_labels)
-                found.extend((k, v * scale if k == "const" else v) for k, v in terms)
+                found.extend((k, v * scale if k in ("const", "param") else v) for k, v in terms)
                 if terms:
                     return
                 break
@@ -207,13 +262,30 @@ def _divisors(jaxpr: Any, var: Any, in_labels: list[frozenset]) -> list:
     return found
 
 
-def _value(literal: Literal) -> float:
-    """A scalar literal's value (1.0 for anything else: no scale read from it)."""
+def _scalar(value: Any) -> float | None:
+    """A literal's value as a float, None where it is no scalar number."""
     try:
-        value = float(literal.val)
+        return float(value) if jnp.ndim(value) == 0 else None
     except (TypeError, ValueError):
-        return 1.0
+        return None
+
+
+def _nonzero(value: float) -> float:
+    """`value`, or 1.0 for 0 (a scale of 0 reads nothing it could be divided by)."""
     return value if value != 0.0 else 1.0
+
+
+# Scalar arithmetic a trace keeps as equations on literals (`constant` evaluates it).
+_ARITHMETIC = {
+    "mul": lambda a, b, **_: a * b,
+    "div": lambda a, b, **_: a / b,
+    "add": lambda a, b, **_: a + b,
+    "sub": lambda a, b, **_: a - b,
+    "neg": lambda a, **_: -a,
+    "convert_element_type": lambda a, **_: a,
+    "copy": lambda a, **_: a,
+    "integer_pow": lambda a, y, **_: a**y,
+}  # parameters other than `y` (an out_dtype, a sharding) change no value
 
 
 class _Traced:
@@ -301,7 +373,7 @@ def check_loss_fn(
     weak = weight not in (None, 0) and getattr(full.out[weight_path][1], "weak_type", False)
     compared = weight is not None and (bool(full.divisors) or weak)
     more = None
-    wanted = any(kind == "const" for kind, _ in full.divisors)
+    wanted = any(kind in ("const", "param") for kind, _ in full.divisors)
     # The second trace only where a verdict needs it.
     if wanted or per_row or constants or compared:
         traced_more = _trace(loss_fn, params, batch, 2 * rows, key, typed)
@@ -311,6 +383,7 @@ def check_loss_fn(
     if not counts and more is not None:
         _warn_weight(weight, rows)  # a mean beside it is then not refused: warned about
     _check_mean(full, more, rows, counts)
+    _check_parameter_terms(full, more, counts)
     for path in dict.fromkeys(per_row + per_row_later) if more is not None else ():
         shape, doubled = full.out[path][1].shape, more.out[path][1].shape
         if len(shape) == len(doubled) and any(
@@ -354,18 +427,20 @@ def _warn_weight(weight: float, rows: int) -> None:
 def _check_mean(full: _Traced, more: _Traced | None, rows: int, counts: bool) -> None:
     """`ValueError` where loss_sum, or one of the terms it adds, is a mean over the
     microbatch's rows (module docstring)."""
-    if not counts or not full.divisors:
+    divisors = [d for d in full.divisors if d[0] != "param"]
+    if not counts or not divisors:
         return
-    if any(kind == "rows" for kind, _ in full.divisors):
+    if any(kind == "rows" for kind, _ in divisors):
         what = "a value computed from the batch's rows (a mask's sum, a token count)"
     else:
         # A term divided by a constant that grows with the rows (their number): a mean.
         # One that shrinks with them is a sum-like term (a penalty times the weight);
         # one that stays is a fixed scale (a per-sequence mean, `0.5 * sum`).
-        if more is None or len(more.divisors) != len(full.divisors):
+        more_divisors = [] if more is None else [d for d in more.divisors if d[0] != "param"]
+        if len(more_divisors) != len(divisors):
             return
-        pairs = zip(full.divisors, more.divisors, strict=True)
-        grows = [a for (_, a), (_, b) in pairs if b > a * (1 + 1e-6)]
+        pairs = zip(divisors, more_divisors, strict=True)
+        grows = [a for (_, a), (_, b) in pairs if abs(b) > abs(a) * (1 + 1e-6)]
         if not grows:
             return
         what = f"the constant {grows[0]:g}, which changes with the microbatch's {rows} rows"
@@ -374,6 +449,34 @@ def _check_mean(full: _Traced, more: _Traced | None, rows: int, counts: bool) ->
         "over microbatches and devices and divides by the summed aux['weight'] once per step, "
         "so return the sum of the per-target losses (jnp.sum, not jnp.mean; no division) with "
         "aux['weight'] their number"
+    )
+
+
+def _check_parameter_terms(full: _Traced, more: _Traced | None, counts: bool) -> None:
+    """`ValueError` where loss_sum adds a term of the parameters alone (no batch value in
+    it: `+ 0.5 * jnp.sum(w * w)`) that is not weighted by the rows: accum adds loss_sum
+    over microbatches and devices, so the term would count once per microbatch and
+    device, where the full batch counts it once. Weighted by a row count fixed at trace
+    time (`penalty * jnp.float32(rows)`), its literal multiplier doubles with the rows
+    and it passes (a count computed from the batch, `penalty * mask.sum()`, is no term
+    of the parameters alone). Under a weight that counts nothing (`{"weight": 1}`,
+    warned about) each microbatch's value is averaged, and the term with it: no error."""
+    terms = [scale for kind, scale in full.divisors if kind == "param"]
+    if not counts or not terms:
+        return
+    more_terms = None if more is None else [s for k, s in more.divisors if k == "param"]
+    if more_terms is None or len(more_terms) != len(terms):
+        # No second trace to compare: only a term with no literal multiplier at all is
+        # certainly unweighted.
+        more_terms = [s if s == 1.0 else s / 2 for s in terms]
+    if all(abs(b) < abs(a) * 0.75 for a, b in zip(terms, more_terms, strict=True)):
+        return
+    raise ValueError(
+        "accum: loss_fn's loss_sum adds a term computed from the parameters alone (no batch "
+        "value in it, such as an L2 penalty `0.5 * jnp.sum(w * w)`); accum adds loss_sum over "
+        "microbatches and devices, so that term would count once per microbatch and device, "
+        "where the full batch counts it once: multiply it by aux['weight'] (a per-target "
+        "penalty), or apply it outside accum (optax.add_decayed_weights on the gradients)"
     )
 
 
