@@ -41,10 +41,11 @@ def loss_fn(p, mb, rng=None):
     return jnp.sum(h * h), {"weight": jnp.float32(mb["x"].shape[0])}
 
 
-def _by_dispatch(params, batch, rng):
+def _by_dispatch(params, batch, rng, plan=None):
     microbatches = accum.split_microbatches(batch, N)
     first = jax.tree.map(lambda x: x[0], microbatches)
-    acc = jax.jit(accum.start, static_argnums=0)(loss_fn, params, first, rng=rng)
+    start = jax.jit(lambda p, m, r: accum.start(loss_fn, p, m, rng=r, plan=plan))
+    acc = start(params, first, rng)
     add = jax.jit(lambda a, p, m, r: accum.add(a, loss_fn, p, m, rng=r))
     compiled = accum.compile_checked(add, acc, params, first, rng)
     for i in range(N):
@@ -100,3 +101,26 @@ def test_local_add_refuses_the_fused_schedule():
             jax.eval_shape(
                 lambda a, p, m: accum.add(a, loss_fn, p, m, schedule="fused"), acc, params, first
             )
+
+
+def test_a_weight_sharded_over_the_batch_axis_on_the_local_path():
+    """An FSDP-style weight sharded over 'data' on an explicit mesh: the local path's
+    shard_map takes weights whole over the batch axes, and JAX refuses an explicitly
+    sharded argument there ("in_specs ... does not match"); accum gathers it once,
+    before the loop. Both ways give the full batch's gradients, on the weight's own
+    layout."""
+    mesh, params, batch = _setup("explicit")
+    with jax.set_mesh(mesh):
+        params = {**params, "w": jax.device_put(params["w"], NamedSharding(mesh, P(None, "data")))}
+        plan = accum.plan_for(params, batch, path="local")
+        scanned = jax.jit(
+            lambda p, b: accum.accumulate_gradients(loss_fn, p, b, num_microbatches=N, plan=plan)
+        )
+        loss, _, grads = scanned(params, batch)
+        _, _, (_, _, dispatched) = _by_dispatch(params, batch, None, plan)
+    ref = jax.grad(lambda p: loss_fn(p, jax.device_get(batch))[0] / 32)(jax.device_get(params))
+    for got in (grads, dispatched):
+        for name in ("w", "b"):
+            np.testing.assert_allclose(got[name], ref[name], rtol=1e-5, atol=1e-7)
+        assert got["w"].sharding.spec == P(None, "data")
+    assert np.isfinite(float(loss))

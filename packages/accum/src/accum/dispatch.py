@@ -29,6 +29,7 @@ from accum.contract_probe import check_loss_fn
 from accum.fused_accumulate import fused_microbatch
 from accum.gating import plan_for
 from accum.local import local_add, local_finish, local_zeros
+from accum.local_mapped import whole_over_batch
 from accum.paths import choose_path
 from accum.plan import ReductionPlan
 from accum.schedule import OVERLAPPED, Schedule, check_schedule, fuses_in_scan
@@ -100,7 +101,8 @@ def start(
     plan = choose_path(loss_fn, params, microbatch, num_microbatches=1, plan=plan, rng=rng)
     args = (microbatch,) if rng is None else (microbatch, rng)
     if plan.path == "local":  # per-device sums in a leading device dimension (accum.local)
-        loss_shape, aux_shape = jax.eval_shape(loss_fn, params, *args)
+        # The weights as the local path's shard_map takes them: whole over the batch axes.
+        loss_shape, aux_shape = jax.eval_shape(loss_fn, whole_over_batch(params, plan), *args)
         if "weight" not in aux_shape:
             raise KeyError("loss_fn's aux must hold 'weight' (the number of counted targets)")
         return Accumulator(

@@ -56,7 +56,7 @@ from accum.batch_collectives import check_lifted
 from accum.closure import lift_closure
 from accum.device_grads import device_grads, device_key
 from accum.jaxpr_types import manual_axes
-from accum.local_mapped import batch_devices, mapped_accumulate, mapped_add
+from accum.local_mapped import batch_devices, mapped_accumulate, mapped_add, whole_over_batch
 from accum.plan import ReductionPlan, accumulator_dtype, is_floating
 from accum.tags import reduce_to, safe_inverse
 from accum.trace_record import record_params, traced
@@ -231,6 +231,7 @@ def local_accumulate(
 ) -> tuple[jax.Array, dict, Any]:
     """`accumulate_gradients` on the local path (module docstring); same result."""
     axes = plan.batch_axes
+    params = whole_over_batch(params, plan)
     n = num_microbatches
     batch_spec = _batch_specs(batch, axes)
 
@@ -329,6 +330,7 @@ def _local_args(params: Any, rows: Any, rng: Any) -> tuple:
 def local_zeros(params: Any, plan: ReductionPlan, accum_dtype: Any) -> Any:
     """`start`'s accumulator on the local path: zeros of shape (devices, *param)."""
     axes = plan.batch_axes
+    params = whole_over_batch(params, plan)
 
     def body(params):
         return jax.tree.map(lambda p: _zeros(p, accum_dtype)[None], _varying(params, axes))
@@ -342,6 +344,7 @@ def local_add(
     """`add` on the local path: (grads plus this microbatch's, loss sum, aux sum).
     Gradients stay in each device's row; the loss and aux (scalars) are summed."""
     axes = plan.batch_axes
+    params = whole_over_batch(params, plan)
 
     def body(fn, grads, params, microbatch, count, consts, *maybe_rng):
         rng = maybe_rng[0] if maybe_rng else None

@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 from accum.device_grads import device_grads, device_key
 from accum.plan import ReductionPlan, accumulator_dtype
 from accum.verdict import LOOP_SCOPE, marked
-from pspec_tags import entry_axes, partitions, spec_of
+from pspec_tags import entry_axes, mesh_axes_used, partitions, spec_of
 
 
 def batch_devices(plan: ReductionPlan) -> int:
@@ -70,8 +70,27 @@ def _on(x: jax.Array, spec: P) -> jax.Array:
 def _unsharded_over(params: Any, axes: tuple[str, ...]) -> Any:
     """The weights with the batch axes taken out of their layouts: each device
     reads whole weights (an FSDP weight over a batch axis is gathered once per
-    step, before the loop, as the shard_map's replicated in_spec does)."""
+    step, before the loop)."""
     return jax.tree.map(lambda p: _on(p, P(*_without(spec_of(p), axes, p.ndim))), params)
+
+
+def whole_over_batch(params: Any, plan: ReductionPlan) -> Any:
+    """On an explicit mesh, each weight sharded over a batch axis gathered over it
+    (`_unsharded_over`), the others as they are: the local path's shard_map takes the
+    weights whole over the batch axes (in_specs P()), and JAX refuses an explicitly
+    sharded argument there rather than gathering it. Gathered once per step, before
+    the loop; the step's gradient is placed back on the weight's layout after it (a
+    slice). An auto mesh's shard_map gathers by itself."""
+    axes = plan.batch_axes
+    if plan.mode != "explicit":
+        return params
+
+    def sharded_over_batch(p: Any) -> bool:
+        return bool(set(mesh_axes_used(spec_of(p))) & set(axes))
+
+    if not any(sharded_over_batch(p) for p in jax.tree.leaves(params)):
+        return params
+    return jax.tree.map(lambda p: _unsharded_over(p, axes) if sharded_over_batch(p) else p, params)
 
 
 def device_rows(x: jax.Array, n: int, plan: ReductionPlan) -> jax.Array:
