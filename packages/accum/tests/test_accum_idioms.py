@@ -131,6 +131,10 @@ def mean_plus_penalty(p, mb):  # a mean term beside the README's penalty-times-w
     return jnp.mean(_sq(p, mb)) + penalty, _rows(mb)
 
 
+def nan_mean(p, mb):  # jnp.nanmean: divided by the count of non-NaN losses
+    return jnp.nanmean(_sq(p, mb)), _rows(mb)
+
+
 def divided_by_a_traced_count(p, mb):  # rows * 1.0: arithmetic the trace keeps as equations
     return jnp.sum(_sq(p, mb)) / (jnp.float32(mb["x"].shape[0]) * 1.0), _rows(mb)
 
@@ -140,6 +144,7 @@ def divided_by_a_traced_count(p, mb):  # rows * 1.0: arithmetic the trace keeps 
     "loss_fn",
     [
         divided_by_a_traced_count,
+        nan_mean,
         mean_over_rows,
         masked_mean,
         optax_mean,

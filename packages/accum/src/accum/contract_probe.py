@@ -5,10 +5,11 @@ by the summed `aux["weight"]` once per step. Three idioms break that silently (t
 result then depends on the number of microbatches and devices, without an error):
 
 - a *mean* as `loss_sum` (`jnp.mean(losses)`, `optax....(...).mean()`,
-  `sum(l * mask) / mask.sum()`) beside a weight that counts the targets: the loss
+  `sum(l * mask) / mask.sum()`, `jnp.nanmean`) beside a weight that counts the targets: the loss
   is divided twice, once per microbatch. Found on the jaxpr: `loss_sum` is a
   division (through casts and `jit`/`checkpoint`/custom-derivative calls) by a
-  value computed from the batch's rows and not from the parameters, or by a
+  value computed from the batch's rows and not from the parameters (or from them
+  only through bools and integers, which carry no gradient: nanmean's count), or by a
   constant that changes when the microbatch's rows double (a per-sequence mean,
   divided by the sequence length, is a sum over rows and passes). `ValueError`;
 - a term of the parameters alone added to `loss_sum` (an L2 penalty `+ 0.5 *
@@ -57,7 +58,10 @@ _PASS = {"convert_element_type", "neg", "copy", "copy_p", "reshape", "squeeze", 
 _SUMS = {"add", "sub", "add_any"}
 # Ops that spread or cast a value without changing what it counts.
 _SPREAD = {"broadcast_in_dim", "convert_element_type", "reshape", "squeeze", "expand_dims", "copy"}
-_ROWS, _PARAM = "rows", "param"
+# What a value is computed from: the batch's rows, the parameters, and whether the
+# parameters reach it through values that carry a gradient (a count of a loss's
+# non-NaN entries, `jnp.nanmean`'s, is computed from them through a bool: no gradient).
+_ROWS, _PARAM, _GRAD = "rows", "param", "grad"
 
 
 def _struct(x: Any, rows: int | None, typed: bool) -> Any:
@@ -105,7 +109,10 @@ def _labels(jaxpr: Any, in_labels: list[frozenset]) -> dict:
     labels = dict(zip(jaxpr.invars, in_labels, strict=True))
     for eqn in jaxpr.eqns:
         found = frozenset().union(*(_label(labels, v) for v in eqn.invars))
-        labels.update(dict.fromkeys(eqn.outvars, found))
+        for out in eqn.outvars:
+            # A bool or integer value carries no gradient (a comparison, a count).
+            inexact = jnp.issubdtype(getattr(out.aval, "dtype", jnp.float32), jnp.inexact)
+            labels[out] = found if inexact else found - {_GRAD}
     return labels
 
 
@@ -127,7 +134,7 @@ def _divisors(jaxpr: Any, var: Any, in_labels: list[frozenset]) -> list:
 
     def rows_only(v: Any) -> bool:
         label = _label(labels, v)
-        return _ROWS in label and _PARAM not in label
+        return _ROWS in label and _GRAD not in label
 
     def unspread(v: Any) -> Any:
         # `v` before the broadcasts and casts that only spread or retype it.
@@ -211,7 +218,8 @@ def _divisors(jaxpr: Any, var: Any, in_labels: list[frozenset]) -> list:
         return scale
 
     def walk(var: Any, scale: float) -> None:
-        if not isinstance(var, Literal) and _label(labels, var) == frozenset({_PARAM}):
+        label = _label(labels, var)
+        if _GRAD in label and _ROWS not in label:
             # A term of the parameters alone (no batch value in it: an L2 penalty): its
             # divisor, compared across the two traces (weighted by a static row count
             # it shrinks as the rows double; added as it is it stays).
@@ -299,7 +307,12 @@ class _Traced:
             frozenset({_ROWS}) if jnp.ndim(x) > 0 else frozenset()
             for x in jax.tree.leaves(microbatch)
         ]
-        in_labels = [frozenset({_PARAM})] * n_params + rows
+        in_labels = [
+            frozenset({_PARAM, _GRAD})
+            if jnp.issubdtype(v.aval.dtype, jnp.inexact)
+            else frozenset({_PARAM})
+            for v in jaxpr.invars[:n_params]
+        ] + rows
         in_labels += [frozenset()] * (len(jaxpr.invars) - len(in_labels))
         self.ok = isinstance(shapes, tuple | list) and len(shapes) == 2
         self.ok = self.ok and isinstance(shapes[1], Mapping) and "weight" in shapes[1]
