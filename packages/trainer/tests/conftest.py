@@ -129,11 +129,16 @@ LAYOUTS = {k: v for k, v in EIGHT_DEVICE_LAYOUTS.items() if k not in ("data", "d
 # way: explicit fsdp by test_train's data4xfsdp2 runs, fsdp+context by
 # test_parallelism's context GA=4 test (the same layout and check), experts sharding
 # the sequence by the auto run of that layout; auto mode keeps tensor, ZeRO-1 and
-# both expert layouts, explicit mode checking the others.
+# both expert layouts, explicit mode checking the others. fsdp+tensor and
+# fsdp+expert(fsdp) run in the cpu tier in explicit mode only (auto mode keeps ZeRO-1
+# and the context-sharded experts): the cpu tier's 15 minutes on CI's two cores.
 SLOW_LAYOUTS = {
     "explicit": ("fsdp", "fsdp+context", "fsdp+expert(context)"),
-    "auto": ("fsdp", "fsdp+context", "fsdp+tensor_transpose", "data+expert"),
-}
+    "auto": (
+        "fsdp", "fsdp+context", "fsdp+tensor", "fsdp+tensor_transpose", "fsdp+expert(fsdp)",
+        "data+expert",
+    ),
+}  # fmt: skip
 
 
 def pytest_generate_tests(metafunc):

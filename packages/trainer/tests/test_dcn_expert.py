@@ -77,6 +77,10 @@ def test_the_plan_takes_the_expert_axis_for_a_cross_slice_one():
     assert {dict(leaf.when)["data"] for leaf in plan.leaf_plans()} == {accum.SCATTER}
 
 
+# Slow tier (two compiles, ~40 s of the cpu tier's 15 minutes): the cpu tier keeps the
+# cross-slice layout's HLO and plan checks above, and data+expert's numbers
+# (test_parallelism.py).
+@pytest.mark.slow
 def test_same_numbers_as_the_one_slice_layout(runner, grads_runner, grads_match):
     want = runner(1, **ONE_SLICE)[0][0]
     got = runner(1, **DCN_EXPERT)[0][0]

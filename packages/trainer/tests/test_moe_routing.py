@@ -28,10 +28,11 @@ def _in_loop_traffic(text: str) -> dict:
         hlo_tools.parse(text))["in_loop"].items()}  # fmt: skip
 
 
-# The cpu tier runs the all-to-all layout (its cap also shrinks the loop's blocks); the
-# local-experts path's drops are checked in moe_kernels' test_moe_capacity.py (cpu tier)
-# and through the trainer here in the slow tier (3 more compiles, 52 s of CI's cpu tier).
-@pytest.mark.parametrize("layout", [pytest.param("data", marks=pytest.mark.slow), "data+expert"])
+# Both layouts in the slow tier (3 compiles each, ~50 s of the cpu tier's 15 minutes):
+# the cpu tier checks drops and the router z-loss in moe_kernels' test_moe_capacity.py,
+# and the trainer's evaluation lowering with the z-loss on in test_pipeline.py.
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["data", "data+expert"])
 def test_drops_and_z_loss_add_no_in_loop_collective(layout, runner):
     """capacity_factor and moe_z_loss_coeff on, GA=4, deferred: drops and the z-loss
     reported; the loss grows by exactly coeff x layers x z; every gradient still

@@ -11,6 +11,7 @@ no timing.
 """
 
 import jax
+import pytest
 
 from trainer.config import make_config
 from trainer.run import run as run_lib
@@ -45,6 +46,9 @@ def _compiled(microbatches: int):
     return temp, sum(leaf.addressable_shards[0].data.nbytes for leaf in stage)
 
 
+# Slow tier (two pipeline compiles, ~40 s of the cpu tier's 15 minutes); the cpu tier
+# keeps test_pipeline.py's numbers and schedules.
+@pytest.mark.slow
 def test_an_extra_microbatch_costs_less_than_the_stage_weights():
     # 3 and 9 pipeline iterations (m + p - 1) of equal microbatches.
     (few, weights), (many, _) = _compiled(2), _compiled(8)

@@ -9,6 +9,9 @@ from hlo_tools.shapes import leaf_arrays
 
 # (shard_mode, extra overrides): each compiles once. The full cross product of
 # meshes x modes x GA is in test_train_matrix.py (slow).
+# explicit-data8-ga1 and auto-data4xfsdp2-ga1 run in the slow tier (the cpu tier's 15
+# minutes): explicit GA=1 steps are test_parallelism's layouts, auto FSDP its auto ones.
+SLOW_CASES = ("explicit-data8-ga1", "auto-data4xfsdp2-ga1")
 CASES = {
     "explicit-data8-ga1": dict(shard_mode="explicit", gradient_accumulation_steps="1"),
     "explicit-data8-ga4": dict(shard_mode="explicit", gradient_accumulation_steps="4"),
@@ -41,7 +44,10 @@ def reference(runner):
     return history[0]
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CASES else n for n in sorted(CASES)],
+)
 def test_first_step_matches_single_device(name, reference, runner):
     history, _ = runner(STEPS.get(name, 2), **CASES[name])
     first = history[0]
