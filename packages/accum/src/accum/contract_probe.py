@@ -266,8 +266,12 @@ def _check_parameter_terms(full: _Traced, more: _Traced | None, counts: bool) ->
     if more_terms is None or len(more_terms) != len(terms):
         # No second trace to compare: only a term with no literal multiplier at all is
         # certainly unweighted.
-        more_terms = [s if s == 1.0 else s / 2 for s in terms]
-    if all(abs(b) < abs(a) * 0.75 for a, b in zip(terms, more_terms, strict=True)):
+        unweighted = [a for a in terms if a == 1.0]
+    else:
+        # Weighted by the rows, its divisor halves as they double.
+        pairs = zip(terms, more_terms, strict=True)
+        unweighted = [a for a, b in pairs if abs(b) >= abs(a) * 0.75]
+    if not unweighted:
         return
     raise ValueError(
         "accum: loss_fn's loss_sum adds a term computed from the parameters alone (no batch "

@@ -85,12 +85,10 @@ def whole_over_batch(params: Any, plan: ReductionPlan) -> Any:
     if plan.mode != "explicit":
         return params
 
-    def sharded_over_batch(p: Any) -> bool:
-        return bool(set(mesh_axes_used(spec_of(p))) & set(axes))
+    def whole(p: Any) -> Any:
+        return _unsharded_over(p, axes) if set(mesh_axes_used(spec_of(p))) & set(axes) else p
 
-    if not any(sharded_over_batch(p) for p in jax.tree.leaves(params)):
-        return params
-    return jax.tree.map(lambda p: _unsharded_over(p, axes) if sharded_over_batch(p) else p, params)
+    return jax.tree.map(whole, params)
 
 
 def device_rows(x: jax.Array, n: int, plan: ReductionPlan) -> jax.Array:

@@ -135,8 +135,9 @@ def divisors(jaxpr: Any, var: Any, in_labels: list[frozenset]) -> list:
         # BatchNorm's division by the rows is no mean of the loss).
         v = unspread(v)
         eqn = None if isinstance(v, Literal) else producers.get(v)
-        if eqn is not None and eqn.primitive.name == "div" and scaled_by(eqn) is not None:
-            found.append(("const", scale / scaled_by(eqn)[0]))
+        by = scaled_by(eqn) if eqn is not None and eqn.primitive.name == "div" else None
+        if by is not None:
+            found.append(("const", scale / by[0]))
         elif divided_by_rows(v):
             found.append(("rows", None))
 
@@ -168,7 +169,6 @@ def divisors(jaxpr: Any, var: Any, in_labels: list[frozenset]) -> list:
         while not isinstance(var, Literal) and var in producers:
             eqn = producers[var]
             name = eqn.primitive.name
-            other = [v for v in eqn.invars if constant(v) is None]
             if name in _PASS or name == "reduce_sum":
                 # A sum of terms each divided by the count is divided by it too.
                 var = eqn.invars[0]
@@ -182,8 +182,9 @@ def divisors(jaxpr: Any, var: Any, in_labels: list[frozenset]) -> list:
                 scale, var = scale / _nonzero(by[0]), by[1]
             elif name in ("mul", "dot_general"):
                 # A product is divided by whatever one of its factors is.
-                for v in other:
-                    factor(v, scale)
+                for v in eqn.invars:
+                    if constant(v) is None:
+                        factor(v, scale)
                 break
             elif name == "div":
                 if scalar_of_rows(eqn.invars[1]):
