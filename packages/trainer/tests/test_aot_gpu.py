@@ -140,6 +140,7 @@ def test_h100_8_report(zero1_h100_8):
     assert "attention: dot_product (not cudnn_flash: the GPUs are a compile-only topology" in text
     # Hopper targets: the routed experts compile to the Mosaic-GPU grouped GEMM.
     assert "moe grouped matmul: grouped_gemm (auto on a Hopper GPU)" in text
+    assert "gemms: cuBLAS calls, adds of a product's shape folded in as C (gpu_gemm=cublas)" in text
     hlo = zero1_h100_8.compiled.as_text()
     # 3 kernels forward and 6 backward per MoE layer, in the (unrolled) microbatch loop body.
     assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 9 * CUT_LAYERS
@@ -147,6 +148,11 @@ def test_h100_8_report(zero1_h100_8):
     # the step's only scatters are the embedding table's gradient (vocab 32,768 rows).
     scatters = re.findall(r"= (\S+) scatter\(", hlo)
     assert scatters and all(shape.startswith("f32[32768,") for shape in scatters), scatters
+    # gpu_gemm=cublas (the default): every matmul a cuBLAS call, none a Triton GEMM
+    # fusion, and adds of a product's shape folded into the GEMM as its C (beta=1).
+    assert "__triton_nested_gemm_fusion" not in hlo and "__triton_gemm" not in hlo
+    assert hlo.count('custom_call_target="__cublas$') >= 2 * 4 * CUT_LAYERS
+    assert '"beta":1' in hlo
     assert f"kernels launched per step: {zero1_h100_8.kernels.total:,} " in text
     assert any(line.startswith("  mix: matmul ") for line in lines)
     thunks = zero1_h100_8.hlo_path.removesuffix(".hlo") + ".thunks.txt"

@@ -232,9 +232,9 @@ def test_tpu_async_collectives_defaults_off_and_parses_true_and_false():
 def test_compiler_options_are_tpu_only_and_follow_the_key():
     on, off = make_config({"tpu_async_collectives": "true"}), make_config()
     for config in (on, off):
-        # CPU and GPU compiles reject the TPU names: they must get no option at all.
+        # CPU and GPU compiles reject the TPU names: they must get no TPU option.
         assert compiler_options(config, "cpu") == {}
-        assert compiler_options(config, "gpu") == {}
+        assert compiler_options(config, "gpu") == {"xla_gpu_enable_triton_gemm": False}
     assert compiler_options(off, "tpu") == {}
     tpu = compiler_options(on, "tpu")
     assert tpu == TPU_ASYNC_COLLECTIVES and tpu["xla_enable_async_all_reduce"] == "true"
@@ -244,6 +244,20 @@ def test_compiler_options_are_tpu_only_and_follow_the_key():
     assert all(isinstance(v, str) for v in tpu.values())  # compile options as strings
     tpu["xla_enable_async_all_reduce"] = "false"  # a copy: callers cannot edit the set
     assert TPU_ASYNC_COLLECTIVES["xla_enable_async_all_reduce"] == "true"
+
+
+def test_gpu_gemm_picks_cublas_by_default_and_triton_on_request():
+    assert make_config().gpu_gemm == "cublas"
+    triton = make_config({"gpu_gemm": "triton"})
+    assert compiler_options(triton, "gpu") == {}  # XLA's default: Triton GEMM fusions
+    # Only GPU compiles take the option: CPU and TPU compilers do not know it.
+    for platform in ("cpu", "tpu"):
+        assert compiler_options(make_config(), platform) == {}
+    options = compiler_options(make_config(), "gpu")
+    options["xla_gpu_enable_triton_gemm"] = True  # a copy: callers cannot edit the set
+    assert compiler_options(make_config(), "gpu") == {"xla_gpu_enable_triton_gemm": False}
+    with pytest.raises(ConfigError, match="gpu_gemm"):
+        make_config({"gpu_gemm": "cutlass"})
 
 
 def test_compiler_options_read_the_platform_of_the_mesh():

@@ -59,7 +59,9 @@ def test_missing_plugin_says_how_to_install_it(monkeypatch):
 
 def test_gpu_compiles_get_no_tpu_flags():
     config = make_config({"tpu_async_collectives": "true"})
-    assert xla_options.compiler_options(config.parallelism, "gpu") == {}
+    options = xla_options.compiler_options(config.parallelism, "gpu")
+    assert options == xla_options.GPU_CUBLAS_GEMMS  # gpu_gemm=cublas, the default
+    assert not set(options) & set(xla_options.TPU_ASYNC_COLLECTIVES)
 
 
 def test_allocator_hint_when_the_step_fits_hbm_but_not_jaxs_default_share():

@@ -81,6 +81,16 @@ class ParallelismConfig:
         "TPU: XLA options for uncombined, async all-reduces (what they change, measured: "
         "benchmarks/results/perf_keys.md)",
     )
+    # On GPUs, matmuls as cuBLAS(Lt) calls, not XLA's Triton GEMM fusions
+    # (xla_gpu_enable_triton_gemm=false, as NVIDIA's JAX containers set it): cuBLAS
+    # takes an add of the product's shape as its C operand (beta=1), so a residual
+    # add or a gradient added into its accumulator runs inside the GEMM instead of
+    # in a kernel of its own (trainer/run/xla_options.py; what it changes in the
+    # deviceless H200 estimate: benchmarks/results/gpu_estimate.md). No effect on
+    # CPU and TPU.
+    gpu_gemm: Literal["cublas", "triton"] = key(
+        "cublas", "GPU: matmuls as cuBLAS calls (adds fused as C) or XLA's Triton GEMMs"
+    )
     # The platform to run on, under MaxText's key: "" = JAX's default (an accelerator
     # where there is one), cpu (the CPU backend with --num_cpu_devices virtual
     # devices, even beside an accelerator), tpu, gpu (gpu_multiprocess: the same).

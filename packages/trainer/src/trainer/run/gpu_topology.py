@@ -206,11 +206,12 @@ def kernels_of_dump(
 
 
 def report_lines(kernels, run, hlo_path: str) -> list[str]:
-    """The GPU part of the AOT report: the grouped matmul compiled, and the kernels
+    """The GPU part of the AOT report: the grouped matmul and GEMMs compiled, and the kernels
     per step (hlo_tools.format_kernels) with where the thunk sequence went."""
     thunks = hlo_path.removesuffix(".hlo") + ".thunks.txt"
     return [
         *report.grouped_matmul_lines(run.config, run.ctx),
+        *report.gemm_lines(run.config, run.ctx),
         *hlo_tools.format_kernels(kernels),
         f"wrote the thunk sequence to {thunks}",
     ]

@@ -271,6 +271,16 @@ def grouped_matmul_lines(config, ctx) -> list[str]:
     return [f"moe grouped matmul: {impl} ({why})"]
 
 
+def gemm_lines(config, ctx) -> list[str]:
+    """On GPUs, what the dense matmuls compile to (gpu_gemm, trainer/run/xla_options.py);
+    nothing elsewhere."""
+    if ctx.mesh.devices.flat[0].platform != "gpu":
+        return []
+    if config.parallelism.gpu_gemm == "cublas":
+        return ["gemms: cuBLAS calls, adds of a product's shape folded in as C (gpu_gemm=cublas)"]
+    return ["gemms: XLA's Triton GEMM fusions (gpu_gemm=triton)"]
+
+
 def checkpoints_off_line(config) -> str:
     """The startup line of a run that saves no checkpoint (checkpoint_files.checkpoint_dir
     is None), naming the key that turned them off and what would turn them on."""

@@ -397,6 +397,7 @@ def startup_lines(run: Run) -> list[str]:
     lines += report.capacity_lines(config, run.ctx, run.batch_size)
     lines.append(attention_kernel.describe(config.model, run.ctx, config.data.max_target_length))
     lines += report.grouped_matmul_lines(config, run.ctx)
+    lines += report.gemm_lines(config, run.ctx)
     lines += data_lines(run)
     text = run.compiled.as_text()
     return lines + report.collective_summary(

@@ -42,14 +42,30 @@ TPU_ASYNC_COLLECTIVES: dict[str, str] = {
 }
 
 
-def compiler_options(parallelism: ParallelismConfig, platform: str) -> dict[str, str]:
+# XLA:GPU's option for gpu_gemm=cublas (a DebugOptions field, so any GPU compile
+# takes it). With Triton GEMM fusions on, XLA fuses a matmul's operand casts and
+# transposes into a Triton kernel and leaves the add after it to a kernel of its own
+# (on a device the autotuner may still pick cuBLAS for the fusion, without the add).
+# Off, every matmul is a cuBLAS(Lt) call and XLA's GEMM rewriter folds an add of the
+# product's shape into it as the C operand (beta=1): the residual add after an
+# output projection, and a weight gradient added into its accumulator where the
+# accumulator is that gradient's own array (the LM head's, not a layer slice of a
+# stacked weight's). NVIDIA's JAX containers (JAX-Toolbox) set it for the same reason.
+# A bool field takes a Python bool (the string "false" is refused).
+GPU_CUBLAS_GEMMS: dict[str, bool] = {"xla_gpu_enable_triton_gemm": False}
+
+
+def compiler_options(parallelism: ParallelismConfig, platform: str) -> dict[str, str | bool]:
     """The compile options for a program compiled for `platform` ("tpu", "cpu", "gpu").
 
-    TPU_ASYNC_COLLECTIVES on TPU when tpu_async_collectives is on; {} otherwise
-    (CPU and GPU compiles get no option: these names are TPU-only).
+    TPU_ASYNC_COLLECTIVES on TPU when tpu_async_collectives is on; GPU_CUBLAS_GEMMS
+    on GPU when gpu_gemm is cublas (the default); {} otherwise (a CPU compile gets
+    no option: these names are its compilers').
     """
     if platform == "tpu" and parallelism.tpu_async_collectives:
         return dict(TPU_ASYNC_COLLECTIVES)
+    if platform == "gpu" and parallelism.gpu_gemm == "cublas":
+        return dict(GPU_CUBLAS_GEMMS)
     return {}
 
 
@@ -61,7 +77,7 @@ def platform_of(mesh: Any) -> str:
     return platforms.pop()
 
 
-def for_mesh(parallelism: ParallelismConfig, mesh: Any) -> dict[str, str]:
+def for_mesh(parallelism: ParallelismConfig, mesh: Any) -> dict[str, str | bool]:
     """`compiler_options` for a program compiled for `mesh`'s devices: what every
     trainer compile (run.compile_step, Evaluator.compile, aot.compile_for_topology) passes."""
     return compiler_options(parallelism, platform_of(mesh))
