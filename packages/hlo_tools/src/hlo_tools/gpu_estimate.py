@@ -18,7 +18,8 @@ A conditional (``lax.cond``, ``lax.switch``) runs one branch per execution, and
 which one is data: it is priced as its costliest branch (an upper bound).
 
 What it cannot see: GEMM autotuning (a compile-only GPU compiles XLA's default
-Triton tiles; the device may pick cuBLAS or other tiles), cuDNN's internals (its
+Triton tiles, or cuBLAS calls with their default algorithm where Triton GEMMs are
+off; the device may pick other tiles or algorithms), cuDNN's internals (its
 attention cost is one calibrated rate), caches (every byte is an HBM byte), and
 overlap between streams (kernels run one after another, as a single-GPU step
 without collectives does).
