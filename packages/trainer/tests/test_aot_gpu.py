@@ -330,17 +330,22 @@ def _while_carries(text: str, dtype: str, dims: str) -> int:
 def _assert_stacked_weights_carried_in_bf16(result):
     with open(result.hlo_path) as f:
         text = f.read()
-    # wi_0 and wi_1: the weights in bf16, their accumulators in f32.
-    assert _while_carries(text, "bf16", "2,16,1024,512") == 2
+    # wi_0 and wi_1: each layer's weight in bf16 (split from the stack before the
+    # loop: no slice of the stack in it), their stacked accumulators in f32.
+    assert _while_carries(text, "bf16", "16,1024,512") == 2 * CUT_LAYERS
+    assert _while_carries(text, "bf16", "2,16,1024,512") == 0
+    assert _while_carries(text, "f32", "16,1024,512") == 0
     assert _while_carries(text, "f32", "2,16,1024,512") == 2
 
 
 def test_unrolled_layers_carry_stacked_weights_in_bf16_through_the_microbatch_loop(zero1_h100_8):
     """Weights are cast to bf16 once per step, before the microbatch loop (step/
-    train_step.py): the loop carries each routed-expert stack (2 MoE layers, 16
-    experts, 1024 x 512) in bf16, plus its f32 gradient accumulator, and no f32 copy
-    of the weight (cast at use, every microbatch re-read and re-cast the f32 stack).
-    On the aot tier's h100-8 ZeRO-1 compile (ZeRO-1 shards the optimizer state only)."""
+    train_step.py), and split into their layers there (accum's `prepare`): the loop
+    carries each routed-expert layer (16 experts, 1024 x 512) in bf16, plus the
+    stack's f32 gradient accumulator, and no f32 copy of the weight (cast at use, every
+    microbatch re-read and re-cast the f32 stack) nor the bf16 stack (sliced in every
+    microbatch, each slice a copy kernel on a GPU). On the aot tier's h100-8 ZeRO-1
+    compile (ZeRO-1 shards the optimizer state only)."""
     _assert_stacked_weights_carried_in_bf16(zero1_h100_8)
 
 

@@ -37,6 +37,27 @@ from accum.verdict import check_option as _check_option
 from pspec_tags import find_untagged
 
 
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """`prepare(params)` computed once before the microbatch loop: the view `loss_fn`
+    is differentiated at, and the VJP taking its gradient back to the parameters."""
+
+    loss_fn: Callable  # the user's loss_fn, on the view
+    view: Any
+    pull_back: Callable
+
+
+def on_params(loss_fn: Callable, prepare: Callable | None) -> Callable:
+    """`loss_fn` as a function of the parameters: `loss_fn(prepare(params), ...)`."""
+    if prepare is None:
+        return loss_fn
+
+    def composed(params, *args):
+        return loss_fn(prepare(params), *args)
+
+    return composed
+
+
 def microbatch_grads(
     loss_fn: Callable,
     params: Any,
@@ -44,6 +65,7 @@ def microbatch_grads(
     rng: jax.Array | None,
     plan: ReductionPlan,
     on_tag_lost: str,
+    prepared: Prepared | None = None,
 ) -> tuple[jax.Array, dict, Any]:
     """(loss_sum, aux, grads) of one microbatch; `params` already tagged by `plan`.
 
@@ -51,11 +73,17 @@ def microbatch_grads(
     trace-time analyses run here: the backward jaxpr is searched for a reduction
     of a deferred axis, and the gradients' types are checked (`find_untagged`).
     They explain; the verdict is the compiled program's (`accum.verdict`).
+    With `prepared` (`prepare` run before the loop), the loss is differentiated at
+    its view and the gradient pulled back to the parameters.
     """
     args = (microbatch,) if rng is None else (microbatch, rng)
     guard_forward(loss_fn, params, args, plan, on_tag_lost)
     axes = plan.tagged_axes
-    (loss_sum, aux), grads = seeded_value_and_grad(loss_fn)(params, *args)
+    if prepared is None:
+        (loss_sum, aux), grads = seeded_value_and_grad(loss_fn)(params, *args)
+    else:
+        (loss_sum, aux), view_grads = seeded_value_and_grad(prepared.loss_fn)(prepared.view, *args)
+        (grads,) = prepared.pull_back(view_grads)
     if "weight" not in aux:
         raise KeyError("loss_fn's aux must hold 'weight' (the number of counted targets)")
     if axes and on_tag_lost != "ignore":
@@ -123,6 +151,7 @@ def accumulate_gradients(
     rng: jax.Array | None = None,
     on_tag_lost: str = "raise",
     accum_dtype: Any = jnp.float32,
+    prepare: Callable | None = None,
 ) -> tuple[jax.Array, dict, Any]:
     """Loss, summed aux and gradients of `batch`, computed over `num_microbatches` microbatches.
 
@@ -182,6 +211,14 @@ def accumulate_gradients(
     Auto mode: same numerics, no tags; XLA places the reductions.
     Gradients come back in `accum_dtype` (None: each parameter's dtype).
 
+    `prepare(params)`: what `loss_fn` receives instead of `params`, for work on the
+    parameters that every microbatch would repeat (a stacked weight split into its
+    layers, each microbatch then reading a layer's own array). On the tags path's
+    plain schedule it runs once, before the loop, and each microbatch's gradient is
+    pulled back through its VJP (taken there, at the step's parameters) before it
+    is added; elsewhere `loss_fn(prepare(params), ...)` runs per microbatch. The
+    gradients are the parameters' either way, with the same numbers.
+
     Example (`mesh`, `w`, `batch`, `loss_fn`, `SGD`: the setup in `help(accum)`):
 
     >>> with jax.set_mesh(mesh):
@@ -194,6 +231,10 @@ def accumulate_gradients(
     _check_option(on_tag_lost)
     check_batch(batch, num_microbatches)  # a leaf accum cannot split, named before tracing
     check_params(params)
+    # Every check and path sees loss_fn on the parameters; only the plain tags loop
+    # runs `prepare` before it (tags_accumulate).
+    view_fn = None if prepare is None else checked(loss_fn)
+    loss_fn = on_params(loss_fn, prepare)
     user_fn, loss_fn = loss_fn, checked(loss_fn)  # its results checked (accum.contract)
     if plan is None:
         plan = plan_for(params, batch)  # reads linen's boxes' annotations
@@ -217,13 +258,14 @@ def accumulate_gradients(
         rng,
         on_tag_lost,
         accum_dtype,
+        (view_fn, prepare) if prepare is not None else None,
     )
     return loss, aux, rebox(grads)
 
 
 def _accumulate(
     loss_fn, user_fn, params, batch, num_microbatches, plan, schedule, grad_shardings,
-    rng, on_tag_lost, accum_dtype,
+    rng, on_tag_lost, accum_dtype, prepare=None,
 ) -> tuple[jax.Array, dict, Any]:  # fmt: skip
     """`accumulate_gradients` after its checks: the path chosen, then run."""
     check_schedule(schedule, plan)  # an unknown schedule is named before any tracing
@@ -268,6 +310,7 @@ def _accumulate(
         rng=rng,
         on_tag_lost=on_tag_lost,
         accum_dtype=accum_dtype,
+        prepare=prepare,
     )
 
 
@@ -278,10 +321,12 @@ def _tags_body(
     rng: jax.Array | None,
     on_tag_lost: str,
     fused: bool,
+    prepared: Prepared | None = None,
 ) -> Callable:
     """The tags path's scan body: one microbatch's gradients added into the
     unreduced (or scattered) accumulator; `fused`: added inside the backward
-    layer scan (accum.fused_accumulate)."""
+    layer scan (accum.fused_accumulate); `prepared`: differentiated at the view
+    computed before the loop."""
 
     def body(acc, xs):
         index, microbatch = xs
@@ -295,7 +340,7 @@ def _tags_body(
             return acc, (loss_sum, aux)
         mb_rng = None if rng is None else jax.random.fold_in(rng, index)
         loss_sum, aux, grads = microbatch_grads(
-            loss_fn, compute_params, microbatch, mb_rng, plan, on_tag_lost
+            loss_fn, compute_params, microbatch, mb_rng, plan, on_tag_lost, prepared
         )
         # Per-step axes stay unreduced in the carry: no collective for them in
         # the loop. Scatter axes (hierarchical) are reduce-scattered here.
@@ -321,6 +366,7 @@ def tags_accumulate(
     rng: jax.Array | None,
     on_tag_lost: str,
     accum_dtype: Any,
+    prepare: tuple[Callable, Callable] | None = None,
 ) -> tuple[jax.Array, dict, Any]:
     """`accumulate_gradients` on the tags path (docs/accum.md, "How it works"):
     the microbatch `lax.scan` over reduced-tagged parameters, its carry unreduced
@@ -333,7 +379,14 @@ def tags_accumulate(
     compute_params = tag_reduced(params, plan)
     acc0 = unreduced_zeros(params, plan, accum_dtype)
     fused = fuses_in_scan(schedule, plan, num_microbatches)
-    body = _tags_body(loss_fn, compute_params, plan, rng, on_tag_lost, fused)
+    prepared = None
+    if prepare is not None and not fused and not overlap:
+        # Once per step, outside the loop: the view and its VJP (taken at the tagged
+        # parameters, so each pulled-back gradient is typed as theirs: unreduced).
+        view_fn, prepare_fn = prepare
+        view, pull_back = jax.vjp(prepare_fn, compute_params)
+        prepared = Prepared(view_fn, view, pull_back)
+    body = _tags_body(loss_fn, compute_params, plan, rng, on_tag_lost, fused, prepared)
     indices = jnp.arange(num_microbatches, dtype=jnp.uint32)
     xs = (indices, microbatches)
     # With overlap the loop takes the first N-1 microbatches: no gradient

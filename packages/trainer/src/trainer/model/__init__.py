@@ -14,7 +14,7 @@ from flax import nnx
 
 from moe_kernels import RoutingBias
 from trainer.config import ModelConfig
-from trainer.model.decoder import Decoder
+from trainer.model.decoder import Decoder, unstack_layers
 from trainer.model.lora import LoraParam, merged_params
 from trainer.model.params import (
     cast_at_use_of,
@@ -207,6 +207,13 @@ def _fill(template: nnx.State, pure: dict) -> nnx.State:
     state = jax.tree.map(lambda x: x, template)  # a fresh copy: replace_by_pure_dict mutates
     nnx.replace_by_pure_dict(state, pure)
     return state
+
+
+def unstacked(params: dict) -> dict:
+    """`params` with each stacked group (STACKS) split into its layers
+    (decoder.LayerViews): what the unrolled layer loop reads without slicing the
+    stacks (the train step's `prepare`, run once per step before the microbatch loop)."""
+    return unstack_layers(params, STACKS)
 
 
 def build_decoder(

@@ -112,9 +112,49 @@ def _remat(body, config: ModelConfig):
     return jax.checkpoint(body, policy=REMAT[config.remat_policy])
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerViews:
+    """A stacked parameter already split into its layers: what `unstack_layers` puts
+    in place of a stacked leaf, so a layer loop run many times per step (each
+    microbatch) reads each layer's own array instead of slicing the stack each time
+    (on a GPU every slice feeding a matmul or a custom call is a copy kernel)."""
+
+    layers: tuple
+
+
+def _is_views(x) -> bool:
+    return isinstance(x, LayerViews)
+
+
+def unstack_layers(params: dict, stacks: tuple[str, ...]) -> dict:
+    """`params` with every leaf under the top-level keys `stacks` split into its
+    layers (LayerViews); other leaves as they are. Its VJP stacks the layers'
+    gradients again (what accum's `prepare` pulls each microbatch's back through)."""
+
+    def split(leaf):
+        return LayerViews(
+            tuple(jax.lax.index_in_dim(leaf, i, keepdims=False) for i in range(leaf.shape[0]))
+        )
+
+    return {k: jax.tree.map(split, v) if k in stacks else v for k, v in params.items()}
+
+
+def _layer_count(state) -> int:
+    first = jax.tree.leaves(state, is_leaf=_is_views)[0]
+    return len(first.layers) if _is_views(first) else first.shape[0]
+
+
 def _layer_slice(state, i: int):
-    """Layer `i` of a stacked state (the leading axis dropped)."""
-    return jax.tree.map(lambda leaf: jax.lax.index_in_dim(leaf, i, keepdims=False), state)
+    """Layer `i` of a stacked state (the leading axis dropped): a LayerViews leaf's
+    own array, or a slice of the stack."""
+
+    def pick(leaf):
+        if _is_views(leaf):
+            return leaf.layers[i]
+        return jax.lax.index_in_dim(leaf, i, keepdims=False)
+
+    return jax.tree.map(pick, state, is_leaf=_is_views)
 
 
 def _layer_body(graphdef, positions_BxS, segments_BxS, config: ModelConfig):
@@ -141,9 +181,8 @@ def _run_stack(stack: nnx.Module, x_BxSxD, positions_BxS, segments_BxS, config: 
         # accum.scan_layers is lax.scan, except inside fused gradient accumulation:
         # there each layer's gradient is added into the accumulator in the backward scan.
         return accum.scan_layers(body, x_BxSxD, state)
-    count = jax.tree.leaves(state)[0].shape[0]
     per_layer = []
-    for i in range(count):
+    for i in range(_layer_count(state)):
         x_BxSxD, stats = body(x_BxSxD, _layer_slice(state, i))
         per_layer.append(stats)
     return x_BxSxD, jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)

@@ -297,6 +297,18 @@ def make_step(
         and compute_dtype != jnp.dtype(trained.weight_dtype)
     )
     cast_once = cast_once_per_step(trained, plan) if casts else None
+    # Unrolled layers also slice each stacked weight out of the stack in every
+    # microbatch: on a GPU a slice feeding a matmul or the grouped GEMM's custom call
+    # is a copy kernel, one per weight, layer and microbatch (issue 53). Split into
+    # its layers once before the loop (accum's `prepare`), each microbatch reads a
+    # layer's own array; accum stacks each microbatch's layer gradients again before
+    # adding them (XLA fuses that into the addition). LoRA trains the adapters only
+    # (the frozen base is no parameter of the loop).
+    prepare = (
+        model_lib.unstacked
+        if model.scan_layers is False and steps > 1 and not model_def.lora
+        else None
+    )
 
     def step(state: dict, batch: dict) -> tuple[dict, dict]:
         grad_shardings, params = None, state["params"]
@@ -338,6 +350,7 @@ def make_step(
             schedule=schedule,
             grad_shardings=grad_shardings,
             accum_dtype=jnp.dtype(accumulation.accum_dtype),
+            prepare=prepare,
         )
         return apply_gradients(model, training, tx, state, loss, aux, grads, model_def.moe_layout)
 
