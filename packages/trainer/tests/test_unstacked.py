@@ -60,3 +60,16 @@ def test_the_layer_loop_on_views_gives_the_stacks_logits_and_gradients(tiny):
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_a_scanned_layer_loop_refuses_split_parameters(tiny):
+    _, model_def, params, router, (tokens, positions, segments) = tiny
+    scanned = make_config({"model_name": "tagtrain-tiny", "scan_layers": "true"})
+    ctx = ShardCtx(
+        make_mesh(validate(scanned, 1), "explicit"), logical_rules(scanned.parallelism), "explicit"
+    )
+    scanned_def = model_lib.define(scanned.model, ctx)
+    with jax.set_mesh(ctx.mesh), pytest.raises(ValueError, match="set scan_layers=false"):
+        model_lib.apply(
+            scanned_def, model_lib.unstacked(params), router, tokens, positions, segments
+        )

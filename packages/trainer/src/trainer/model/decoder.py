@@ -178,6 +178,11 @@ def _run_stack(stack: nnx.Module, x_BxSxD, positions_BxS, segments_BxS, config: 
     # run.resolve decides scan_layers=auto (config/layer_loop.py); a model defined
     # outside a run (a test, a notebook) scans under auto, as on a TPU or CPU.
     if config.scan_layers is not False:
+        if any(_is_views(x) for x in jax.tree.leaves(state, is_leaf=_is_views)):
+            raise ValueError(
+                "parameters split into their layers (model.unstacked) run an unrolled "
+                "layer loop: set scan_layers=false"
+            )
         # accum.scan_layers is lax.scan, except inside fused gradient accumulation:
         # there each layer's gradient is added into the accumulator in the backward scan.
         return accum.scan_layers(body, x_BxSxD, state)
