@@ -16,6 +16,7 @@ from trainer.config.pipeline import (
     slots_per_chunk,
 )
 from trainer.model import flops
+from trainer.run import xla_options
 
 MIB = 1024 * 1024
 
@@ -272,11 +273,12 @@ def grouped_matmul_lines(config, ctx) -> list[str]:
 
 
 def gemm_lines(config, ctx) -> list[str]:
-    """On GPUs, what the dense matmuls compile to (gpu_gemm, trainer/run/xla_options.py);
-    nothing elsewhere."""
-    if ctx.mesh.devices.flat[0].platform != "gpu":
+    """On GPUs, what the dense matmuls compile to: read from the compile options
+    xla_options decides from gpu_gemm; nothing elsewhere."""
+    if xla_options.platform_of(ctx.mesh) != "gpu":
         return []
-    if config.parallelism.gpu_gemm == "cublas":
+    options = xla_options.for_mesh(config.parallelism, ctx.mesh)
+    if not options.get("xla_gpu_enable_triton_gemm", True):
         return ["gemms: cuBLAS calls, adds of a product's shape folded in as C (gpu_gemm=cublas)"]
     return ["gemms: XLA's Triton GEMM fusions (gpu_gemm=triton)"]
 

@@ -284,31 +284,23 @@ def make_step(
         # layer stack's custom backward would differentiate the frozen base too.
         schedule = "plain"
     trained = model_lib.trained_view(model_def)
-    # Unrolled layers slice each stacked weight in every microbatch; cast at use, each
-    # slice re-read the f32 stack and wrote bf16 (GPUs' default layout; issue 53: the
-    # deviceless H200 estimate, benchmarks/results/gpu_estimate.md). Cast before the
-    # loop the slices move half the bytes. One microbatch gains nothing and would hold
-    # the bf16 copy through the step; ZeRO-1 casts in its gather (below); weights
+    # An unrolled layer loop run once per microbatch (GPUs' default layout) read every
+    # layer's weights out of the f32 stacks in each microbatch (issue 53: the deviceless
+    # H200 estimate, benchmarks/results/gpu_estimate.md). Both fixes below do that
+    # work once per step, before the loop; one microbatch gains nothing from either.
+    unrolled_loop = model.scan_layers is False and steps > 1
+    # Cast at use, each microbatch re-read the f32 stack and wrote bf16; cast before
+    # the loop, the loop reads bf16. ZeRO-1 casts in its gather (below); weights
     # stored in the compute dtype need no cast.
-    casts = (
-        model.scan_layers is False
-        and steps > 1
-        and zero1 is None
-        and compute_dtype != jnp.dtype(trained.weight_dtype)
-    )
+    casts = unrolled_loop and zero1 is None and compute_dtype != jnp.dtype(trained.weight_dtype)
     cast_once = cast_once_per_step(trained, plan) if casts else None
-    # Unrolled layers also slice each stacked weight out of the stack in every
-    # microbatch: on a GPU a slice feeding a matmul or the grouped GEMM's custom call
-    # is a copy kernel, one per weight, layer and microbatch (issue 53). Split into
-    # its layers once before the loop (accum's `prepare`), each microbatch reads a
-    # layer's own array; accum stacks each microbatch's layer gradients again before
-    # adding them (XLA fuses that into the addition). LoRA trains the adapters only
-    # (the frozen base is no parameter of the loop).
-    prepare = (
-        model_lib.unstacked
-        if model.scan_layers is False and steps > 1 and not model_def.lora
-        else None
-    )
+    # On a GPU a slice of a stack feeding a matmul or the grouped GEMM's custom call is
+    # a copy kernel, one per weight, layer and microbatch. Split into its layers once
+    # before the loop (accum's `prepare`), each microbatch reads a layer's own array;
+    # accum stacks each microbatch's layer gradients again before adding them (XLA
+    # fuses that into the addition). LoRA trains the adapters only (the frozen base is
+    # no parameter of the loop).
+    prepare = model_lib.unstacked if unrolled_loop and not model_def.lora else None
 
     def step(state: dict, batch: dict) -> tuple[dict, dict]:
         grad_shardings, params = None, state["params"]
