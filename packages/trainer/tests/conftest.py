@@ -130,13 +130,16 @@ LAYOUTS = {k: v for k, v in EIGHT_DEVICE_LAYOUTS.items() if k not in ("data", "d
 # test_parallelism's context GA=4 test (the same layout and check), experts sharding
 # the sequence by the auto run of that layout; auto mode keeps tensor, ZeRO-1 and
 # both expert layouts, explicit mode checking the others. fsdp+tensor and
-# fsdp+expert(fsdp) run in the cpu tier in explicit mode only (auto mode keeps ZeRO-1
-# and the context-sharded experts): the cpu tier's 15 minutes on CI's two cores.
+# fsdp+expert(fsdp) run in the cpu tier in explicit mode only (auto mode keeps the
+# context-sharded experts): the cpu tier's 15 minutes on CI's two cores. data+zero1
+# (8-way data, ZeRO-1) is test_train's explicit-data8-zero1-ga4 and auto-data8-zero1-ga1
+# cases in the cpu tier (first step against one device; test_zero1_reduces_once_into_
+# the_shards reads the explicit one's reductions), so the matrix runs it in the slow tier.
 SLOW_LAYOUTS = {
-    "explicit": ("fsdp", "fsdp+context", "fsdp+expert(context)"),
+    "explicit": ("fsdp", "fsdp+context", "fsdp+expert(context)", "data+zero1"),
     "auto": (
         "fsdp", "fsdp+context", "fsdp+tensor", "fsdp+tensor_transpose", "fsdp+expert(fsdp)",
-        "data+expert",
+        "data+expert", "data+zero1",
     ),
 }  # fmt: skip
 
