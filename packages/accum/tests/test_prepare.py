@@ -59,9 +59,14 @@ def _setup(mode):
     return mesh, params, batch
 
 
+def _composed(loss_fn, prepare):
+    """`loss_fn(prepare(params), ...)`: what `prepare` means, written out by hand."""
+    return lambda params, *args: loss_fn(prepare(params), *args)
+
+
 def _accumulate(params, batch, prepare, schedule="plain", n=4):
     # Without `prepare`: the same loss, composed by hand (the split inside the loop).
-    loss_fn = accum.accumulate.on_params(loss_on_layers, split if prepare is None else None)
+    loss_fn = loss_on_layers if prepare is not None else _composed(loss_on_layers, split)
     plan = accum.plan_for(params, batch)
     return accum.accumulate_gradients(
         loss_fn, params, batch, num_microbatches=n, plan=plan, prepare=prepare, schedule=schedule
@@ -156,7 +161,7 @@ def test_the_local_path_runs_prepare_per_microbatch_with_the_same_numbers():
 
         _, _, grads = jax.jit(step)(params, batch)
         chosen = accum.paths.choose_path(
-            accum.accumulate.on_params(with_bias, split), params, batch,
+            _composed(with_bias, split), params, batch,
             num_microbatches=4, plan=plan,
         )  # fmt: skip
     assert chosen.path == "local", chosen.path_reason
