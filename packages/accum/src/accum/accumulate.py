@@ -47,6 +47,21 @@ class Prepared:
     pull_back: Callable
 
 
+@dataclasses.dataclass(frozen=True)
+class Preparation:
+    """`accumulate_gradients(prepare=fn)` as the tags loop takes it: `fn` and the
+    (checked) `loss_fn` on its view; `at` runs `fn` once, before the loop."""
+
+    loss_fn: Callable  # the user's loss_fn, checked, on the view
+    fn: Callable  # params -> the view
+
+    def at(self, params: Any) -> Prepared:
+        """The view of `params` and its VJP (each microbatch's gradient pulled back
+        through it is typed as `params`' own: unreduced where they are tagged)."""
+        view, pull_back = jax.vjp(self.fn, params)
+        return Prepared(self.loss_fn, view, pull_back)
+
+
 def on_params(loss_fn: Callable, prepare: Callable | None) -> Callable:
     """`loss_fn` as a function of the parameters: `loss_fn(prepare(params), ...)`."""
     if prepare is None:
@@ -233,7 +248,7 @@ def accumulate_gradients(
     check_params(params)
     # Every check and path sees loss_fn on the parameters; only the plain tags loop
     # runs `prepare` before it (tags_accumulate).
-    view_fn = None if prepare is None else checked(loss_fn)
+    preparation = None if prepare is None else Preparation(checked(loss_fn), prepare)
     loss_fn = on_params(loss_fn, prepare)
     user_fn, loss_fn = loss_fn, checked(loss_fn)  # its results checked (accum.contract)
     if plan is None:
@@ -258,14 +273,14 @@ def accumulate_gradients(
         rng,
         on_tag_lost,
         accum_dtype,
-        (view_fn, prepare) if prepare is not None else None,
+        preparation,
     )
     return loss, aux, rebox(grads)
 
 
 def _accumulate(
     loss_fn, user_fn, params, batch, num_microbatches, plan, schedule, grad_shardings,
-    rng, on_tag_lost, accum_dtype, prepare=None,
+    rng, on_tag_lost, accum_dtype, preparation=None,
 ) -> tuple[jax.Array, dict, Any]:  # fmt: skip
     """`accumulate_gradients` after its checks: the path chosen, then run."""
     check_schedule(schedule, plan)  # an unknown schedule is named before any tracing
@@ -310,7 +325,7 @@ def _accumulate(
         rng=rng,
         on_tag_lost=on_tag_lost,
         accum_dtype=accum_dtype,
-        prepare=prepare,
+        preparation=preparation,
     )
 
 
@@ -366,7 +381,7 @@ def tags_accumulate(
     rng: jax.Array | None,
     on_tag_lost: str,
     accum_dtype: Any,
-    prepare: tuple[Callable, Callable] | None = None,
+    preparation: Preparation | None = None,
 ) -> tuple[jax.Array, dict, Any]:
     """`accumulate_gradients` on the tags path (docs/accum.md, "How it works"):
     the microbatch `lax.scan` over reduced-tagged parameters, its carry unreduced
@@ -380,12 +395,9 @@ def tags_accumulate(
     acc0 = unreduced_zeros(params, plan, accum_dtype)
     fused = fuses_in_scan(schedule, plan, num_microbatches)
     prepared = None
-    if prepare is not None and not fused and not overlap:
-        # Once per step, outside the loop: the view and its VJP (taken at the tagged
-        # parameters, so each pulled-back gradient is typed as theirs: unreduced).
-        view_fn, prepare_fn = prepare
-        view, pull_back = jax.vjp(prepare_fn, compute_params)
-        prepared = Prepared(view_fn, view, pull_back)
+    if preparation is not None and not fused and not overlap:
+        # Once per step, outside the loop, at the tagged parameters.
+        prepared = preparation.at(compute_params)
     body = _tags_body(loss_fn, compute_params, plan, rng, on_tag_lost, fused, prepared)
     indices = jnp.arange(num_microbatches, dtype=jnp.uint32)
     xs = (indices, microbatches)
