@@ -145,14 +145,20 @@ SLOW_LAYOUTS = {
 
 
 def pytest_generate_tests(metafunc):
-    """Tests asking for `matrix_layout` run once per entry of LAYOUTS (in the slow
-    tier for the module's MATRIX_MODE's SLOW_LAYOUTS)."""
-    if "matrix_layout" in metafunc.fixturenames:
-        slow = SLOW_LAYOUTS[metafunc.module.MATRIX_MODE]
-        metafunc.parametrize(
-            "matrix_layout",
-            [pytest.param(n, marks=pytest.mark.slow) if n in slow else n for n in LAYOUTS],
-        )
+    """Tests asking for `matrix_layout` run once per entry of LAYOUTS; those asking for
+    `ga4_layout` once per entry of the module's DEFERRED_GA4 (checks sharing the
+    matrix's GA=4 compile of that layout). Either is in the slow tier where the
+    module's MATRIX_MODE's SLOW_LAYOUTS holds the layout."""
+    slow = SLOW_LAYOUTS.get(getattr(metafunc.module, "MATRIX_MODE", None), ())
+    for name, layouts in (
+        ("matrix_layout", LAYOUTS),
+        ("ga4_layout", getattr(metafunc.module, "DEFERRED_GA4", ())),
+    ):
+        if name in metafunc.fixturenames:
+            metafunc.parametrize(
+                name,
+                [pytest.param(n, marks=pytest.mark.slow) if n in slow else n for n in layouts],
+            )
 
 
 @pytest.fixture(scope="session")

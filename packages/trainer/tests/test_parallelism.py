@@ -26,14 +26,9 @@ def test_explicit_layout_matches_single_device(matrix_layout, check_layout):
     check_layout(matrix_layout, "explicit", **(GA4 if matrix_layout in DEFERRED_GA4 else {}))
 
 
-# data+zero1's matrix case is slow (conftest.SLOW_LAYOUTS), and this check shares its
-# compile: slow with it (test_train's test_zero1_reduces_once_into_the_shards in the cpu tier).
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param(n, marks=pytest.mark.slow) if n == "data+zero1" else n for n in DEFERRED_GA4],
-)
-def test_explicit_ga4_keeps_gradient_reductions_out_of_the_loop(name, runner, layouts):
-    _, text = runner(1, **layouts[name], shard_mode="explicit", **GA4)  # check_layout's run
+def test_explicit_ga4_keeps_gradient_reductions_out_of_the_loop(ga4_layout, runner, layouts):
+    # `ga4_layout`: each of DEFERRED_GA4, slow where its matrix case is (conftest).
+    _, text = runner(1, **layouts[ga4_layout], shard_mode="explicit", **GA4)  # check_layout's run
     outside = hlo_tools.assert_reduced_once_per_step(text)
     assert sum(c.elements for c in outside) > 10_000
 
